@@ -1,0 +1,5 @@
+import sys
+
+from pagedserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""`pagedserve` command line: `serve` (scheduler + worker processes), `scheduler`, `worker`.
+
+Each subcommand parses its flags into its service's one frozen config; `serve` forwards the same flags to
+the children it starts (the same command lines docker compose uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from scheduler_svc.config import add_scheduler_arguments, scheduler_config_from_args
+from worker_svc.config import add_worker_arguments, worker_config_from_args
+
+DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5557"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="vLLM-style LLM serving over gRPC")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="start the scheduler and its worker as separate processes")
+    add_scheduler_arguments(serve)
+    add_worker_arguments(serve)
+    serve.add_argument("--worker-address", default=None,
+                       help="ZeroMQ address between scheduler and worker (default: a private ipc socket)")
+    serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+
+    scheduler = commands.add_parser("scheduler", help="start the scheduler service alone")
+    add_scheduler_arguments(scheduler)
+    scheduler.add_argument("--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to bind")
+    scheduler.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
+    scheduler.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+    worker = commands.add_parser("worker", help="start one worker process alone")
+    worker.add_argument("--model", default=None, help="model directory, .gguf file or hub id")
+    worker.add_argument("--scheduler-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to connect")
+    add_worker_arguments(worker)
+    worker.add_argument("--rank", type=int, default=0)
+    worker.add_argument("--world-size", type=int, default=1)
+    worker.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
+    if getattr(args, "exit_with_parent", False):
+        from pagedserve.process_guard import exit_with_parent
+
+        exit_with_parent()
+    if args.command == "serve":
+        from pagedserve.launcher import serve
+
+        return serve(args)
+    if args.command == "scheduler":
+        from scheduler_svc.service import run_scheduler_service
+
+        return asyncio.run(run_scheduler_service(scheduler_config_from_args(args)))
+    if args.world_size != 1:
+        raise SystemExit("--world-size > 1 (tensor parallel) is not supported yet")
+    from worker_svc.worker import run_worker
+
+    return run_worker(worker_config_from_args(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`pagedserve serve`: runs the scheduler and one worker as separate processes and supervises them.
+
+The model is resolved once here (a hub download happens once) and both children get the local path. The
+launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
+drains, then tells the worker to exit), and if either child dies on its own, stops the other and exits 1 so a
+restart policy can bring the stack back. Children die with the launcher (see process_guard.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.model_source import resolve_model
+
+_POLL_SECONDS = 0.2
+
+
+def serve(args: argparse.Namespace) -> int:
+    model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
+    model_argv = [] if args.model is None else ["--model", args.model]
+    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir:
+        address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
+        scheduler = _start("scheduler", _scheduler_argv(args, model_argv, address))
+        worker = _start("worker", _worker_argv(args, model_argv, address))
+        children = {"scheduler": scheduler, "worker": worker}
+        stop_requested = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda s, f: stop_requested.append(s))
+        try:
+            return _supervise(args, model.name, children, stop_requested)
+        finally:
+            _stop_all(children, args.shutdown_timeout)
+
+
+def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list) -> int:
+    target = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    ready_deadline = time.monotonic() + args.ready_timeout
+    ready = False
+    while True:
+        if stop_requested:
+            print("pagedserve: shutting down", file=sys.stderr, flush=True)
+            children["scheduler"].send_signal(signal.SIGTERM)
+            code = _wait(children["scheduler"], args.shutdown_timeout + 10)
+            _wait(children["worker"], 15)
+            return 0 if code == 0 else 1
+        for name, child in children.items():
+            if child.poll() is not None:
+                print(f"pagedserve: the {name} exited with code {child.returncode}", file=sys.stderr, flush=True)
+                return 1
+        if not ready:
+            ready = _is_serving(target)
+            if ready:
+                print(f"pagedserve: serving {model_name} on {target}", file=sys.stderr, flush=True)
+            elif time.monotonic() > ready_deadline:
+                print("pagedserve: not ready in time", file=sys.stderr, flush=True)
+                return 1
+        time.sleep(_POLL_SECONDS)
+
+
+def _is_serving(target: str) -> bool:
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _start(role: str, argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedserve", role, "--exit-with-parent", *argv],
+                            start_new_session=True)
+
+
+def _wait(child: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for child in children.values():
+        if _wait(child, timeout=min(timeout, 10.0)) is None:
+            child.kill()
+            child.wait()
+
+
+def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
+    argv = [*model_argv, "--host", args.host, "--port", str(args.port), "--worker-address", address,
+            "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.max_model_len is not None:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv
+
+
+def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
+    argv = [*model_argv, "--scheduler-address", address, "--device", args.device, "--dtype", args.dtype,
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space)]
+    if args.num_kv_blocks is not None:
+        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return argv

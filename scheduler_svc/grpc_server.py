@@ -1,0 +1,118 @@
+"""The public gRPC API (pagedserve.v1.Generation) of the scheduler service.
+
+Handlers are thin: validate (refusing bad input with INVALID_ARGUMENT naming the field), submit to the
+engine, and relay the engine's deltas as stream messages. A stream that ends early for any reason (client
+cancel, disconnect, deadline) aborts its request in the engine, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_svc.engine import Engine
+from scheduler_svc.output_stream import OutputDelta
+from scheduler_svc.request import FinishReason
+from scheduler_svc.request_validation import InvalidRequestError, ServingLimits, validate_request
+from scheduler_svc.tokenizer import Tokenizer
+
+_FINISH_REASONS = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+}
+_MAX_REQUEST_ID_LENGTH = 256
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What ModelInfo reports; fixed once the workers are connected."""
+
+    name: str
+    limits: ServingLimits
+    block_size: int
+    num_kv_blocks: int
+    num_swap_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tokenizer = tokenizer
+        self._engine: Engine | None = None
+        self._model: ServedModel | None = None
+        self._refusal = "the server is starting: the workers are not ready yet"
+
+    def start_serving(self, engine: Engine, model: ServedModel) -> None:
+        self._engine, self._model = engine, model
+        self._refusal = ""
+
+    def stop_accepting(self, reason: str) -> None:
+        self._refusal = reason
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine, model = self._engine, self._model
+        if self._refusal or engine is None or model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal)
+        if len(request.request_id) > _MAX_REQUEST_ID_LENGTH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {_MAX_REQUEST_ID_LENGTH} characters")
+        request_id = request.request_id or uuid.uuid4().hex
+        if engine.is_in_flight(request_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
+        try:
+            validated = validate_request(request, self._tokenizer, model.limits)
+        except InvalidRequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        queue = engine.submit(request_id, validated)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
+                finished = item.finish_reason is not None
+                yield _response(request_id, item)
+        finally:
+            if not finished:
+                engine.abort(request_id)
+
+    async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        model = self._model
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        tokenizer = self._tokenizer
+        return generate_pb2.ModelInfoResponse(
+            model_name=model.name,
+            max_model_len=model.limits.max_model_len,
+            vocab_size=model.limits.vocab_size,
+            block_size=model.block_size,
+            num_kv_blocks=model.num_kv_blocks,
+            num_swap_blocks=model.num_swap_blocks,
+            eos_token_ids=list(model.eos_token_ids),
+            has_tokenizer=tokenizer is not None,
+            has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+        )
+
+    async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        stats = self._engine.stats()
+        return generate_pb2.GetStatsResponse(**stats.__dict__)
+
+
+def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
+    )
+    if delta.finish_reason is not None:
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+    return response

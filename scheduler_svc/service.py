@@ -1,0 +1,135 @@
+"""Assembles and runs the scheduler service: gRPC server, health, worker link, engine; and its lifecycle.
+
+Start-up: the gRPC server answers at once (health NOT_SERVING, Generate UNAVAILABLE) while the workers load;
+once every worker reported its KV pool the block manager is sized from it and health turns SERVING.
+SIGTERM/SIGINT: stop admitting, give in-flight requests `shutdown_timeout` seconds, abort the rest, tell the
+workers to exit, return 0. A worker failure ends every stream with UNAVAILABLE and returns 1, so a
+supervisor (pagedserve serve, docker compose) restarts the stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from pagedserve.model_source import resolve_model
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.engine import Engine
+from scheduler_svc.grpc_server import GenerationServicer, ServedModel
+from scheduler_svc.request_validation import ServingLimits
+from scheduler_svc.scheduler import Scheduler, SchedulerLimits
+from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
+from scheduler_svc.worker_link import WorkerLink
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+async def run_scheduler_service(config: SchedulerConfig) -> int:
+    model = resolve_model(config.model)
+    tokenizer = load_tokenizer(model.path)
+    eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else read_eos_token_ids(model.path)
+
+    health = HealthServicer()
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer = GenerationServicer(tokenizer)
+    server = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    logger.info("gRPC listening on %s:%d; waiting for %d worker(s) on %s", config.host, config.port,
+                config.num_workers, config.worker_address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    link = WorkerLink(config.worker_address, config.num_workers)
+    try:
+        connecting = asyncio.ensure_future(
+            link.connect_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            return 0
+        stopping.cancel()
+        pool = connecting.result()
+        max_model_len = _max_model_len(config, pool.max_position_embeddings)
+        limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
+        scheduler = Scheduler(
+            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.preemption_mode),
+            BlockManager(pool.num_kv_blocks, pool.num_swap_blocks, config.block_size),
+        )
+        engine = Engine(scheduler, link, tokenizer, eos_token_ids, pool.num_kv_blocks, pool.num_swap_blocks)
+        servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
+                                                   pool.num_swap_blocks, eos_token_ids))
+        await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
+        logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
+                    pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)
+        return await _serve_until_stopped(config, engine, servicer, health, link, stop)
+    finally:
+        await server.stop(grace=1.0)
+        link.close()
+
+
+async def _serve_until_stopped(config, engine: Engine, servicer, health, link: WorkerLink, stop) -> int:
+    engine_task = asyncio.ensure_future(engine.run())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([engine_task, stopping], return_when=asyncio.FIRST_COMPLETED)
+    servicer.stop_accepting("the server is shutting down")
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if engine_task.done():
+        stopping.cancel()
+        servicer.stop_accepting(f"the engine stopped: {engine_task.exception()}")
+        logger.error("engine failed: %s", engine_task.exception())
+        return 1
+    deadline = loop_time() + config.shutdown_timeout
+    while engine.stats().num_running + engine.stats().num_waiting + engine.stats().num_swapped > 0:
+        if loop_time() >= deadline or engine_task.done():
+            break
+        await asyncio.sleep(0.05)
+    engine.abort_all()
+    await asyncio.sleep(0.05)  # let the handlers flush their final messages
+    engine_task.cancel()
+    try:
+        await engine_task
+    except (asyncio.CancelledError, Exception):
+        pass
+    await link.shutdown_workers()
+    return 0
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
+
+
+def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello) -> worker_pb2.WorkerSetup:
+    return worker_pb2.WorkerSetup(
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=_max_model_len(config, hello.max_position_embeddings),
+    )
+
+
+def _max_model_len(config: SchedulerConfig, model_limit: int) -> int:
+    if config.max_model_len is None:
+        return model_limit
+    if config.max_model_len > model_limit:
+        raise SystemExit(f"--max-model-len {config.max_model_len} exceeds the model's limit {model_limit}")
+    return config.max_model_len
+
+
+async def _set_health(health: HealthServicer, status) -> None:
+    await health.set("", status)
+    await health.set(SERVICE_NAME, status)

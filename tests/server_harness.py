@@ -1,0 +1,119 @@
+"""Real `pagedserve serve` processes for end-to-end tests: start on a free loopback port, wait until
+SERVING, and on exit stop with SIGTERM and prove a clean shutdown (exit code 0, no child process left)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path):
+        self.process = process
+        self.port = port
+        self.target = f"127.0.0.1:{port}"
+        self.log_path = log_path
+
+    def client(self) -> Client:
+        return Client(self.target)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_all_blocks_free(self, timeout: float = 10.0):
+        """Returns the stats once every KV and swap block is free again (aborts are processed async)."""
+        with self.client() as client:
+            deadline = time.monotonic() + timeout
+            while True:
+                stats = client.stats()
+                free = (stats.num_free_kv_blocks == stats.num_kv_blocks
+                        and stats.num_free_swap_blocks == stats.num_swap_blocks
+                        and stats.num_running + stats.num_waiting + stats.num_swapped == 0)
+                if free or time.monotonic() > deadline:
+                    return stats
+                time.sleep(0.05)
+
+
+def _wait_serving(server: ServerProcess, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(server.target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()[-4000:]}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"server not SERVING within {timeout}s:\n{server.log()[-4000:]}")
+
+
+def _descendants(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(entry))
+    return children + [d for child in children for d in _descendants(child)]
+
+
+@contextlib.contextmanager
+def running_server(tmp_dir: Path, *args: str, ready_timeout: float = 180.0):
+    """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after."""
+    port = free_port()
+    log_path = Path(tmp_dir) / f"server-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    server = ServerProcess(process, port, log_path)
+    try:
+        _wait_serving(server, ready_timeout)
+        children = _descendants(process.pid)
+        yield server
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+        assert code == 0, f"serve exited with {code}:\n{server.log()[-4000:]}"
+        time.sleep(0.2)
+        left = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _is_alive(pid)]
+        assert not left, f"child processes left running: {left}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,63 @@
+"""The worker service's one configuration, parsed from its command line in one place (frozen)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    scheduler_address: str
+    model: str | None
+    device: str = "cpu"
+    # "auto": bfloat16 on a GPU, float32 on the CPU.
+    dtype: str = "auto"
+    # Set: exactly this many KV blocks. None: sized from memory (gpu_memory_utilization on a GPU,
+    # cpu_kv_cache_space on the CPU).
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space: float = 1.0  # GiB
+    swap_space: float = 4.0  # GiB of (pinned) host memory for swapped-out blocks
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Worker flags, shared by `pagedserve worker` and `pagedserve serve` (which passes --model itself)."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory for weights, activations and the KV pool")
+    parser.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV pool on the CPU")
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap pool per worker")
+
+
+def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise SystemExit("--num-kv-blocks must be at least 1")
+    if not 0.0 < args.gpu_memory_utilization <= 1.0:
+        raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
+    if args.swap_space < 0 or args.cpu_kv_cache_space <= 0:
+        raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
+    return WorkerConfig(
+        scheduler_address=args.scheduler_address,
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=args.num_kv_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cpu_kv_cache_space=args.cpu_kv_cache_space,
+        swap_space=args.swap_space,
+        rank=getattr(args, "rank", 0),
+        world_size=getattr(args, "world_size", 1),
+    )

@@ -1,0 +1,76 @@
+"""How many KV blocks a worker can hold: fixed by flag, or measured.
+
+On a GPU, DESIGN.md's rule: after the weights are loaded, run one forward pass at the largest batch the
+scheduler may send (max_num_batched_tokens tokens, max_num_seqs sampled rows), read the peak memory, and give
+what is left of `total * gpu_memory_utilization` to the pool. On the CPU, a fixed budget in GiB.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.config import GIB, WorkerConfig
+from worker_svc.kv_cache import bytes_per_block
+from worker_svc.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def num_kv_blocks(
+    config: WorkerConfig,
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    per_block = bytes_per_block(model_config, block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return max(1, int(config.cpu_kv_cache_space * GIB) // per_block)
+    num_tokens = min(max_num_batched_tokens, max_model_len)
+    profile_blocks = -(-num_tokens // block_size)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    _profile_forward(model, model_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks, block_size,
+                     dtype, device)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    profile_cache_bytes = profile_blocks * per_block
+    _, total = torch.cuda.mem_get_info(device)
+    available = total * config.gpu_memory_utilization - (peak - profile_cache_bytes)
+    blocks = int(available // per_block)
+    logger.info("memory profile: total %.1f GiB, peak %.2f GiB -> %d KV blocks", total / GIB, peak / GIB, blocks)
+    if blocks < 1:
+        raise SystemExit(
+            f"no memory left for the KV cache at --gpu-memory-utilization {config.gpu_memory_utilization}"
+        )
+    torch.cuda.empty_cache()
+    return blocks
+
+
+@torch.inference_mode()
+def _profile_forward(model, model_config: ModelConfig, num_tokens: int, num_seqs: int, num_blocks: int,
+                     block_size: int, dtype, device) -> None:
+    """One sequence of num_tokens tokens through a throwaway cache, then the logits of num_seqs rows."""
+    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_hidden_layers)]
+    positions = torch.arange(num_tokens, device=device)
+    metadata = AttentionMetadata(
+        slot_mapping=positions.clone(),
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+        block_size=block_size,
+    )
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(input_ids, positions, kv_caches, metadata)
+    model.compute_logits(hidden[-num_seqs:])
+    del kv_caches

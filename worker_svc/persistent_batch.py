@@ -1,0 +1,133 @@
+"""Per-request rows the worker keeps between steps, and the step inputs built from them.
+
+Owned by the worker process. A row holds a request's known tokens, how many of them are in the KV cache, its
+block table and its sampling parameters, in preallocated numpy arrays indexed by row. Each plan only edits
+rows (add the new, drop the finished and preempted, append new block ids); the forward pass's inputs are then
+gathered from the rows with whole-array operations, never a Python loop over tokens. Sampled tokens are
+appended here, on the worker: the scheduler is told them but never sends them back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos.pagedserve.v1 import worker_pb2
+
+_UINT64_WRAP = 1 << 64
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's flattened model inputs (host arrays; the worker moves them to the device at once)."""
+
+    rows: np.ndarray  # [B] scheduled rows, in plan order
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [B + 1]
+    seq_lens: np.ndarray  # [B] context length after this step
+    block_tables: np.ndarray  # [B, max blocks in use]
+    sample_rows: np.ndarray  # [S] rows whose computed tokens reach their last known token: they sample
+    logits_indices: np.ndarray  # [S] index of each sampling row's last scheduled token in the token axis
+
+
+class PersistentBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_seqs, dtype=np.float32)
+        self.top_k = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.seed = np.zeros(max_num_seqs, dtype=np.int64)
+        self._row_of: dict[str, int] = {}
+        self._request_of_row: list[str | None] = [None] * max_num_seqs
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def row_of(self, request_id: str) -> int:
+        return self._row_of[request_id]
+
+    def request_id_of(self, row: int) -> str:
+        return self._request_of_row[row]
+
+    def remove(self, request_id: str) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._request_of_row[row] = None
+            self._free_rows.append(row)
+
+    def add(self, new: worker_pb2.NewRequest) -> int:
+        if new.request_id in self._row_of:
+            raise ValueError(f"request {new.request_id} already has a row")
+        if not self._free_rows:
+            raise ValueError("more requests than max_num_seqs")
+        row = self._free_rows.pop()
+        self._row_of[new.request_id] = row
+        self._request_of_row[row] = new.request_id
+        tokens = np.asarray(new.token_ids, dtype=np.int64)
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        blocks = np.asarray(new.block_ids, dtype=np.int64)
+        self.block_table[row, : len(blocks)] = blocks
+        self.num_blocks[row] = len(blocks)
+        sampling = new.sampling
+        self.temperature[row] = sampling.temperature
+        self.top_p[row] = sampling.top_p
+        self.top_k[row] = sampling.top_k
+        seed = sampling.seed
+        self.seed[row] = seed - _UINT64_WRAP if seed > _INT64_MAX else seed
+        return row
+
+    def append_blocks(self, request_id: str, new_block_ids) -> int:
+        row = self._row_of[request_id]
+        start = self.num_blocks[row]
+        blocks = np.asarray(new_block_ids, dtype=np.int64)
+        self.block_table[row, start : start + len(blocks)] = blocks
+        self.num_blocks[row] = start + len(blocks)
+        return row
+
+    def build_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepInputs:
+        """Gathers the inputs of one step: `num_scheduled[i]` tokens of row `rows[i]`, from its first
+        uncomputed token on."""
+        computed = self.num_computed_tokens[rows]
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        total = int(query_start_loc[-1])
+        token_row = np.repeat(rows, num_scheduled)
+        offset_in_chunk = np.arange(total, dtype=np.int64) - np.repeat(query_start_loc[:-1], num_scheduled)
+        positions = np.repeat(computed, num_scheduled) + offset_in_chunk
+        input_ids = self.token_ids[token_row, positions]
+        block_ids = self.block_table[token_row, positions // self.block_size]
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        seq_lens = computed + num_scheduled
+        max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
+        samples = seq_lens == self.num_tokens[rows]
+        return StepInputs(
+            rows=rows,
+            input_ids=input_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=self.block_table[rows, :max_blocks],
+            sample_rows=rows[samples],
+            logits_indices=query_start_loc[1:][samples] - 1,
+        )
+
+    def commit(self, inputs: StepInputs, sampled_token_ids: np.ndarray) -> None:
+        """Marks the step's tokens computed and appends each sampling row's new token."""
+        self.num_computed_tokens[inputs.rows] = inputs.seq_lens
+        rows = inputs.sample_rows
+        self.token_ids[rows, self.num_tokens[rows]] = sampled_token_ids
+        self.num_tokens[rows] += 1

@@ -1,0 +1,156 @@
+"""The worker process: owns the model, the KV and swap pools and the persistent batch; runs the plans.
+
+It never decides anything: each `StepPlan` says which rows to drop, which blocks to move, which tokens to
+compute; the worker executes it and answers with the sampled tokens. Its state is a pure function of the
+plans received, so a plan log replays a bug. The link is a ZeroMQ DEALER connected to the scheduler's ROUTER;
+every frame is a protobuf envelope.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import zmq
+
+from kernels.attention_metadata import AttentionMetadata
+from pagedserve.model_source import resolve_model
+from protos.pagedserve.v1 import worker_pb2
+from worker_svc.config import GIB, WorkerConfig
+from worker_svc.kv_cache import KVCache, bytes_per_block
+from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.models import load_model
+from worker_svc.persistent_batch import PersistentBatch
+from worker_svc.sampler import SamplingTensors, sample
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        model = resolve_model(config.model)
+        self.model, self.model_config = load_model(model.path, self.dtype, self.device)
+        self.model_name = model.name
+        self.kv_cache: KVCache | None = None
+        self.batch: PersistentBatch | None = None
+
+    def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
+        blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
+                               setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
+                               self.dtype, self.device)
+        swap_blocks = int(self.config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
+                                                                          self.dtype)
+        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
+        self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
+        return worker_pb2.WorkerReady(rank=self.config.rank, num_kv_blocks=blocks, num_swap_blocks=swap_blocks)
+
+    @torch.inference_mode()
+    def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        batch, kv_cache = self.batch, self.kv_cache
+        for request_id in plan.finished_request_ids:
+            batch.remove(request_id)
+        for request_id in plan.preempted_request_ids:
+            batch.remove(request_id)
+        kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
+        kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
+        kv_cache.copy([(m.src, m.dst) for m in plan.copy])
+        rows = [batch.add(new) for new in plan.new_requests]
+        rows += [batch.append_blocks(s.request_id, s.new_block_ids) for s in plan.scheduled_requests]
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        if not rows:
+            return result
+        num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
+        num_scheduled += [s.num_scheduled_tokens for s in plan.scheduled_requests]
+        inputs = batch.build_inputs(np.asarray(rows, dtype=np.int64), np.asarray(num_scheduled, dtype=np.int64))
+        token_ids, logprobs = self._forward_and_sample(inputs)
+        batch.commit(inputs, token_ids)
+        for row, token_id, logprob in zip(inputs.sample_rows.tolist(), token_ids.tolist(), logprobs.tolist()):
+            result.sampled.append(
+                worker_pb2.SampledToken(request_id=batch.request_id_of(row), token_id=token_id, logprob=logprob)
+            )
+        return result
+
+    def _forward_and_sample(self, inputs) -> tuple[np.ndarray, np.ndarray]:
+        device, batch = self.device, self.batch
+        metadata = AttentionMetadata(
+            slot_mapping=_to_device(inputs.slot_mapping, torch.long, device),
+            query_start_loc=_to_device(inputs.query_start_loc, torch.int32, device),
+            seq_lens=_to_device(inputs.seq_lens, torch.int32, device),
+            block_tables=_to_device(inputs.block_tables, torch.int32, device),
+            block_size=batch.block_size,
+        )
+        hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
+                            _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
+        if len(inputs.sample_rows) == 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
+        logits = self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
+        rows = inputs.sample_rows
+        tensors = SamplingTensors(
+            temperature=_to_device(batch.temperature[rows], torch.float32, device),
+            top_p=_to_device(batch.top_p[rows], torch.float32, device),
+            top_k=_to_device(batch.top_k[rows], torch.long, device),
+            seed=_to_device(batch.seed[rows], torch.long, device),
+            position=_to_device(batch.num_tokens[rows], torch.long, device),
+        )
+        out = sample(logits, tensors)
+        # One device-to-host copy per step: ids and logprobs travel together.
+        packed = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]).cpu().numpy()
+        return packed[0].astype(np.int64), packed[1].astype(np.float32)
+
+
+def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Connects, loads, answers plans until told to shut down. Returns the process exit code."""
+    worker = Worker(config)
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, f"rank-{config.rank}".encode())
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(config.scheduler_address)
+    hello = worker_pb2.WorkerHello(
+        rank=config.rank,
+        world_size=config.world_size,
+        model_name=worker.model_name,
+        vocab_size=worker.model_config.vocab_size,
+        max_position_embeddings=worker.model_config.max_position_embeddings,
+    )
+    _send(socket, worker_pb2.WorkerToScheduler(hello=hello))
+    step_id = 0
+    try:
+        while True:
+            message = worker_pb2.SchedulerToWorker()
+            frame = socket.recv()
+            try:
+                message.ParseFromString(frame)
+            except Exception:
+                logger.warning("dropped a malformed plan frame (%d bytes)", len(frame))
+                continue
+            kind = message.WhichOneof("kind")
+            if kind == "setup":
+                _send(socket, worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
+            elif kind == "plan":
+                step_id = message.plan.step_id
+                _send(socket, worker_pb2.WorkerToScheduler(result=worker.execute(message.plan)))
+            elif kind == "shutdown":
+                logger.info("rank %d: shutdown requested", config.rank)
+                return 0
+    except Exception as error:
+        logger.exception("rank %d failed at step %d", config.rank, step_id)
+        failure = worker_pb2.WorkerError(rank=config.rank, step_id=step_id, message=f"{type(error).__name__}: {error}")
+        _send(socket, worker_pb2.WorkerToScheduler(error=failure))
+        return 1
+    finally:
+        socket.close(linger=1000)
+        context.term()
+
+
+def _send(socket: zmq.Socket, message: worker_pb2.WorkerToScheduler) -> None:
+    socket.send(message.SerializeToString())
