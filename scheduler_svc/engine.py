@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from scheduler_svc.output_stream import OutputDelta, OutputStream
 from scheduler_svc.plan_codec import decode_sampled_tokens, encode_step_plan
 from scheduler_svc.request import FinishReason, Request
-from scheduler_svc.request_validation import ValidatedRequest
+from scheduler_svc.request_validation import InvalidRequestError, ValidatedRequest
 from scheduler_svc.scheduler import Scheduler
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_link import WorkerLink
@@ -179,8 +179,12 @@ class Engine:
                 request = command.request
                 if self._queues.get(request.request_id) is not command.queue:
                     continue  # aborted before admission
+                try:
+                    self._scheduler.add_request(request)
+                except ValueError as refusal:  # validation at the edge should have caught it already
+                    self._queues.pop(request.request_id).put_nowait(InvalidRequestError("request", str(refusal)))
+                    continue
                 self._streams[request.request_id] = OutputStream(request, self._tokenizer)
-                self._scheduler.add_request(request)
             else:
                 self._streams.pop(command.request_id, None)
                 if self._scheduler.abort_request(command.request_id):

@@ -72,6 +72,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             while not finished:
                 item = await queue.get()
+                if isinstance(item, InvalidRequestError):
+                    finished = True
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
                 if isinstance(item, BaseException):
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")

@@ -1,0 +1,104 @@
+"""One generation request as the scheduler tracks it.
+
+Who owns it: the scheduler thread only. The engine loop creates a `Request`, hands it to
+`Scheduler.add_request`, and from then on only the scheduler mutates it (token counts, status, output ids);
+the engine reads it back (the list `update_from_output` returns) to detokenize and stream. No lock guards
+it, so nothing outside the scheduler thread may touch it.
+
+Token counts, not phase flags. A request is described by two numbers:
+
+- `num_tokens`: every token known so far (prompt + generated);
+- `num_computed_tokens`: how many of them have their K/V in the KV cache.
+
+Each step a running request is given `num_scheduled_tokens = min(num_tokens - num_computed_tokens, budget)`,
+and the worker samples a token for it exactly when `num_computed_tokens + num_scheduled_tokens == num_tokens`.
+That one rule is prefill (computed 0), chunked prefill (the budget cuts the prompt), decode (computed is
+num_tokens - 1, the newest token has no K/V yet), recompute after preemption (computed reset to 0, the
+generated tokens stay in `output_token_ids` and are prefilled again) and swap-in (computed kept, since the
+K/V came back). A later prefix-cache hit is simply a request that starts with computed > 0.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from scheduler_svc.sampling_params import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request left; mirrors the public API's FinishReason."""
+
+    STOP = "stop"  # EOS, a stop token id, or a stop string (found by the engine)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the client or the server
+
+
+class RequestStatus(enum.Enum):
+    """Which queue a request is in; the FINISHED_* members say it left and why."""
+
+    WAITING = "waiting"  # no KV blocks; never scheduled, or preempted by recompute
+    RUNNING = "running"  # holds GPU blocks and a row on the worker
+    SWAPPED = "swapped"  # its blocks sit in the swap (CPU) pool; no worker row
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @staticmethod
+    def finished_by(reason: FinishReason) -> RequestStatus:
+        if reason is FinishReason.STOP:
+            return RequestStatus.FINISHED_STOPPED
+        if reason is FinishReason.LENGTH:
+            return RequestStatus.FINISHED_LENGTH
+        return RequestStatus.FINISHED_ABORTED
+
+
+@dataclass(eq=False)  # identity equality: two requests are never "equal" by value
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    # Admission order, assigned by `Scheduler.add_request`; FCFS and "latest-arrived" preemption use it.
+    arrival_seq: int = -1
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the KV cache (GPU, or the swap pool while SWAPPED).
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def max_kv_tokens(self, max_model_len: int) -> int:
+        """The most tokens this request can ever need K/V slots for.
+
+        A request is scheduled only while unfinished, so at most prompt + max_tokens - 1 tokens (the last
+        sampled token is never computed), capped at max_model_len - 1 the same way; a prompt of exactly
+        max_model_len still needs all its slots to sample its one token. Admission compares this with the pool.
+        """
+        capped = min(self.num_prompt_tokens + self.sampling_params.max_tokens, max_model_len) - 1
+        return max(self.num_prompt_tokens, capped)

@@ -1,0 +1,68 @@
+"""What one `Scheduler.schedule()` call decided: the plan of one step, before it becomes a protobuf StepPlan.
+
+Who owns it: built by the scheduler, then read (never changed: every type here is frozen) by the engine
+loop, which converts it to the wire StepPlan for the workers and later passes it back to
+`Scheduler.update_from_output` with the sampled tokens.
+
+Plans are diffs (DESIGN.md "Processes"): a request's tokens, sampling parameters and whole block table
+travel once, as `NewRequestData`, when the worker holds no row for it; after that only `ScheduledRequestData`
+(new block ids and a token count). The worker applies a step in this order: drop `finished_request_ids` and
+`preempted_request_ids` rows, run `swap_out`, `swap_in`, `copy`, add `new_requests` rows, extend
+`scheduled_requests` rows, run one forward over every scheduled token, and sample one token for each request
+whose computed tokens reach the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_svc.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker holds no row for: scheduled for the first time, or resumed after a preemption.
+
+    After a recompute preemption `num_computed_tokens` is 0 and the generated tokens are prefilled again with
+    the prompt; after a swap-in it counts the tokens whose K/V came back in `block_ids`.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]  # every known token: prompt, then any tokens generated before a preemption
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]  # the whole GPU block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class ScheduledRequestData:
+    """A request already running on the worker; its row already holds every token it was told or sampled."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]  # appended to the row's block table
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. Block moves are (src, dst) pairs."""
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...]
+    scheduled_requests: tuple[ScheduledRequestData, ...]
+    # Every request that left since the previous output (finished or aborted), whichever queue it was in:
+    # the worker drops the rows it has and ignores ids it holds no row for.
+    finished_request_ids: tuple[str, ...]
+    # Running requests preempted in this step; the worker drops their rows. Disjoint from the scheduled ones.
+    preempted_request_ids: tuple[str, ...]
+    swap_out: tuple[tuple[int, int], ...]  # (gpu_block, cpu_block)
+    swap_in: tuple[tuple[int, int], ...]  # (cpu_block, gpu_block); never in the same step as a swap_out
+    copy: tuple[tuple[int, int], ...]  # (src gpu_block, dst gpu_block); empty until copy-on-write
+    total_num_scheduled_tokens: int
+
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens scheduled in this step, over new and already-running requests."""
+        counts = {data.request_id: data.num_scheduled_tokens for data in self.new_requests}
+        counts.update((data.request_id, data.num_scheduled_tokens) for data in self.scheduled_requests)
+        return counts
