@@ -1,0 +1,40 @@
+"""Model registry: build a native model for a ModelConfig and load a checkpoint into it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kernels.attention_backend import AttentionBackend
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.weight_loader import iter_weights
+
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+
+
+def build_model(config: ModelConfig, attention_backend: AttentionBackend | None = None) -> nn.Module:
+    if config.architecture not in MODEL_CLASSES:
+        raise ValueError(f"no model for architecture {config.architecture!r}")
+    return MODEL_CLASSES[config.architecture](config, attention_backend)
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    attention_backend: AttentionBackend | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build on the meta device (no init cost, no fp32 copy), allocate in `dtype` on `device`, load.
+
+    Every parameter is overwritten by the checkpoint (`load_weights` raises on missing ones), so the
+    uninitialized allocation is never read.
+    """
+    config = ModelConfig.from_path(path)
+    with torch.device("meta"):
+        model = build_model(config, attention_backend)
+    model = model.to(dtype).to_empty(device=device)
+    model.load_weights(iter_weights(path, config))
+    return model.eval(), config

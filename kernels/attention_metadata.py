@@ -1,0 +1,45 @@
+"""Attention metadata: the per-step description of where every token's K/V lives in the paged pool.
+
+Why a frozen dataclass of tensors: the model's `forward` takes it explicitly (no module global), every
+attention backend (the torch reference here, Triton later) reads the same fields, and a CUDA-graph
+runner can keep one static instance per padded batch bucket and refill its tensors in place.
+
+Who owns it: the worker's input builder makes one per step from its persistent batch; the model only
+reads it. All tensors live on the model's device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where the scheduled tokens of one step come from and go to.
+
+    The token axis is flattened: the new tokens of sequence 0, then of sequence 1, ..., then padding.
+
+    Fields:
+        slot_mapping: LongTensor[T]. Flat cache slot of each scheduled token,
+            `block_id * block_size + offset_in_block`; -1 marks a padding token (its K/V is not written).
+        query_start_loc: IntTensor[B + 1]. Cumulative start of each sequence's new tokens on the token
+            axis; `query_start_loc[i + 1] - query_start_loc[i]` is sequence i's query length.
+        seq_lens: IntTensor[B]. Tokens in each sequence's context after this step (computed before plus
+            scheduled now). Sequence i's new tokens are the last `query_len` positions of its context, so
+            one rule covers decode, prefill, chunked prefill and prefix-cache hits.
+        block_tables: IntTensor[B, max_blocks_per_seq]. Block ids of each sequence in context order;
+            unused tail entries are 0.
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]

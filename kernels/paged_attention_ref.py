@@ -1,0 +1,76 @@
+"""Pure-torch paged attention: the reference every faster kernel is tested against, and the CPU path.
+
+KV cache layout (one tensor per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 = K,
+1 = V. A sequence's context position p lives in block `block_table[p // block_size]` at offset
+`p % block_size`. This file favours obviousness over speed: a Python loop over sequences, math in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value `[T, Hkv, D]` into their slots of `kv_cache` in place; slots < 0 are padding."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # view, not reshape: writes must land
+    is_real = slot_mapping >= 0
+    slots = slot_mapping[is_real]
+    flat_cache[0, slots] = key[is_real].to(kv_cache.dtype)
+    flat_cache[1, slots] = value[is_real].to(kv_cache.dtype)
+
+
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V `[seq_len, Hkv, D]` of one sequence's context, read through its block table."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return key, value
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new queries `[T, Hq, D]` over its paged context.
+
+    Query j of a sequence with `q_len` new tokens and context `L` sits at position `L - q_len + j` and
+    sees keys `0 ..` that position. Query head h reads KV head `h // (Hq // Hkv)` (GQA, as HF's
+    repeat_kv). Tokens outside every sequence (padding) get zeros.
+    """
+    num_q_heads = query.shape[1]
+    num_kv_heads = kv_cache.shape[3]
+    group_size = num_q_heads // num_kv_heads
+    output = torch.zeros_like(query)
+    starts = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    for seq_index, seq_len in enumerate(seq_lens):
+        start, end = starts[seq_index], starts[seq_index + 1]
+        query_len = end - start
+        if query_len == 0:
+            continue
+        key, value = gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
+        key = key.float().repeat_interleave(group_size, dim=1).transpose(0, 1)  # [Hq, L, D]
+        value = value.float().repeat_interleave(group_size, dim=1).transpose(0, 1)
+        seq_query = query[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        scores = torch.matmul(seq_query, key.transpose(1, 2)) * scale  # [Hq, q_len, L]
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        key_positions = torch.arange(seq_len, device=query.device)
+        visible = key_positions[None, :] <= query_positions[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[start:end] = torch.matmul(probs, value).transpose(0, 1).to(query.dtype)
+    return output

@@ -1,0 +1,138 @@
+"""Our native Llama/Qwen2 over a paged KV cache reproduces transformers token for token (float32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.paged_runner import greedy_generate_paged, prefill_logits_paged
+from tests.tiny_models import make_tiny_model
+from worker_svc.model_config import ModelConfig
+from worker_svc.models import load_model
+
+PROMPT_LENS = [5, 17, 33]
+NEW_TOKENS = 20
+
+
+def make_prompts(vocab_size: int, lens: list[int], seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lens]
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=max_new_tokens,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([prompt])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_pair(request, tmp_path_factory):
+    """(arch, our model, our config, HF model) for one tiny random checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=0)
+    model, config = load_model(path, torch.float32, "cpu")
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return request.param, model, config, hf_model
+
+
+def test_config_reads_tiny_checkpoint(model_pair):
+    arch, _, config, hf_model = model_pair
+    assert config.architecture == arch
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.attention_bias == (arch == "qwen2")
+    assert config.tie_word_embeddings == (arch == "qwen2")
+    assert config.rope_theta == hf_model.config.rope_parameters["rope_theta"]
+
+
+def test_batched_paged_prefill_logits_match_hf(model_pair):
+    _, model, config, hf_model = model_pair
+    prompts = make_prompts(config.vocab_size, PROMPT_LENS)
+    ours = prefill_logits_paged(model, config, prompts, block_size=16, seed=3)
+    for prompt, logits in zip(prompts, ours):
+        torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 7], ids=["whole_prefill", "chunked_prefill"])
+def test_batched_paged_greedy_decode_matches_hf_generate(model_pair, prefill_chunk):
+    _, model, config, hf_model = model_pair
+    prompts = make_prompts(config.vocab_size, PROMPT_LENS)
+    ours = greedy_generate_paged(
+        model, config, prompts, NEW_TOKENS, block_size=16, prefill_chunk=prefill_chunk, seed=5
+    )
+    for prompt, generated in zip(prompts, ours):
+        assert generated == hf_greedy(hf_model, prompt, NEW_TOKENS)
+        assert len(set(generated)) > 1
+
+
+def test_llama3_rope_scaling_matches_hf(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rope_scaling = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=32,
+    )
+    path = make_tiny_model(tmp_path, "llama", seed=2, rope_scaling=dict(rope_scaling), num_hidden_layers=2)
+    model, config = load_model(path, torch.float32, "cpu")
+    assert config.rope_scaling_params() == rope_scaling
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(config.vocab_size, [70, 9])
+    for prompt, logits in zip(prompts, prefill_logits_paged(model, config, prompts)):
+        torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_load_model_in_bf16_keeps_rotary_cache_fp32_and_stays_close(model_pair, tmp_path):
+    arch, model, config, _ = model_pair
+    path = make_tiny_model(tmp_path, arch=arch, seed=0)
+    bf16_model, _ = load_model(path, torch.bfloat16, "cpu")
+    assert bf16_model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert bf16_model.model.rotary_emb.cos_sin_cache.dtype == torch.float32
+    prompts = make_prompts(config.vocab_size, [17])
+    ours_fp32 = prefill_logits_paged(model, config, prompts)[0]
+    ours_bf16 = prefill_logits_paged(bf16_model, config, prompts, kv_cache_dtype=torch.bfloat16)[0]
+    assert (ours_bf16.argmax(-1) == ours_fp32.argmax(-1)).float().mean() > 0.8
+
+
+def write_config(tmp_path, **raw) -> ModelConfig:
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return ModelConfig.from_hf_dir(tmp_path)
+
+
+MISTRAL = dict(
+    architectures=["MistralForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    rope_theta=10000.0, eos_token_id=[2, 7],
+)
+
+
+def test_mistral_with_short_sliding_window_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="sliding-window"):
+        write_config(tmp_path, **MISTRAL, sliding_window=256)
+
+
+def test_mistral_without_sliding_window_is_llama(tmp_path):
+    config = write_config(tmp_path, **MISTRAL, sliding_window=None)
+    assert config.architecture == "llama" and config.eos_token_ids == (2, 7)
+    assert config.head_dim == 16 and config.rope_scaling is None
+
+
+def test_qwen2_with_disabled_sliding_window_is_accepted(tmp_path):
+    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 128,
+           "use_sliding_window": False, "eos_token_id": 5}
+    config = write_config(tmp_path, **raw)
+    assert config.architecture == "qwen2" and config.attention_bias and config.eos_token_ids == (5,)
+
+
+def test_unknown_rope_scaling_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="yarn"):
+        write_config(tmp_path, **MISTRAL, rope_scaling={"type": "yarn", "factor": 4.0})

