@@ -196,7 +196,7 @@ class Engine:
             if stream is None:
                 continue
             delta, stopped_by_string = stream.advance(request)
-            if stopped_by_string:
+            if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
                 self._scheduler.finish_request(request.request_id, FinishReason.STOP)
             if delta.finish_reason is not None:
                 self._streams.pop(request.request_id, None)

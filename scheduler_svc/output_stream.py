@@ -33,6 +33,7 @@ class OutputStream:
         self._stop_matcher = StopStringMatcher(stop) if stop else None
         self._num_sent_tokens = 0
         self._num_sent_chars = 0
+        self._num_checked_chars = 0  # a prefix of the text known to hold no stop string
         self._text = ""
 
     def advance(self, request: Request) -> tuple[OutputDelta, bool]:
@@ -45,13 +46,17 @@ class OutputStream:
             # A stop token (EOS or stop_token_ids) ends the request but is not part of the text.
             text_ids = new_ids[:-1] if finished and request.finish_reason == FinishReason.STOP else new_ids
             self._detokenizer.step(list(text_ids))
+            if finished:  # an unfinished multi-byte character at the very end is released now
+                self._detokenizer.flush()
             self._text = self._detokenizer.output_text
         stopped_by_string = False
-        if self._stop_matcher is not None and not finished:
-            match = self._stop_matcher.check(self._text)
+        if self._stop_matcher is not None:
+            # Checked even on the step that hit max_tokens: a stop string completed by the last token wins.
+            match = self._stop_matcher.check(self._text, self._num_checked_chars)
             if match is not None:
                 self._text = self._text[: match.index]
                 stopped_by_string = finished = True
+            self._num_checked_chars = len(self._text)
         if finished:
             end = len(self._text)
         elif self._stop_matcher is not None:

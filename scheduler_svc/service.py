@@ -68,7 +68,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
         scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.preemption_mode),
-            BlockManager(pool.num_kv_blocks, pool.num_swap_blocks, config.block_size),
+            BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
+                         num_cpu_blocks=pool.num_swap_blocks),
         )
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, pool.num_kv_blocks, pool.num_swap_blocks)
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,

@@ -90,12 +90,13 @@ class Worker:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
         logits = self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
         rows = inputs.sample_rows
-        tensors = SamplingTensors(
-            temperature=_to_device(batch.temperature[rows], torch.float32, device),
-            top_p=_to_device(batch.top_p[rows], torch.float32, device),
-            top_k=_to_device(batch.top_k[rows], torch.long, device),
-            seed=_to_device(batch.seed[rows], torch.long, device),
-            position=_to_device(batch.num_tokens[rows], torch.long, device),
+        tensors = SamplingTensors.from_host(
+            temperature=batch.temperature[rows],
+            top_p=batch.top_p[rows],
+            top_k=batch.top_k[rows],
+            seed=batch.seed[rows],
+            position=batch.num_tokens[rows],
+            device=device,
         )
         out = sample(logits, tensors)
         # One device-to-host copy per step: ids and logprobs travel together.
