@@ -43,8 +43,8 @@ def test_default_model_answers_paris_like_transformers(server, gguf_dir):
     assert info.model_name == "SmolLM2-135M-Instruct" and info.has_chat_template
     assert "Paris" in result.text
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
-    prompt_ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
-    prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+    rendered = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert result.prompt_tokens == len(prompt_ids)
     expected = hf_greedy(gguf_dir, prompt_ids, 24, gguf_file=GGUF_NAME, stop_at_eos=True)
     assert list(result.token_ids) == expected
@@ -52,10 +52,10 @@ def test_default_model_answers_paris_like_transformers(server, gguf_dir):
 
 
 def test_streamed_text_equals_the_whole_text(server):
-    prompt = "Write one sentence about Paris in French, then one in Chinese."
+    messages = [{"role": "user", "content": "Write two sentences about Paris."}]
     with server.client() as client:
-        chunks = list(client.generate_stream(prompt, max_tokens=40, temperature=0.0))
-        whole = client.generate(prompt, max_tokens=40, temperature=0.0)
+        chunks = list(client.generate_stream(messages=messages, max_tokens=40, temperature=0.0))
+        whole = client.generate(messages=messages, max_tokens=40, temperature=0.0)
     assert len(chunks) > 10
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
