@@ -1,0 +1,36 @@
+"""pagedserve's Python SDK: `Client` (blocking) and `AsyncClient` (asyncio) over the public gRPC API.
+
+    from client import Client
+    with Client("127.0.0.1:50051") as client:
+        client.wait_ready()
+        print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
+
+`python -m client "prompt"` is the same from a shell.
+"""
+
+from client.async_client import AsyncClient
+from client.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    PagedServeError,
+    RequestCancelledError,
+    ServerUnavailableError,
+)
+from client.sync_client import Client
+from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "DeadlineExceededError",
+    "GenerateChunk",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelInfo",
+    "OverloadedError",
+    "PagedServeError",
+    "RequestCancelledError",
+    "ServerStats",
+    "ServerUnavailableError",
+]

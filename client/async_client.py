@@ -1,0 +1,117 @@
+"""AsyncClient: the asyncio Python SDK (grpc.aio), with the surface of the blocking Client.
+
+A grpc.aio channel belongs to the event loop it was created in, so an AsyncClient must be created inside a
+running loop and used only there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import describe_rpc_failure, describe_status
+from client.errors import from_rpc_error
+from client.request_builder import build_generate_request
+from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+
+class AsyncClient:
+    """Asyncio client. `timeout` (seconds) is the deadline of every call, a whole stream included.
+
+        async with AsyncClient("127.0.0.1:50051") as client:
+            await client.wait_ready()
+            async for chunk in client.generate_stream("Hello", max_tokens=32):
+                print(chunk.text, end="", flush=True)
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("create an AsyncClient inside a running event loop (in an async function)") from None
+        self.target = target
+        self._timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._generation = generate_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate_stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        **sampling: Any,
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Streams the generation as it happens. Arguments as `build_generate_request` (checked now; the RPC
+        starts at the first `__anext__`). Cancelling the consuming task cancels the request on the server;
+        so does `aclose()` on the iterator, or dropping it after an early break."""
+        request = build_generate_request(prompt, messages=messages, **sampling)
+        return self._stream(request)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        **sampling: Any,
+    ) -> GenerationResult:
+        """The whole generation at once: the concatenated stream."""
+        stream = self.generate_stream(prompt, messages=messages, **sampling)
+        try:
+            return GenerationResult.from_chunks([chunk async for chunk in stream])
+        finally:
+            await stream.aclose()
+
+    async def model_info(self) -> ModelInfo:
+        response = await self._call(self._generation.ModelInfo, generate_pb2.ModelInfoRequest())
+        return ModelInfo.from_response(response)
+
+    async def stats(self) -> ServerStats:
+        return ServerStats.from_response(await self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))
+
+    async def wait_ready(self, timeout: float = 60.0) -> None:
+        """Polls the server's health service until it reports SERVING; raises TimeoutError naming the target
+        if that does not happen within `timeout` seconds."""
+        poll = ReadinessPoll(self.target, timeout)
+        while True:
+            try:
+                response = await self._health.Check(HEALTH_CHECK_REQUEST, timeout=poll.check_timeout())
+            except grpc.RpcError as error:
+                answer = describe_rpc_failure(error)
+            else:
+                if response.status == SERVING:
+                    return
+                answer = describe_status(response.status)
+            await asyncio.sleep(poll.next_pause(answer))
+
+    async def close(self) -> None:
+        """Closes the channel, cancelling any call still in flight."""
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+        call = self._generation.Generate(request, timeout=self._timeout)
+        try:
+            async for response in call:
+                yield GenerateChunk.from_response(response)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        finally:
+            call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+
+    async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
+        try:
+            return await method(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error

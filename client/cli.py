@@ -1,0 +1,116 @@
+"""The command line of the SDK: stream one generation to stdout.
+
+stdout gets the generated text only, as it arrives (so it pipes cleanly); stderr gets the finish reason and
+token counts, or one line saying what went wrong. Exit status: 0 done, 1 the server or the connection
+failed, 2 the request was invalid (bad flags, or refused by the server as INVALID_ARGUMENT), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Generator, Sequence
+
+from client.errors import InvalidRequestError, PagedServeError
+from client.sync_client import Client
+from client.types import GenerateChunk
+
+EXIT_FAILED = 1
+EXIT_INVALID_REQUEST = 2
+EXIT_INTERRUPTED = 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    sampling = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+    with Client(args.target) as client:
+        try:
+            if args.wait is not None:
+                client.wait_ready(timeout=args.wait)
+            return _print_stream(client.generate_stream(**prompt, **sampling))
+        except (InvalidRequestError, TypeError, ValueError) as error:
+            return _fail(f"invalid request: {_first_line(error)}", EXIT_INVALID_REQUEST)
+        except PagedServeError as error:
+            hint = " (is the server up? --wait SECONDS waits for it)" if error.code.name == "UNAVAILABLE" else ""
+            return _fail(f"server at {args.target} failed: {_first_line(error)}{hint}", EXIT_FAILED)
+        except TimeoutError as error:
+            return _fail(str(error), EXIT_FAILED)
+        except KeyboardInterrupt:
+            return _fail("interrupted", EXIT_INTERRUPTED)
+        except BrokenPipeError:
+            # The reader went away (`| head`): stop quietly, and keep Python from failing again at exit.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_FAILED
+
+
+def _print_stream(stream: Generator[GenerateChunk, None, None]) -> int:
+    """Writes each text delta as it arrives; the final newline and the summary come after the last chunk.
+    If the stream fails half way, the text so far is ended with a newline before the error propagates."""
+    last: GenerateChunk | None = None
+    wrote_text = False
+    try:
+        for chunk in stream:
+            if chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                wrote_text = True
+            last = chunk
+    except BaseException:
+        if wrote_text:
+            sys.stdout.write("\n")
+        raise
+    finally:
+        stream.close()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if last is not None and last.finish_reason is not None:
+        print(
+            f"finish_reason={last.finish_reason} prompt_tokens={last.prompt_tokens} "
+            f"completion_tokens={last.completion_tokens}",
+            file=sys.stderr,
+        )
+    else:
+        print("the server ended the stream without a finish reason", file=sys.stderr)
+    return 0
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m client",
+        description="Stream a generation from a pagedserve server: text to stdout, finish reason and token "
+        "counts to stderr. Unset sampling flags take the server's defaults (vLLM's).",
+    )
+    parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    parser.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
+    parser.add_argument("--max-tokens", type=int, metavar="N")
+    parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
+    parser.add_argument("--top-p", type=float, metavar="P")
+    parser.add_argument("--top-k", type=int, metavar="K")
+    parser.add_argument("--seed", type=int, metavar="S")
+    parser.add_argument(
+        "--stop", nargs="+", action="extend", metavar="STR", help="stop strings (put the prompt before them)"
+    )
+    parser.add_argument(
+        "--wait", type=float, metavar="SECONDS", help="first wait up to SECONDS for the server to be ready"
+    )
+    return parser

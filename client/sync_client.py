@@ -1,0 +1,113 @@
+"""Client: the blocking Python SDK over one gRPC channel to the scheduler service.
+
+A Client owns its channel; it is safe to share between threads (gRPC channels are). Failed RPCs surface as
+the typed errors of client.errors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2_grpc
+
+from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import describe_rpc_failure, describe_status
+from client.errors import from_rpc_error
+from client.request_builder import build_generate_request
+from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream included; None
+    means no deadline.
+
+        with Client("127.0.0.1:50051") as client:
+            client.wait_ready()
+            for chunk in client.generate_stream("Hello", max_tokens=32):
+                print(chunk.text, end="", flush=True)
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+        self.target = target
+        self._timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._generation = generate_pb2_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def generate_stream(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        **sampling: Any,
+    ) -> Generator[GenerateChunk, None, None]:
+        """Streams the generation as it happens. Arguments as `build_generate_request` (checked now; the RPC
+        starts at the first `next`). Closing the iterator early, or dropping it, cancels the request on the
+        server, which then frees its KV blocks."""
+        request = build_generate_request(prompt, messages=messages, **sampling)
+        return self._stream(request)
+
+    def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        **sampling: Any,
+    ) -> GenerationResult:
+        """The whole generation at once: the concatenated stream."""
+        stream = self.generate_stream(prompt, messages=messages, **sampling)
+        try:
+            return GenerationResult.from_chunks(stream)
+        finally:
+            stream.close()
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo.from_response(self._call(self._generation.ModelInfo, generate_pb2.ModelInfoRequest()))
+
+    def stats(self) -> ServerStats:
+        return ServerStats.from_response(self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Polls the server's health service until it reports SERVING (its workers are loaded); raises
+        TimeoutError naming the target if that does not happen within `timeout` seconds."""
+        poll = ReadinessPoll(self.target, timeout)
+        while True:
+            try:
+                response = self._health.Check(HEALTH_CHECK_REQUEST, timeout=poll.check_timeout())
+            except grpc.RpcError as error:
+                answer = describe_rpc_failure(error)
+            else:
+                if response.status == SERVING:
+                    return
+                answer = describe_status(response.status)
+            time.sleep(poll.next_pause(answer))
+
+    def close(self) -> None:
+        """Closes the channel, cancelling any call still in flight."""
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _stream(self, request: generate_pb2.GenerateRequest) -> Generator[GenerateChunk, None, None]:
+        call = self._generation.Generate(request, timeout=self._timeout)
+        try:
+            for response in call:
+                yield GenerateChunk.from_response(response)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error
+        finally:
+            call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request):
+        try:
+            return method(request, timeout=self._timeout)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error) from error

@@ -1,0 +1,113 @@
+"""An in-process stand-in for the scheduler service, for the SDK's unit tests: the Generation service and
+the health service on a loopback port, recording every request and choosing behaviour by prompt text."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+SERVICE_NAME = "pagedserve.v1.Generation"
+NORMAL_CHUNKS = [("Hel", [1]), ("lo", [2]), ("", [3]), (" world", [4, 5])]
+MODEL_INFO = generate_pb2.ModelInfoResponse(
+    model_name="fake-model", max_model_len=2048, vocab_size=32000, block_size=16, num_kv_blocks=100,
+    num_swap_blocks=50, eos_token_ids=[2, 7], has_tokenizer=True, has_chat_template=False,
+)
+STATS = generate_pb2.GetStatsResponse(**{
+    field.name: index + 1 for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
+})
+
+
+class FakeGeneration(generate_pb2_grpc.GenerationServicer):
+    """Prompt text -> behaviour: "invalid" / "overloaded" fail; "endless" streams until cancelled and then
+    sets `cancelled`; "gated" sends one chunk, waits for `gate`, then finishes; anything else streams
+    NORMAL_CHUNKS and finishes with "stop"."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.requests: list[generate_pb2.GenerateRequest] = []
+        self.cancelled = threading.Event()
+        self.gate = threading.Event()
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        request_id = request.request_id or "fake-1"
+        if request.text == "invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")
+        if request.text == "overloaded":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
+        if request.text == "endless":
+            try:
+                for token_id in range(10**9):
+                    yield generate_pb2.GenerateResponse(request_id=request_id, text="x", token_ids=[token_id])
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        chunks = NORMAL_CHUNKS
+        if request.text == "gated":
+            yield generate_pb2.GenerateResponse(request_id=request_id, text="first", token_ids=[1])
+            await asyncio.to_thread(self.gate.wait, 10)
+            chunks = [(" second", [2])]
+        for index, (text, token_ids) in enumerate(chunks):
+            response = generate_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=token_ids)
+            if index == len(chunks) - 1:
+                response.finish_reason = generate_pb2.FINISH_REASON_STOP
+                response.usage.prompt_tokens = 7
+                response.usage.completion_tokens = 5
+            yield response
+
+    async def ModelInfo(self, request, context):
+        return MODEL_INFO
+
+    async def GetStats(self, request, context):
+        return STATS
+
+
+class FakeServer:
+    """A grpc.aio server on its own event-loop thread, so blocking clients and tests can drive it."""
+
+    def __init__(self, port: int = 0) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.generation = FakeGeneration()
+        self.port = self._run(self._start(port))
+        self.target = f"127.0.0.1:{self.port}"
+
+    def reset(self) -> FakeGeneration:
+        self.generation.reset()
+        self.set_health(health_pb2.HealthCheckResponse.SERVING)
+        return self.generation
+
+    def set_health(self, status) -> None:
+        self._run(self._set_health(status))
+
+    def stop(self) -> None:
+        self._run(self._server.stop(None))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
+
+    async def _start(self, port: int) -> int:
+        self._server = grpc.aio.server()
+        self._health = health.aio.HealthServicer()
+        generate_pb2_grpc.add_GenerationServicer_to_server(self.generation, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        port = self._server.add_insecure_port(f"127.0.0.1:{port}")
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self._server.start()
+        return port
+
+    async def _set_health(self, status) -> None:
+        await self._health.set("", status)
+        await self._health.set(SERVICE_NAME, status)

@@ -1,0 +1,319 @@
+"""The Python SDK and CLI against an in-process fake server (the real server is tested end to end elsewhere).
+
+The fake (tests/fake_generation_server.py) records every request and chooses its behaviour from the prompt
+text (see FakeGeneration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from client import (
+    AsyncClient,
+    Client,
+    DeadlineExceededError,
+    InvalidRequestError,
+    ModelInfo,
+    OverloadedError,
+    ServerStats,
+    ServerUnavailableError,
+)
+from protos.pagedserve.v1 import generate_pb2
+from tests.fake_generation_server import NORMAL_CHUNKS, STATS, FakeGeneration, FakeServer
+from tests.server_harness import free_port
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server():
+    fake_server = FakeServer()
+    yield fake_server
+    fake_server.stop()
+
+
+@pytest.fixture()
+def fake(server) -> FakeGeneration:
+    return server.reset()
+
+
+@pytest.fixture()
+def client(server, fake):
+    with Client(server.target) as sync_client:
+        yield sync_client
+
+
+# ---- Client (blocking) ----------------------------------------------------------------------------------
+
+
+def test_stream_yields_each_chunk_with_finish_and_usage_on_the_last_only(client):
+    chunks = list(client.generate_stream("hello", max_tokens=5))
+    assert [(chunk.text, chunk.token_ids) for chunk in chunks] == [(t, tuple(ids)) for t, ids in NORMAL_CHUNKS]
+    assert all(chunk.request_id == "fake-1" for chunk in chunks)
+    assert [(c.finish_reason, c.prompt_tokens, c.completion_tokens) for c in chunks[:-1]] == [(None, None, None)] * 3
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 7, 5)
+
+
+def test_generate_concatenates_the_stream(client):
+    result = client.generate("hello", request_id="mine")
+    assert (result.request_id, result.text, result.token_ids) == ("mine", "Hello world", (1, 2, 3, 4, 5))
+    assert (result.finish_reason, result.prompt_tokens, result.completion_tokens) == ("stop", 7, 5)
+
+
+def test_text_token_ids_and_chat_reach_the_server_as_the_right_prompt_form(client, fake):
+    client.generate("plain text")
+    client.generate([5, 6, 7])
+    client.generate(messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    text, token_ids, chat = fake.requests
+    assert (text.WhichOneof("prompt"), text.text) == ("text", "plain text")
+    assert (token_ids.WhichOneof("prompt"), list(token_ids.token_ids.ids)) == ("token_ids", [5, 6, 7])
+    assert chat.WhichOneof("prompt") == "chat"
+    assert [(m.role, m.content) for m in chat.chat.messages] == [("system", "Be brief."), ("user", "Hi")]
+
+
+def test_sampling_keywords_map_to_their_fields_and_unset_ones_stay_unset(client, fake):
+    client.generate(
+        "x", max_tokens=9, temperature=0.0, top_p=0.5, top_k=3, seed=2**64 - 1, stop="###",
+        stop_token_ids=[2, 3], ignore_eos=True,
+    )
+    client.generate("x", max_tokens=4, temperature=None)
+    client.generate("x")
+    full, partial, bare = (request.sampling for request in fake.requests)
+    assert (full.max_tokens, full.top_p, full.top_k, full.seed) == (9, 0.5, 3, 2**64 - 1)
+    assert full.HasField("temperature") and full.temperature == 0.0  # 0 (greedy) is sent, not dropped
+    assert (list(full.stop), list(full.stop_token_ids), full.ignore_eos) == (["###"], [2, 3], True)
+    assert partial.HasField("max_tokens") and partial.max_tokens == 4
+    for unset in ("temperature", "top_p", "top_k", "seed"):
+        assert not partial.HasField(unset)
+    assert not fake.requests[2].HasField("sampling") and not bare.HasField("max_tokens")
+
+
+def test_unknown_or_conflicting_arguments_raise_type_error_before_any_call(client, fake):
+    with pytest.raises(TypeError, match="best_of.*presence_penalty"):
+        client.generate_stream("x", presence_penalty=1.0, best_of=2)
+    with pytest.raises(TypeError, match="exactly one"):
+        client.generate("x", messages=[{"role": "user", "content": "y"}])
+    with pytest.raises(TypeError, match="exactly one"):
+        client.generate()
+    assert fake.requests == []
+
+
+def test_server_errors_become_typed_errors_with_the_details(client, server):
+    with pytest.raises(InvalidRequestError) as invalid:
+        client.generate("invalid")
+    assert invalid.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert invalid.value.details == "sampling.temperature: must be >= 0, got -0.5"
+    with pytest.raises(OverloadedError, match="too many requests waiting"):
+        list(client.generate_stream("overloaded"))
+    with Client(server.target, timeout=0.3) as impatient, pytest.raises(DeadlineExceededError):
+        impatient.generate("endless")
+    with Client(f"127.0.0.1:{free_port()}") as nobody, pytest.raises(ServerUnavailableError):
+        nobody.model_info()
+
+
+def test_breaking_out_of_the_stream_cancels_it_on_the_server(client, fake):
+    for chunk in client.generate_stream("endless"):
+        assert chunk.text == "x"
+        break
+    assert fake.cancelled.wait(5), "the server never saw the stream cancelled"
+
+
+def test_model_info_and_stats_mirror_the_server_responses(client):
+    info = client.model_info()
+    assert (info.model_name, info.max_model_len, info.vocab_size, info.block_size) == ("fake-model", 2048, 32000, 16)
+    assert (info.num_kv_blocks, info.num_swap_blocks, info.eos_token_ids) == (100, 50, (2, 7))
+    assert (info.has_tokenizer, info.has_chat_template) == (True, False)
+    info_fields = [field.name for field in generate_pb2.ModelInfoResponse.DESCRIPTOR.fields]
+    assert [field.name for field in dataclasses.fields(ModelInfo)] == info_fields
+    stats = client.stats()
+    proto_fields = [field.name for field in generate_pb2.GetStatsResponse.DESCRIPTOR.fields]
+    assert [field.name for field in dataclasses.fields(ServerStats)] == proto_fields  # no counter left behind
+    assert [getattr(stats, name) for name in proto_fields] == list(range(1, len(proto_fields) + 1))
+
+
+def test_wait_ready_returns_once_the_server_turns_serving(client, server):
+    server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    flip = threading.Timer(0.4, server.set_health, args=(health_pb2.HealthCheckResponse.SERVING,))
+    started = time.monotonic()
+    flip.start()
+    client.wait_ready(timeout=10)
+    assert 0.35 < time.monotonic() - started < 3
+
+
+def test_wait_ready_times_out_naming_the_target(client, server):
+    server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    with pytest.raises(TimeoutError, match=f"{server.target}.*NOT_SERVING"):
+        client.wait_ready(timeout=0.4)
+    target = f"127.0.0.1:{free_port()}"
+    with Client(target) as nobody, pytest.raises(TimeoutError, match=f"{target}.*UNAVAILABLE"):
+        nobody.wait_ready(timeout=0.4)
+
+
+def test_wait_ready_notices_a_late_server_soon_after_its_start():
+    # Ours: within ~0.85 s. gRPC's default backoff would next try at 4.1 to 6.2 s: usually more than 1.5 s late.
+    port = free_port()
+    late_server: list[FakeServer] = []
+    started_at: list[float] = []
+
+    def start_server():
+        late_server.append(FakeServer(port))
+        started_at.append(time.monotonic())
+
+    starter = threading.Timer(3.3, start_server)
+    starter.start()
+    try:
+        with Client(f"127.0.0.1:{port}") as client:
+            client.wait_ready(timeout=15)
+            ready_at = time.monotonic()
+    finally:
+        starter.join()
+        late_server[0].stop()
+    assert ready_at - started_at[0] < 1.5
+
+
+# ---- AsyncClient ----------------------------------------------------------------------------------------
+
+
+def test_async_client_streams_generates_and_reports(server, fake):
+    async def scenario():
+        async with AsyncClient(server.target) as client:
+            await client.wait_ready(timeout=5)
+            chunks = [chunk async for chunk in client.generate_stream([5, 6], temperature=0.0)]
+            result = await client.generate(messages=[{"role": "user", "content": "Hi"}], top_k=4)
+            return chunks, result, await client.model_info(), await client.stats()
+
+    chunks, result, info, stats = asyncio.run(scenario())
+    assert "".join(chunk.text for chunk in chunks) == "Hello world" and chunks[-1].finish_reason == "stop"
+    assert (result.text, result.token_ids, result.completion_tokens) == ("Hello world", (1, 2, 3, 4, 5), 5)
+    assert (info.model_name, stats.num_steps) == ("fake-model", STATS.num_steps)
+    token_ids, chat = fake.requests
+    assert token_ids.WhichOneof("prompt") == "token_ids" and token_ids.sampling.temperature == 0.0
+    assert chat.WhichOneof("prompt") == "chat" and chat.sampling.top_k == 4
+
+
+def test_async_client_raises_typed_errors(server, fake):
+    async def scenario():
+        async with AsyncClient(server.target) as client:
+            with pytest.raises(InvalidRequestError, match="sampling.temperature"):
+                await client.generate("invalid")
+            with pytest.raises(TypeError, match="logprobs"):
+                client.generate_stream("x", logprobs=5)
+
+    asyncio.run(scenario())
+    with pytest.raises(RuntimeError, match="running event loop"):
+        AsyncClient(server.target)
+
+
+def test_cancelling_the_consuming_task_cancels_the_stream_on_the_server(server, fake):
+    async def scenario():
+        async with AsyncClient(server.target) as client:
+            first_chunk = asyncio.Event()
+
+            async def consume():
+                async for _ in client.generate_stream("endless"):
+                    first_chunk.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first_chunk.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await asyncio.to_thread(fake.cancelled.wait, 5)
+
+    assert asyncio.run(scenario()), "the server never saw the stream cancelled"
+
+
+def test_breaking_out_of_an_async_stream_cancels_it_on_the_server(server, fake):
+    async def scenario():
+        async with AsyncClient(server.target) as client:
+            async for _ in client.generate_stream("endless"):
+                break
+            return await asyncio.to_thread(fake.cancelled.wait, 5)
+
+    assert asyncio.run(scenario()), "the server never saw the stream cancelled"
+
+
+def test_async_wait_ready_waits_for_serving_and_times_out_otherwise(server, fake):
+    async def scenario():
+        async with AsyncClient(server.target) as client:
+            server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            with pytest.raises(TimeoutError, match=server.target):
+                await client.wait_ready(timeout=0.3)
+            threading.Timer(0.3, server.set_health, args=(health_pb2.HealthCheckResponse.SERVING,)).start()
+            await client.wait_ready(timeout=10)
+
+    asyncio.run(scenario())
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------
+
+
+def cli_environment() -> dict[str, str]:
+    """The caller's environment minus PYTHONUNBUFFERED, so the CLI's own flushing is what gets tested."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONUNBUFFERED"}
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args],
+        cwd=REPO_ROOT, env=cli_environment(), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_cli_streams_each_delta_as_it_arrives_then_reports_the_finish(server, fake):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "client", "gated", "--target", server.target, "--max-tokens", "5",
+         "--temperature", "0.5", "--top-p", "0.9", "--top-k", "8", "--seed", "3", "--stop", "END", "STOP"],
+        cwd=REPO_ROOT, env=cli_environment(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        # The server holds the rest back until the first delta is on our side of the pipe: proves the flush.
+        ready, _, _ = select.select([process.stdout], [], [], 20)
+        assert ready, "the first delta never reached stdout"
+        assert os.read(process.stdout.fileno(), 100) == b"first"
+        fake.gate.set()
+        rest, errors = process.communicate(timeout=20)
+    finally:
+        fake.gate.set()
+        process.kill()
+    assert process.returncode == 0, errors
+    assert rest == b" second\n"
+    assert errors.decode().strip() == "finish_reason=stop prompt_tokens=7 completion_tokens=5"
+    sampling = fake.requests[0].sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed, list(sampling.stop)) == (5, 8, 3, ["END", "STOP"])
+    assert sampling.temperature == pytest.approx(0.5) and sampling.top_p == pytest.approx(0.9)
+
+
+def test_cli_chat_flag_sends_the_prompt_as_one_user_message(server, fake):
+    result = run_cli("What is 2+2?", "--chat", "--target", server.target, "--wait", "5")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "Hello world\n"
+    (request,) = fake.requests
+    assert [(m.role, m.content) for m in request.chat.messages] == [("user", "What is 2+2?")]
+    assert not request.sampling.HasField("max_tokens")
+
+
+def test_cli_errors_print_one_line_and_exit_nonzero(server, fake):
+    invalid = run_cli("invalid", "--target", server.target)
+    assert invalid.returncode == 2 and invalid.stdout == ""
+    assert invalid.stderr.strip().splitlines() == [
+        "error: invalid request: INVALID_ARGUMENT: sampling.temperature: must be >= 0, got -0.5"
+    ]
+    target = f"127.0.0.1:{free_port()}"
+    unreachable = run_cli("hello", "--target", target)
+    assert unreachable.returncode == 1 and len(unreachable.stderr.strip().splitlines()) == 1
+    assert unreachable.stderr.startswith(f"error: server at {target} failed: UNAVAILABLE")
+    never_ready = run_cli("hello", "--target", target, "--wait", "0.3")
+    assert never_ready.returncode == 1 and target in never_ready.stderr
