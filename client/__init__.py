@@ -18,11 +18,12 @@ from client.errors import (
     ServerUnavailableError,
 )
 from client.sync_client import Client
-from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
+from client.types import CompletionOutput, GenerateChunk, GenerationResult, ModelInfo, ServerStats
 
 __all__ = [
     "AsyncClient",
     "Client",
+    "CompletionOutput",
     "DeadlineExceededError",
     "GenerateChunk",
     "GenerationResult",

@@ -75,6 +75,11 @@ class AsyncClient:
     async def stats(self) -> ServerStats:
         return ServerStats.from_response(await self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))
 
+    async def abort(self, request_id: str) -> bool:
+        """Ends a request in flight (its stream ends with finish_reason "abort"); False if none had that id."""
+        response = await self._call(self._generation.Abort, generate_pb2.AbortRequest(request_id=request_id))
+        return response.aborted
+
     async def wait_ready(self, timeout: float = 60.0) -> None:
         """Polls the server's health service until it reports SERVING; raises TimeoutError naming the target
         if that does not happen within `timeout` seconds."""

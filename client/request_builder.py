@@ -14,7 +14,8 @@ from protos.pagedserve.v1 import generate_pb2
 
 # Keywords named as vLLM's SamplingParams (each a SamplingParams field), plus the request's own id.
 SAMPLING_KEYWORDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "request_id"}
+    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+     "best_of", "beam_width", "length_penalty", "early_stopping", "request_id", "priority"}
 )
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
@@ -29,7 +30,8 @@ def build_generate_request(
     by the server's chat template).
 
     Sampling keywords: max_tokens, temperature, top_p, top_k, seed, stop (a string or a list of them),
-    stop_token_ids, ignore_eos, request_id. Raises TypeError for any other keyword or a malformed prompt,
+    stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty, early_stopping; and the request's
+    own request_id and priority (lower first). Raises TypeError for any other keyword or a malformed prompt,
     ValueError for a malformed chat message.
     """
     unknown = sorted(set(sampling) - SAMPLING_KEYWORDS)
@@ -42,6 +44,8 @@ def build_generate_request(
     given = {name: value for name, value in sampling.items() if value is not None}
     if "request_id" in given:
         request.request_id = given.pop("request_id")
+    if "priority" in given:
+        request.priority = given.pop("priority")
     stop = given.pop("stop", [])
     if stop:
         request.sampling.stop.extend([stop] if isinstance(stop, str) else stop)

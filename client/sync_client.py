@@ -71,6 +71,11 @@ class Client:
     def stats(self) -> ServerStats:
         return ServerStats.from_response(self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))
 
+    def abort(self, request_id: str) -> bool:
+        """Ends a request in flight (its stream ends with finish_reason "abort"); False if none had that id."""
+        response = self._call(self._generation.Abort, generate_pb2.AbortRequest(request_id=request_id))
+        return response.aborted
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Polls the server's health service until it reports SERVING (its workers are loaded); raises
         TimeoutError naming the target if that does not happen within `timeout` seconds."""

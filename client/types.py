@@ -36,6 +36,10 @@ class GenerateChunk:
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    # Which of the request's n sequences this chunk belongs to (0 when n == 1); each sequence has its own
+    # last chunk, which also carries the sequence's cumulative logprob.
+    index: int = 0
+    cumulative_logprob: float | None = None
 
     @classmethod
     def from_response(cls, response: generate_pb2.GenerateResponse) -> GenerateChunk:
@@ -48,15 +52,31 @@ class GenerateChunk:
             finish_reason=_FINISH_REASONS.get(response.finish_reason, "abort"),
             prompt_tokens=response.usage.prompt_tokens if has_usage else None,
             completion_tokens=response.usage.completion_tokens if has_usage else None,
+            index=response.index,
+            cumulative_logprob=response.cumulative_logprob if has_usage else None,
         )
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One of a request's n returned sequences (vLLM's name), assembled from its chunks."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    completion_tokens: int | None
+    cumulative_logprob: float | None
 
 
 @dataclass(frozen=True)
 class GenerationResult:
     """A whole generation: the concatenation of a stream's chunks.
 
-    `finish_reason` and the token counts come from the last chunk; they are None only if the server closed
-    the stream without a final chunk, which a conforming server never does.
+    The top-level fields describe sequence 0 (the only one when n == 1; the best one for beam search and
+    best_of); `outputs` holds all n sequences in index order. `finish_reason` and the token counts come from a
+    sequence's last chunk; they are None only if the server closed the stream without one, which a
+    conforming server never does.
     """
 
     request_id: str
@@ -65,23 +85,41 @@ class GenerationResult:
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    outputs: tuple[CompletionOutput, ...] = ()
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[GenerateChunk]) -> GenerationResult:
-        texts: list[str] = []
-        token_ids: list[int] = []
-        last: GenerateChunk | None = None
+        texts: dict[int, list[str]] = {}
+        token_ids: dict[int, list[int]] = {}
+        last: dict[int, GenerateChunk] = {}
+        request_id, prompt_tokens = "", None
         for chunk in chunks:
-            texts.append(chunk.text)
-            token_ids.extend(chunk.token_ids)
-            last = chunk
+            texts.setdefault(chunk.index, []).append(chunk.text)
+            token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
+            last[chunk.index] = chunk
+            request_id = chunk.request_id
+            if chunk.prompt_tokens is not None:
+                prompt_tokens = chunk.prompt_tokens
+        outputs = tuple(
+            CompletionOutput(
+                index=index,
+                text="".join(texts[index]),
+                token_ids=tuple(token_ids[index]),
+                finish_reason=last[index].finish_reason,
+                completion_tokens=last[index].completion_tokens,
+                cumulative_logprob=last[index].cumulative_logprob,
+            )
+            for index in sorted(texts)
+        )
+        first = outputs[0] if outputs else None
         return cls(
-            request_id=last.request_id if last else "",
-            text="".join(texts),
-            token_ids=tuple(token_ids),
-            finish_reason=last.finish_reason if last else None,
-            prompt_tokens=last.prompt_tokens if last else None,
-            completion_tokens=last.completion_tokens if last else None,
+            request_id=request_id,
+            text=first.text if first else "",
+            token_ids=first.token_ids if first else (),
+            finish_reason=first.finish_reason if first else None,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=first.completion_tokens if first else None,
+            outputs=outputs,
         )
 
 
@@ -125,6 +163,9 @@ class ServerStats:
     num_steps: int
     num_finished_requests: int
     num_swapped_out_blocks: int
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
 
     @classmethod
     def from_response(cls, response: generate_pb2.GetStatsResponse) -> ServerStats:

@@ -104,6 +104,12 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
+    if not args.enable_prefix_caching:
+        argv.append("--no-prefix-caching")
+    if not args.enable_chunked_prefill:
+        argv.append("--no-chunked-prefill")
+    if args.plan_log:
+        argv += ["--plan-log", args.plan_log]
     return argv
 
 

@@ -3,15 +3,17 @@
 Who owns it: the `BlockManager`, on the scheduler thread. It holds only ids and counts; the memory itself
 lives in the worker, which learns which ids to use from the step plan.
 
-Why a reference count per block and not a set of used ids: a block may have several holders once prefix
-sharing and parallel sampling arrive (DESIGN.md "Memory"); a block returns to the free list only when its
-last holder releases it. Today every held block has exactly one holder.
+Why a reference count per block and not a set of used ids: a block has several holders when requests share
+it (a prefix-cache hit, a forked child of a parallel-sampling or beam-search request; DESIGN.md "Memory");
+it returns to the free list only when its last holder releases it.
 
 Why the free list is an OrderedDict (block id -> None) and not a list or deque: popping the oldest free
-block, appending a released one and removing an arbitrary block are all O(1) (a plain dict's "pop the first
-key" degrades as deleted slots pile up at its front), and ids are unique by construction. The prefix cache
-will need exactly that: freed-but-cached blocks kept in LRU order (released blocks go to the back,
-allocation takes the front) and a cache hit on a free block removes it from the middle.
+block, appending a released one, putting one at the front and removing an arbitrary block are all O(1) (a
+plain dict's "pop the first key" degrades as deleted slots pile up at its front), and ids are unique by
+construction. That is what the prefix cache needs: freed-but-cached blocks wait in LRU order (released blocks
+go to the back, allocation takes the front, so the least recently used cached block is evicted first), blocks
+worth nothing to the cache go to the front to be reused first, and a cache hit on a free block takes it out of
+the middle (`acquire`).
 """
 
 from __future__ import annotations
@@ -48,8 +50,18 @@ class BlockPool:
             self._ref_counts[block_id] = 1
         return block_ids
 
-    def release(self, block_ids: Iterable[int]) -> None:
-        """Drop one holder of each block; a block with no holder left goes to the back of the free list."""
+    def acquire(self, block_ids: Iterable[int]) -> None:
+        """Add one holder to each block (sharing); a free block (a prefix-cache hit on a block nobody holds)
+        leaves the free list."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def release(self, block_ids: Iterable[int], reuse_first: bool = False) -> None:
+        """Drop one holder of each block; a block with no holder left goes to the back of the free list (the
+        front with `reuse_first`: its content is worth nothing, so it should be handed out before any cached
+        block is evicted)."""
         for block_id in block_ids:
             count = self._ref_counts[block_id]
             if count <= 0:
@@ -57,6 +69,12 @@ class BlockPool:
             self._ref_counts[block_id] = count - 1
             if count == 1:
                 self._free[block_id] = None
+                if reuse_first:
+                    self._free.move_to_end(block_id, last=False)
+
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in the order they will be handed out (a copy; for checks and tests)."""
+        return list(self._free)
 
     def check_invariants(self, holders: Counter[int]) -> None:
         """Raise AssertionError unless ref counts equal `holders` (block id -> number of tables holding it),

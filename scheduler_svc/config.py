@@ -25,6 +25,10 @@ class SchedulerConfig:
     # None: the model's own context limit.
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Append every StepPlan to this file (see plan_log.py); None: no log.
+    plan_log: str | None = None
     # How long to wait for every worker to connect and report its KV pool.
     worker_ready_timeout: float = 600.0
     # Seconds in-flight requests get to finish on SIGTERM before they are aborted.
@@ -42,6 +46,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="do not reuse the KV blocks of earlier requests' common prefixes")
+    parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                        help="schedule each prompt whole (needs --max-num-batched-tokens >= max model len)")
+    parser.add_argument("--plan-log", default=None, help="append every step plan to this file (replay, tests)")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -62,4 +71,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_model_len=args.max_model_len,
         preemption_mode=args.preemption_mode,
         shutdown_timeout=args.shutdown_timeout,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        plan_log=args.plan_log,
     )

@@ -1,10 +1,10 @@
 """The scheduler service's engine loop.
 
-Ownership: the `Engine` owns the `Scheduler` (and through it every request and block table), every request's
-`OutputStream`, and the `WorkerLink`. It runs as one task on the asyncio loop the gRPC server shares, so
-nothing here needs a lock: gRPC handlers only append to the inbox (`submit`, `abort`) and read the queue
-`submit` returned them. Each iteration: drain the inbox, schedule, send the plan, receive the sampled tokens,
-update, publish.
+Ownership: the `Engine` owns the `Scheduler` (and through it every request and block table), every client
+request's `RequestGroup` (which owns that request's output streams), and the `WorkerLink`. It runs as one
+task on the asyncio loop the gRPC server shares, so nothing here needs a lock: gRPC handlers only append to
+the inbox (`submit`, `abort`) and read the queue `submit` returned them. Each iteration: drain the inbox,
+schedule, send the plan, receive the step's outcome, update, let the groups publish.
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import logging
 import random
 from dataclasses import dataclass
 
-from scheduler_svc.output_stream import OutputDelta, OutputStream
-from scheduler_svc.plan_codec import decode_sampled_tokens, encode_step_plan
-from scheduler_svc.request import FinishReason, Request
+from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.plan_codec import decode_step_result, encode_step_plan
+from scheduler_svc.request import Request
+from scheduler_svc.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
 from scheduler_svc.request_validation import InvalidRequestError, ValidatedRequest
-from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
-
-# What a request's queue carries: the next delta, or the exception that ended the whole engine.
-StreamItem = OutputDelta | BaseException
 
 
 @dataclass(frozen=True)
@@ -42,17 +40,15 @@ class EngineStats:
     num_steps: int
     num_finished_requests: int
     num_swapped_out_blocks: int
-
-
-@dataclass(frozen=True)
-class _Admission:
-    request: Request
-    queue: asyncio.Queue
+    prefix_cache_hit_rate: float
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    notify: bool  # an explicit Abort RPC: the stream ends with finish_reason abort
 
 
 class Engine:
@@ -62,19 +58,16 @@ class Engine:
         link: WorkerLink,
         tokenizer: Tokenizer | None,
         eos_token_ids: tuple[int, ...],
-        num_kv_blocks: int,
-        num_swap_blocks: int,
+        plan_log=None,
     ):
         self._scheduler = scheduler
         self._link = link
-        self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
-        self._num_kv_blocks = num_kv_blocks
-        self._num_swap_blocks = num_swap_blocks
-        self._inbox: list[_Admission | _Abort] = []
+        self._plan_log = plan_log
+        self._inbox: list[RequestGroup | _Abort] = []
         self._wake = asyncio.Event()
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._streams: dict[str, OutputStream] = {}
+        self._groups: dict[str, RequestGroup] = {}  # client request id -> group
+        self._context = GroupContext(scheduler, tokenizer, owners={})
         self._seed_source = random.Random()
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
@@ -83,32 +76,43 @@ class Engine:
     # -- called by gRPC handlers -------------------------------------------------------------------------
 
     def is_in_flight(self, request_id: str) -> bool:
-        return request_id in self._queues
+        return request_id in self._groups
 
-    def submit(self, request_id: str, validated: ValidatedRequest) -> asyncio.Queue:
-        """Admits a validated request; its deltas arrive on the returned queue, the last with a finish reason."""
+    def submit(self, request_id: str, validated: ValidatedRequest, priority: int = 0) -> asyncio.Queue:
+        """Admits a validated request. Its queue carries OutputDelta items (one final delta per returned
+        sequence), then StreamEnd; or the exception that stopped the engine."""
         if self._failure is not None:
             raise RuntimeError(f"the engine has stopped: {self._failure}")
         sampling = validated.sampling_params
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=self._seed_source.getrandbits(63))
-        request = Request(
+        root = Request(
             request_id=request_id,
             prompt_token_ids=list(validated.prompt_token_ids),
             sampling_params=sampling,
             eos_token_ids=self._eos_token_ids,
+            priority=priority,
         )
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._inbox.append(_Admission(request, queue))
+        if sampling.use_beam_search:
+            group_class = BeamSearch
+        elif sampling.num_sequences > 1:
+            group_class = ParallelSampling
+        else:
+            group_class = SingleSequence
+        group = group_class(request_id, root, self._context)
+        self._groups[request_id] = group
+        self._inbox.append(group)
         self._wake.set()
-        return queue
+        return group.queue
 
-    def abort(self, request_id: str) -> None:
-        """Drops a request whose client went away; its queue gets nothing more."""
-        if self._queues.pop(request_id, None) is not None:
-            self._inbox.append(_Abort(request_id))
-            self._wake.set()
+    def abort(self, request_id: str, notify: bool = False) -> bool:
+        """Ends a request in flight. notify=False: its client went away (nothing more is sent);
+        notify=True: an explicit abort (the stream ends with finish_reason abort)."""
+        if request_id not in self._groups:
+            return False
+        self._inbox.append(_Abort(request_id, notify))
+        self._wake.set()
+        return True
 
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
@@ -118,13 +122,16 @@ class Engine:
             num_waiting=scheduler.num_waiting,
             num_swapped=scheduler.num_swapped,
             num_preemptions=scheduler.num_preemptions,
-            num_kv_blocks=self._num_kv_blocks,
+            num_kv_blocks=blocks.num_gpu_blocks,
             num_free_kv_blocks=blocks.num_free_gpu_blocks,
-            num_swap_blocks=self._num_swap_blocks,
+            num_swap_blocks=blocks.num_cpu_blocks,
             num_free_swap_blocks=blocks.num_free_cpu_blocks,
             num_steps=scheduler.num_steps,
             num_finished_requests=self._num_finished,
             num_swapped_out_blocks=self._num_swapped_out_blocks,
+            prefix_cache_hit_rate=scheduler.prefix_cache_hit_rate,
+            prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
+            prefix_cache_query_tokens=scheduler.prefix_cache_query_tokens,
         )
 
     # -- the loop ----------------------------------------------------------------------------------------
@@ -139,9 +146,12 @@ class Engine:
                     await self._idle(self._scheduler.has_unfinished_requests())
                     continue
                 self._num_swapped_out_blocks += len(output.swap_out)
-                result = await self._link.execute(encode_step_plan(output))
-                updated = self._scheduler.update_from_output(output, decode_sampled_tokens(result))
-                self._publish(updated)
+                plan = encode_step_plan(output)
+                if self._plan_log is not None:
+                    self._plan_log.write(plan.plan)
+                outcome = decode_step_result(await self._link.execute(plan))
+                updated = self._scheduler.update_from_output(output, outcome.sampled)
+                self._publish(output, updated, outcome)
         except asyncio.CancelledError:
             raise
         except BaseException as failure:
@@ -150,15 +160,9 @@ class Engine:
 
     def abort_all(self) -> None:
         """Server-side abort of everything in flight (shutdown): each stream ends with finish_reason abort."""
-        for request_id in list(self._queues):
-            request = self._scheduler.get_request(request_id)
-            queue = self._queues.pop(request_id)
-            stream = self._streams.pop(request_id, None)
-            if request is not None and stream is not None:
-                queue.put_nowait(stream.final_abort_delta(request))
-            else:
-                queue.put_nowait(OutputDelta(text="", token_ids=(), finish_reason=FinishReason.ABORT))
-            self._scheduler.abort_request(request_id)
+        for group in list(self._groups.values()):
+            group.abort(notify=True)
+            self._forget(group)
 
     async def _idle(self, has_work: bool) -> None:
         self._wake.clear()
@@ -175,47 +179,44 @@ class Engine:
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
         for command in inbox:
-            if isinstance(command, _Admission):
-                request = command.request
-                if self._queues.get(request.request_id) is not command.queue:
-                    continue  # aborted before admission
-                try:
-                    self._scheduler.add_request(request)
-                except ValueError as refusal:  # validation at the edge should have caught it already
-                    self._queues.pop(request.request_id).put_nowait(InvalidRequestError("request", str(refusal)))
-                    continue
-                self._streams[request.request_id] = OutputStream(request, self._tokenizer)
-            else:
-                self._streams.pop(command.request_id, None)
-                if self._scheduler.abort_request(command.request_id):
-                    self._num_finished += 1
-
-    def _publish(self, updated: list[Request]) -> None:
-        for request in updated:
-            stream = self._streams.get(request.request_id)
-            if stream is None:
+            if isinstance(command, _Abort):
+                group = self._groups.get(command.request_id)
+                if group is not None:
+                    group.abort(command.notify)
+                    self._forget(group)
                 continue
-            delta, stopped_by_string = stream.advance(request)
-            if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
-                self._scheduler.finish_request(request.request_id, FinishReason.STOP)
-            if delta.finish_reason is not None:
-                self._streams.pop(request.request_id, None)
-                self._num_finished += 1
-                queue = self._queues.pop(request.request_id, None)
-            else:
-                queue = self._queues.get(request.request_id)
-            if queue is not None and (delta.text or delta.token_ids or delta.finish_reason is not None):
-                queue.put_nowait(delta)
+            if self._groups.get(command.request_id) is not command or command.finished:
+                continue  # aborted before admission
+            try:
+                command.start()
+            except ValueError as refusal:  # validation at the edge should have caught it already
+                command.abort(notify=False)
+                command.queue.put_nowait(InvalidRequestError("request", str(refusal)))
+                self._forget(command)
+
+    def _publish(self, output: SchedulerOutput, updated: list[Request], outcome) -> None:
+        owners = self._context.owners
+        for request in updated:
+            group = owners.get(request.request_id)
+            if group is None:
+                continue
+            group.on_step(request, outcome)
+            if group.finished:
+                self._forget(group)
+
+    def _forget(self, group: RequestGroup) -> None:
+        if self._groups.get(group.request_id) is group:
+            del self._groups[group.request_id]
+            self._num_finished += 1
 
     def _fail_all(self, failure: BaseException) -> None:
         self._failure = failure
         logger.error("engine stopped: %s", failure)
-        for queue in self._queues.values():
-            queue.put_nowait(failure)
-        self._queues.clear()
-        self._streams.clear()
+        for group in self._groups.values():
+            group.queue.put_nowait(failure)
+        self._groups.clear()
 
 
-def _carries_block_work(output) -> bool:
+def _carries_block_work(output: SchedulerOutput) -> bool:
     return bool(output.swap_out or output.swap_in or output.copy or output.finished_request_ids
                 or output.preempted_request_ids)

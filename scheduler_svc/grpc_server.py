@@ -16,6 +16,7 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.engine import Engine
 from scheduler_svc.output_stream import OutputDelta
 from scheduler_svc.request import FinishReason
+from scheduler_svc.request_group import StreamEnd
 from scheduler_svc.request_validation import InvalidRequestError, ServingLimits, validate_request
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -67,22 +68,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             validated = validate_request(request, self._tokenizer, model.limits)
         except InvalidRequestError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        queue = engine.submit(request_id, validated)
-        finished = False
+        queue = engine.submit(request_id, validated, request.priority)
+        ended = False
         try:
-            while not finished:
+            while not ended:
                 item = await queue.get()
-                if isinstance(item, InvalidRequestError):
-                    finished = True
+                if isinstance(item, StreamEnd):
+                    ended = True
+                elif isinstance(item, InvalidRequestError):
+                    ended = True
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                if isinstance(item, BaseException):
-                    finished = True
+                elif isinstance(item, BaseException):
+                    ended = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
-                finished = item.finish_reason is not None
-                yield _response(request_id, item)
+                else:
+                    yield _response(request_id, item)
         finally:
-            if not finished:
+            if not ended:  # cancelled, disconnected or past its deadline
                 engine.abort(request_id)
+
+    async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        return generate_pb2.AbortResponse(aborted=self._engine.abort(request.request_id, notify=True))
 
     async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
         model = self._model
@@ -114,8 +122,10 @@ def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateRespo
         text=delta.text,
         token_ids=delta.token_ids,
         finish_reason=_FINISH_REASONS[delta.finish_reason],
+        index=delta.index,
     )
     if delta.finish_reason is not None:
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
+        response.cumulative_logprob = delta.cumulative_logprob
     return response

@@ -24,6 +24,8 @@ class OutputDelta:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int = 0  # which of the request's n sequences
+    cumulative_logprob: float = 0.0  # set on a sequence's last message
 
 
 class OutputStream:
@@ -35,6 +37,11 @@ class OutputStream:
         self._num_sent_chars = 0
         self._num_checked_chars = 0  # a prefix of the text known to hold no stop string
         self._text = ""
+
+    @property
+    def text(self) -> str:
+        """The whole output text so far (stop string cut off)."""
+        return self._text
 
     def advance(self, request: Request) -> tuple[OutputDelta, bool]:
         """Consumes the request's tokens not yet seen. Returns the delta to stream and whether a stop string
@@ -74,15 +81,3 @@ class OutputStream:
             completion_tokens=request.num_output_tokens if finished else 0,
         )
         return delta, stopped_by_string
-
-    def final_abort_delta(self, request: Request) -> OutputDelta:
-        """The last message of a request the server aborted: whatever text was held back, and the counts."""
-        delta_text = self._text[self._num_sent_chars :]
-        self._num_sent_chars = len(self._text)
-        return OutputDelta(
-            text=delta_text,
-            token_ids=(),
-            finish_reason=FinishReason.ABORT,
-            prompt_tokens=request.num_prompt_tokens,
-            completion_tokens=request.num_output_tokens,
-        )

@@ -6,9 +6,21 @@ scheduler's classes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from protos.pagedserve.v1 import worker_pb2
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the worker reported for one step, keyed by scheduler request id."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, float]
+    # Beam rows: (token id, logprob) candidates, best first.
+    beam_candidates: dict[str, list[tuple[int, float]]]
 
 
 def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
@@ -25,7 +37,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
             worker_pb2.NewRequest(
                 request_id=new.request_id,
                 token_ids=new.token_ids,
-                sampling=_worker_sampling(new.sampling_params),
+                sampling=_worker_sampling(new.sampling_params, new.num_beam_candidates),
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
@@ -37,17 +49,26 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
                 request_id=cached.request_id,
                 new_block_ids=cached.new_block_ids,
                 num_scheduled_tokens=cached.num_scheduled_tokens,
+                new_token_ids=cached.new_token_ids,
+                replaced_blocks=[worker_pb2.BlockReplacement(index=i, block_id=b) for i, b in cached.replaced_blocks],
             )
         )
     return worker_pb2.SchedulerToWorker(plan=plan)
 
 
-def _worker_sampling(params: SamplingParams) -> worker_pb2.WorkerSamplingParams:
+def _worker_sampling(params: SamplingParams, num_beam_candidates: int) -> worker_pb2.WorkerSamplingParams:
     assert params.seed is not None, "the engine seeds every request at admission"
     return worker_pb2.WorkerSamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+        num_beam_candidates=num_beam_candidates,
     )
 
 
-def decode_sampled_tokens(result: worker_pb2.StepResult) -> dict[str, int]:
-    return {sampled.request_id: sampled.token_id for sampled in result.sampled}
+def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
+    return StepOutcome(
+        sampled={s.request_id: s.token_id for s in result.sampled},
+        logprobs={s.request_id: s.logprob for s in result.sampled},
+        beam_candidates={
+            b.request_id: [(c.token_id, c.logprob) for c in b.candidates] for b in result.beam_candidates
+        },
+    )

@@ -15,7 +15,14 @@ and the worker samples a token for it exactly when `num_computed_tokens + num_sc
 That one rule is prefill (computed 0), chunked prefill (the budget cuts the prompt), decode (computed is
 num_tokens - 1, the newest token has no K/V yet), recompute after preemption (computed reset to 0, the
 generated tokens stay in `output_token_ids` and are prefilled again) and swap-in (computed kept, since the
-K/V came back). A later prefix-cache hit is simply a request that starts with computed > 0.
+K/V came back). A prefix-cache hit or a fork is simply a request that starts with computed > 0.
+
+Two kinds of request do not sample (the worker samples a row only when its computed tokens reach its known
+tokens, and never a beam row):
+- a fan-out root (`prefill_only`, for n > 1 / best_of): computes its prompt but the last token, then the
+  engine forks the sampling children from it and releases it;
+- a beam row (`num_beam_candidates` > 0): the worker returns that many top candidates for its last token and
+  the engine's beam search appends the token it chose (`Scheduler.append_token`).
 """
 
 from __future__ import annotations
@@ -67,8 +74,16 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    # Admission order, assigned by `Scheduler.add_request`; FCFS and "latest-arrived" preemption use it.
+    # Lower runs first; FCFS within a priority. Forked children take their parent's.
+    priority: int = 0
+    # Fan-out root: computed up to num_prompt_tokens - 1 tokens, never samples (see the module docstring).
+    prefill_only: bool = False
+    # > 0: a beam row; the worker returns this many candidates instead of sampling.
+    num_beam_candidates: int = 0
+    # Admission order, assigned by `Scheduler.add_request` (a forked child inherits its parent's); with
+    # `fork_seq` (0, or the scheduler's fork number for a child) it orders requests of equal priority.
     arrival_seq: int = -1
+    fork_seq: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose K/V are in the KV cache (GPU, or the swap pool while SWAPPED).
     num_computed_tokens: int = 0
@@ -80,6 +95,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt then generated tokens (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) without building the whole token list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,10 @@ from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
 
+# Most sequences one request may fan out to (n, best_of, beam_width).
+MAX_SEQUENCES = 64
+
+
 class InvalidRequestError(ValueError):
     """A request the server refuses; str() is safe to send back to the client."""
 
@@ -119,7 +123,34 @@ def _sampling_params(
     stop_token_ids = tuple(wire.stop_token_ids)
     if any(i < 0 or i >= limits.vocab_size for i in stop_token_ids):
         raise InvalidRequestError("sampling.stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+    n = wire.n if wire.HasField("n") else 1
+    best_of = wire.best_of if wire.HasField("best_of") else None
+    beam_width = wire.beam_width if wire.HasField("beam_width") else 1
+    length_penalty = wire.length_penalty if wire.HasField("length_penalty") else 1.0
+    if not 1 <= n <= MAX_SEQUENCES:
+        raise InvalidRequestError("sampling.n", f"must lie in [1, {MAX_SEQUENCES}]")
+    if best_of is not None and not n <= best_of <= MAX_SEQUENCES:
+        raise InvalidRequestError("sampling.best_of", f"must lie in [n, {MAX_SEQUENCES}] (n = {n})")
+    if not 1 <= beam_width <= MAX_SEQUENCES:
+        raise InvalidRequestError("sampling.beam_width", f"must lie in [1, {MAX_SEQUENCES}]")
+    if not math.isfinite(length_penalty):
+        raise InvalidRequestError("sampling.length_penalty", "must be a finite number")
+    if beam_width > 1:
+        if wire.HasField("temperature") and temperature != 0.0:
+            raise InvalidRequestError("sampling.temperature", "beam search is greedy: temperature must be 0")
+        if n > beam_width:
+            raise InvalidRequestError("sampling.n", f"beam search returns at most beam_width ({beam_width}) sequences")
+        if best_of is not None:
+            raise InvalidRequestError("sampling.best_of", "does not apply to beam search")
+        if stop:
+            raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
+        temperature, top_p, top_k = 0.0, 1.0, -1
     return SamplingParams(
+        n=n,
+        best_of=best_of,
+        beam_width=beam_width,
+        length_penalty=length_penalty,
+        early_stopping=wire.early_stopping,
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,

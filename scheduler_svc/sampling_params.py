@@ -22,7 +22,23 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Parallel sampling: best_of sequences generated, the n with the highest cumulative logprob returned.
+    n: int = 1
+    best_of: int | None = None  # None: n
+    # Beam search when > 1 (greedy); n <= beam_width results returned.
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences are generated for the request (beam search aside)."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def use_beam_search(self) -> bool:
+        return self.beam_width > 1

@@ -6,10 +6,11 @@ loop, which converts it to the wire StepPlan for the workers and later passes it
 
 Plans are diffs (DESIGN.md "Processes"): a request's tokens, sampling parameters and whole block table
 travel once, as `NewRequestData`, when the worker holds no row for it; after that only `ScheduledRequestData`
-(new block ids and a token count). The worker applies a step in this order: drop `finished_request_ids` and
-`preempted_request_ids` rows, run `swap_out`, `swap_in`, `copy`, add `new_requests` rows, extend
-`scheduled_requests` rows, run one forward over every scheduled token, and sample one token for each request
-whose computed tokens reach the end of its known tokens.
+(new block ids, a token count, and the rare copy-on-write replacement or engine-chosen beam token). The worker
+applies a step in this order: drop `finished_request_ids` and `preempted_request_ids` rows, run `swap_out`,
+`swap_in`, `copy`, add `new_requests` rows, apply `scheduled_requests` diffs to their rows, run one forward
+over every scheduled token, and sample one token for each request whose computed tokens reach the end of its
+known tokens (for a beam row, return its top candidates instead).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ class NewRequestData:
     request_id: str
     token_ids: tuple[int, ...]  # every known token: prompt, then any tokens generated before a preemption
     sampling_params: SamplingParams
-    block_ids: tuple[int, ...]  # the whole GPU block table
-    num_computed_tokens: int
+    block_ids: tuple[int, ...]  # the whole GPU block table (a prefix-cache hit or a fork shares some)
+    num_computed_tokens: int  # > 0 after a prefix-cache hit, a fork or a swap-in
     num_scheduled_tokens: int
+    num_beam_candidates: int = 0  # > 0: a beam row (return this many candidates, do not sample)
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,12 @@ class ScheduledRequestData:
     request_id: str
     new_block_ids: tuple[int, ...]  # appended to the row's block table
     num_scheduled_tokens: int
+    # Beam rows: tokens the engine appended (`Scheduler.append_token`) since the worker last saw the row,
+    # appended to the row's tokens before the forward. Empty for rows that sample their own tokens.
+    new_token_ids: tuple[int, ...] = ()
+    # Copy-on-write: (index in the row's block table, new block id), applied before `new_block_ids` are
+    # appended; the copy itself is in `SchedulerOutput.copy`.
+    replaced_blocks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,11 +62,14 @@ class SchedulerOutput:
     # Every request that left since the previous output (finished or aborted), whichever queue it was in:
     # the worker drops the rows it has and ignores ids it holds no row for.
     finished_request_ids: tuple[str, ...]
-    # Running requests preempted in this step; the worker drops their rows. Disjoint from the scheduled ones.
+    # Requests preempted in this step that the worker holds a row for (a forked child preempted before it ever
+    # reached the worker is not listed); the worker drops their rows. Disjoint from the scheduled ones.
     preempted_request_ids: tuple[str, ...]
     swap_out: tuple[tuple[int, int], ...]  # (gpu_block, cpu_block)
     swap_in: tuple[tuple[int, int], ...]  # (cpu_block, gpu_block); never in the same step as a swap_out
-    copy: tuple[tuple[int, int], ...]  # (src gpu_block, dst gpu_block); empty until copy-on-write
+    # (src gpu_block, dst gpu_block) copy-on-write copies, run after swap_in and before the forward; a src
+    # may be written by its remaining holder in the same step's forward, never before the copy.
+    copy: tuple[tuple[int, int], ...]
     total_num_scheduled_tokens: int
 
     def num_scheduled_tokens(self) -> dict[str, int]:

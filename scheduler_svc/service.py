@@ -22,6 +22,7 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
+from scheduler_svc.plan_log import PlanLogWriter
 from scheduler_svc.grpc_server import GenerationServicer, ServedModel
 from scheduler_svc.request_validation import ServingLimits
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
@@ -67,11 +68,14 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         max_model_len = _max_model_len(config, pool.max_position_embeddings)
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
         scheduler = Scheduler(
-            SchedulerLimits(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.preemption_mode),
+            SchedulerLimits(config.max_num_seqs, _token_budget(config, max_model_len), max_model_len, config.preemption_mode,
+                            enable_prefix_caching=config.enable_prefix_caching,
+                            enable_chunked_prefill=config.enable_chunked_prefill),
             BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
-                         num_cpu_blocks=pool.num_swap_blocks),
+                         num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching),
         )
-        engine = Engine(scheduler, link, tokenizer, eos_token_ids, pool.num_kv_blocks, pool.num_swap_blocks)
+        plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
+        engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log)
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
@@ -115,12 +119,20 @@ def loop_time() -> float:
 
 
 def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello) -> worker_pb2.WorkerSetup:
+    max_model_len = _max_model_len(config, hello.max_position_embeddings)
     return worker_pb2.WorkerSetup(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=_max_model_len(config, hello.max_position_embeddings),
+        max_num_batched_tokens=_token_budget(config, max_model_len),
+        max_model_len=max_model_len,
     )
+
+
+def _token_budget(config: SchedulerConfig, max_model_len: int) -> int:
+    """Tokens per step. Without chunked prefill a whole prompt must fit one step (as vLLM sizes it)."""
+    if config.enable_chunked_prefill:
+        return config.max_num_batched_tokens
+    return max(config.max_num_batched_tokens, max_model_len)
 
 
 def _max_model_len(config: SchedulerConfig, model_limit: int) -> int:

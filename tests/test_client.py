@@ -101,8 +101,8 @@ def test_sampling_keywords_map_to_their_fields_and_unset_ones_stay_unset(client,
 
 
 def test_unknown_or_conflicting_arguments_raise_type_error_before_any_call(client, fake):
-    with pytest.raises(TypeError, match="best_of.*presence_penalty"):
-        client.generate_stream("x", presence_penalty=1.0, best_of=2)
+    with pytest.raises(TypeError, match="frequency_penalty.*presence_penalty"):
+        client.generate_stream("x", presence_penalty=1.0, frequency_penalty=2.0, best_of=2)
     with pytest.raises(TypeError, match="exactly one"):
         client.generate("x", messages=[{"role": "user", "content": "y"}])
     with pytest.raises(TypeError, match="exactly one"):

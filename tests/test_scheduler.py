@@ -1,9 +1,11 @@
-"""Scheduler: continuous batching, chunked prefill, budgets, preemption by recompute and by swap, aborts,
-token-level stops, and a long simulation against a fake worker that checks every plan. Pure Python."""
+"""Scheduler: continuous batching, chunked prefill (and decodes first while a prompt is chunked), budgets,
+priorities, preemption by recompute and by swap, forks (fan-out roots, copy-on-write), beam rows, aborts from
+every state, token-level stops; every plan runs on a fake worker that checks it. Pure Python. The long random
+simulation is in test_scheduler_simulation.py."""
 
 from __future__ import annotations
 
-import random
+import zlib
 
 import pytest
 
@@ -25,15 +27,26 @@ def make_scheduler(
     max_num_batched_tokens=64,
     max_model_len=256,
     preemption_mode="recompute",
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
 ) -> tuple[Scheduler, FakeWorker]:
-    limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode)
-    manager = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks)
+    limits = SchedulerLimits(
+        max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
+        enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+    )
+    manager = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(limits, manager), FakeWorker(block_size, num_gpu_blocks, num_cpu_blocks)
 
 
-def make_request(request_id, prompt_len=4, max_tokens=16, **params) -> Request:
-    prompt = [100 + i for i in range(prompt_len)]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, seed=7, **params), (EOS,))
+def make_request(request_id, prompt_len=4, max_tokens=16, priority=0, **params) -> Request:
+    """A request whose prompt no other request id shares (so the prefix cache stays out of the way)."""
+    prompt = [prompt_token(request_id, i) for i in range(prompt_len)]
+    params = SamplingParams(max_tokens=max_tokens, seed=7, **params)
+    return Request(request_id, prompt, params, (EOS,), priority=priority)
+
+
+def prompt_token(request_id: str, position: int) -> int:
+    return 1000 * (1 + zlib.crc32(request_id.encode()) % 1000) + position
 
 
 def step(scheduler: Scheduler, worker: FakeWorker, sampled_override=None) -> tuple[SchedulerOutput, list[Request]]:
@@ -60,7 +73,8 @@ def test_request_added_while_others_run_joins_the_next_step():
     out1, updated = step(scheduler, worker)
     assert [(s.request_id, s.num_scheduled_tokens) for s in out1.scheduled_requests] == [("a", 1)]
     new_b = out1.new_requests[0]
-    assert (new_b.request_id, new_b.token_ids, new_b.num_computed_tokens) == ("b", (100, 101, 102), 0)
+    b_prompt = tuple(prompt_token("b", i) for i in range(3))
+    assert (new_b.request_id, new_b.token_ids, new_b.num_computed_tokens) == ("b", b_prompt, 0)
     assert out1.total_num_scheduled_tokens == 4
     assert {r.request_id for r in updated} == {"a", "b"}
 
@@ -129,7 +143,7 @@ def fill_pool_with_two_decoders(preemption_mode, num_cpu_blocks=0, a_max_tokens=
     return scheduler, worker
 
 
-def test_recompute_preemption_requeues_the_latest_request_and_resumes_it_from_scratch():
+def test_recompute_preemption_requeues_the_latest_request_and_resumes_it_after_its_cached_blocks():
     scheduler, worker = fill_pool_with_two_decoders("recompute")
     b = scheduler.get_request("b")
     b_tokens = b.all_token_ids
@@ -143,7 +157,8 @@ def test_recompute_preemption_requeues_the_latest_request_and_resumes_it_from_sc
     assert out3.finished_request_ids == ("a",)
     (resumed,) = out3.new_requests
     assert resumed.request_id == "b" and resumed.token_ids == tuple(b_tokens)
-    assert (resumed.num_computed_tokens, resumed.num_scheduled_tokens) == (0, 5)
+    # Its first (full) block was still cached: uncached blocks are handed out before cached ones.
+    assert (resumed.num_computed_tokens, resumed.num_scheduled_tokens) == (2, 3)
     assert len(resumed.block_ids) == 3
     while scheduler.has_unfinished_requests():
         step(scheduler, worker)
@@ -327,79 +342,359 @@ def test_add_request_refuses_what_could_never_run():
         scheduler.add_request(make_request("fits", prompt_len=1))
 
 
-# ---- simulation --------------------------------------------------------------------------------------------
+# ---- chunked prefill ---------------------------------------------------------------------------------------
 
 
-def random_request(rng: random.Random, index: int) -> Request:
-    prompt_len = rng.choice([rng.randint(1, 12), rng.randint(12, 60)])
-    params = SamplingParams(
-        max_tokens=rng.randint(1, 40),
-        seed=rng.getrandbits(32),
-        stop_token_ids=tuple(rng.sample(range(1, 50), rng.choice([0, 0, 1]))),
-        ignore_eos=rng.random() < 0.3,
-    )
-    return Request(f"req-{index}", [rng.randrange(50) for _ in range(prompt_len)], params, (EOS,))
-
-
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
-def test_simulation_every_request_finishes_with_the_right_tokens_and_all_blocks_come_back(preemption_mode):
-    rng = random.Random(1234)
-    max_model_len = 64
+def test_running_decodes_get_a_token_every_step_while_a_long_prompt_is_chunked():
     scheduler, worker = make_scheduler(
-        block_size=4,
-        num_gpu_blocks=40,
-        num_cpu_blocks=12,
-        max_num_seqs=12,
-        max_num_batched_tokens=32,
-        max_model_len=max_model_len,
-        preemption_mode=preemption_mode,
+        block_size=16, num_gpu_blocks=128, max_num_seqs=17, max_num_batched_tokens=32, max_model_len=512
     )
-    pending = [random_request(rng, i) for i in range(2000)]
-    pending.reverse()
-    requests: list[Request] = []
-    cut_short: set[str] = set()  # aborted, or finished by the simulated stop-string check
-    num_swap_outs = 0
+    decodes = [f"decode-{i}" for i in range(16)]
+    for request_id in decodes:
+        scheduler.add_request(make_request(request_id, prompt_len=2, max_tokens=100, ignore_eos=True))
+    step(scheduler, worker)
+    # A better priority puts the long prompt ahead of every decode in line.
+    scheduler.add_request(make_request("long", prompt_len=4 * 32, max_tokens=1, priority=-1))
+    chunks = []
+    while scheduler.get_request("long") is not None:
+        output, _ = step(scheduler, worker)
+        counts = output.num_scheduled_tokens()
+        assert [counts.get(request_id) for request_id in decodes] == [1] * 16
+        chunks.append(counts["long"])
+    assert chunks == [16] * 8  # the budget left after the decodes, every step
 
-    while pending or scheduler.has_unfinished_requests():
-        for _ in range(min(rng.randint(0, 2), len(pending))):
-            requests.append(pending.pop())
-            scheduler.add_request(requests[-1])
-        if rng.random() < 0.02:
-            live = [r for r in requests[-40:] if not r.status.is_finished]
-            if live:
-                victim = rng.choice(live)
-                assert scheduler.abort_request(victim.request_id)
-                cut_short.add(victim.request_id)
 
-        output = scheduler.schedule()
-        assert output.total_num_scheduled_tokens <= 32
-        assert not set(output.preempted_request_ids) & set(output.num_scheduled_tokens())
-        num_swap_outs += len(output.swap_out)
-        sampled = worker.execute(output)
-        running_ids = {r.request_id for r in requests if r.status is RequestStatus.RUNNING}
-        assert set(worker.rows) == running_ids and len(running_ids) <= 12
-        for updated in scheduler.update_from_output(output, sampled):
-            if not updated.status.is_finished and rng.random() < 0.005:
-                assert scheduler.finish_request(updated.request_id, FinishReason.STOP)
-                cut_short.add(updated.request_id)
-        scheduler.block_manager.check_invariants()
-        for request in requests[-40:]:
-            if request.status is RequestStatus.RUNNING:
-                assert worker.rows[request.request_id].token_ids == request.all_token_ids
+def test_without_chunked_prefill_a_prompt_is_scheduled_whole_or_waits():
+    scheduler, worker = make_scheduler(
+        max_num_batched_tokens=64, max_model_len=64, max_num_seqs=16, enable_chunked_prefill=False
+    )
+    for i in range(8):
+        scheduler.add_request(make_request(f"decode-{i}", prompt_len=2, max_tokens=3, ignore_eos=True))
+    step(scheduler, worker)
+    scheduler.add_request(make_request("long", prompt_len=60, max_tokens=1))
+    scheduled_long = []
+    while scheduler.get_request("long") is not None:
+        output, _ = step(scheduler, worker)  # 8 decode tokens leave 56: not enough for the 60-token prompt
+        scheduled_long.append(output.num_scheduled_tokens().get("long"))
+    assert scheduled_long == [None, None, 60]
 
-    final = scheduler.schedule()  # reports the last finished ids; the worker drops every row
-    worker.execute(final)
-    assert worker.rows == {}
+
+def test_limits_refuse_a_budget_below_max_model_len_without_chunked_prefill():
+    with pytest.raises(ValueError, match="max_num_batched_tokens.*max_model_len"):
+        SchedulerLimits(8, 32, 64, enable_chunked_prefill=False)
+    SchedulerLimits(8, 64, 64, enable_chunked_prefill=False)
+    SchedulerLimits(8, 32, 64)
+
+
+# ---- priority ----------------------------------------------------------------------------------------------
+
+
+def test_waiting_requests_start_by_priority_then_arrival():
+    scheduler, worker = make_scheduler(max_num_seqs=1)
+    for request_id, priority in [("low-1", 1), ("high", 0), ("low-2", 1), ("urgent", -5)]:
+        scheduler.add_request(make_request(request_id, max_tokens=1, priority=priority))
+    order = []
+    while scheduler.has_unfinished_requests():
+        output, _ = step(scheduler, worker)
+        order += [new.request_id for new in output.new_requests]
+    assert order == ["urgent", "high", "low-1", "low-2"]
+
+
+def test_preemption_victims_are_the_worst_priority_then_the_latest_arrival():
+    scheduler, worker = make_scheduler(block_size=2, num_gpu_blocks=8)
+    for request_id, priority in [("worst-old", 2), ("best", 0), ("worst-new", 2), ("middle", 1)]:
+        scheduler.add_request(make_request(request_id, prompt_len=3, max_tokens=4, priority=priority))
+    step(scheduler, worker)  # 2 blocks each: the pool is full
+    step(scheduler, worker)  # the 4th token still fits
+    output, _ = step(scheduler, worker)  # everyone needs a third block
+    assert output.preempted_request_ids == ("worst-new", "worst-old")
+    assert output.num_scheduled_tokens() == {"best": 1, "middle": 1}
+
+
+def fill_pool_with_two_low_priority_requests():
+    scheduler, worker = make_scheduler(block_size=4, num_gpu_blocks=8)
+    for request_id in ("low-1", "low-2"):
+        scheduler.add_request(make_request(request_id, prompt_len=12, max_tokens=4, priority=1))
+    step(scheduler, worker)  # 3 blocks each: 2 free
+    return scheduler, worker
+
+
+def test_a_waiting_request_of_better_priority_preempts_worse_running_ones():
+    scheduler, worker = fill_pool_with_two_low_priority_requests()
+    scheduler.add_request(make_request("urgent", prompt_len=12, max_tokens=1, priority=0))  # 3 blocks
+    output, _ = step(scheduler, worker)
+    assert output.preempted_request_ids == ("low-2",) and output.new_requests == ()
+    output, _ = step(scheduler, worker)
+    assert [new.request_id for new in output.new_requests] == ["urgent"]
+
+
+def test_a_waiting_request_of_equal_priority_waits_its_turn():
+    scheduler, worker = fill_pool_with_two_low_priority_requests()
+    peer = make_request("peer", prompt_len=12, max_tokens=1, priority=1)
+    scheduler.add_request(peer)
+    output = None
+    while peer.status is RequestStatus.WAITING:
+        output, _ = step(scheduler, worker)
+        assert output.preempted_request_ids == ()
+    assert output.finished_request_ids == ("low-1", "low-2")  # it started once the others finished
+
+
+# ---- forks: fan-out roots and copy-on-write ----------------------------------------------------------------
+
+
+def make_root(request_id: str, prompt_len: int, **params) -> Request:
+    root = make_request(request_id, prompt_len=prompt_len, **params)
+    root.prefill_only = True
+    return root
+
+
+def make_child(root: Request, index: int, **params) -> Request:
+    params = SamplingParams(**{"max_tokens": 20, "seed": 100 + index, "ignore_eos": True, **params})
+    return Request(f"{root.request_id}#{index}", list(root.prompt_token_ids), params, (EOS,))
+
+
+def test_fan_out_of_four_shares_the_prompt_blocks_and_copies_the_partial_block_on_first_write():
+    scheduler, worker = make_scheduler(block_size=16, num_gpu_blocks=64, max_num_batched_tokens=512,
+                                       max_model_len=1024)
     manager = scheduler.block_manager
-    assert manager.num_free_gpu_blocks == manager.num_gpu_blocks
-    assert manager.num_free_cpu_blocks == manager.num_cpu_blocks
-    assert scheduler.num_preemptions > 50
-    if preemption_mode == "swap":
-        assert num_swap_outs > 0
-    for request in requests:
-        assert request.status.is_finished
-        expected = expected_output(request, max_model_len)
-        if request.request_id in cut_short:
-            assert request.output_token_ids == expected[: request.num_output_tokens]
-        else:
-            assert request.output_token_ids == expected, request.request_id
+    root = make_root("root", prompt_len=500)
+    scheduler.add_request(root)
+    output, updated = step(scheduler, worker)
+    assert output.num_scheduled_tokens() == {"root": 499}  # the prompt but its last token: nothing sampled
+    assert updated == [root] and root.status is RequestStatus.RUNNING and root.output_token_ids == []
+
+    root_table = manager.block_table("root")
+    full, partial = root_table[:31], root_table[31]
+    children = [make_child(root, i) for i in range(4)]
+    for child in children:
+        scheduler.fork_request("root", child, num_shared_tokens=499)
+    assert scheduler.release_request("root")
+    assert all(manager.block_table(child.request_id) == root_table for child in children)
+    assert [manager.gpu_ref_count(b) for b in root_table] == [4] * 32 and manager.num_used_gpu_blocks == 32
+
+    output, _ = step(scheduler, worker)
+    assert output.finished_request_ids == ("root",)
+    assert [(new.request_id, new.num_computed_tokens, new.num_scheduled_tokens) for new in output.new_requests] == [
+        (child.request_id, 499, 1) for child in children
+    ]
+    # Three children write into copies; the fourth, by then the last holder, writes into the original.
+    assert len(output.copy) == 3 and {src for src, _ in output.copy} == {partial}
+    last_blocks = [manager.block_table(child.request_id)[31] for child in children]
+    assert set(last_blocks) == {partial} | {dst for _, dst in output.copy} and len(set(last_blocks)) == 4
+    assert all(manager.block_table(child.request_id)[:31] == full for child in children)
+    assert [manager.gpu_ref_count(b) for b in full] == [4] * 31 and manager.num_used_gpu_blocks == 35
+
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    for child in children:
+        assert child.output_token_ids == expected_output(child, max_model_len=1024)
+    assert len({tuple(child.output_token_ids) for child in children}) == 4
+    assert scheduler.num_finished_requests == 4  # the released root is not counted
+    assert manager.num_used_gpu_blocks == 0
+
+
+def test_fork_of_a_waiting_root_gives_a_child_that_shares_nothing_and_waits():
+    scheduler, worker = make_scheduler()
+    root = make_root("root", prompt_len=1)  # nothing to compute: never scheduled
+    scheduler.add_request(root)
+    scheduler.add_request(make_request("other", max_tokens=1))
+    output, _ = step(scheduler, worker)
+    assert list(output.num_scheduled_tokens()) == ["other"]  # the idle root blocks nobody
+    child = make_child(root, 0)
+    scheduler.fork_request("root", child, num_shared_tokens=0)
+    assert child.status is RequestStatus.WAITING and scheduler.block_manager.block_table(child.request_id) == []
+    scheduler.release_request("root")
+    output, _ = step(scheduler, worker)
+    assert [(new.request_id, new.num_computed_tokens, new.num_scheduled_tokens) for new in output.new_requests] == [
+        ("root#0", 0, 1)
+    ]
+
+
+@pytest.mark.parametrize("other_arrives_first", [True, False])
+def test_a_forked_child_without_a_worker_row_waits_for_one_or_takes_it_from_a_later_arrival(other_arrives_first):
+    scheduler, worker = make_scheduler(max_num_seqs=2)
+    root = make_root("root", prompt_len=9)
+    other = make_request("other", max_tokens=2)
+    for request in (other, root) if other_arrives_first else (root, other):
+        scheduler.add_request(request)
+    step(scheduler, worker)
+    for i in range(2):
+        scheduler.fork_request("root", make_child(root, i), num_shared_tokens=8)
+    scheduler.release_request("root")
+    output, _ = step(scheduler, worker)
+    if other_arrives_first:  # "other" keeps the second row until it finishes
+        assert [new.request_id for new in output.new_requests] == ["root#0"] and output.preempted_request_ids == ()
+        assert scheduler.get_request("root#1").status is RequestStatus.RUNNING
+        output, _ = step(scheduler, worker)  # "other" finished in the last step
+        assert [new.request_id for new in output.new_requests] == ["root#1"]
+    else:  # the children are ahead of "other" in line
+        assert [new.request_id for new in output.new_requests] == ["root#0", "root#1"]
+        assert output.preempted_request_ids == ("other",)
+
+
+def test_fork_refuses_a_child_whose_shared_tokens_differ_or_exceed_what_the_parent_computed():
+    scheduler, worker = make_scheduler()
+    root = make_root("root", prompt_len=9)
+    scheduler.add_request(root)
+    step(scheduler, worker)
+    with pytest.raises(ValueError):
+        scheduler.fork_request("root", make_child(root, 0), num_shared_tokens=9)
+    stranger = make_request("stranger", prompt_len=9)
+    with pytest.raises(ValueError):
+        scheduler.fork_request("root", stranger, num_shared_tokens=4)
+    with pytest.raises(ValueError):
+        scheduler.fork_request("nobody", make_child(root, 1), num_shared_tokens=0)
+    assert scheduler.get_request("root#0") is None and scheduler.get_request("stranger") is None
+
+
+# ---- beam rows ---------------------------------------------------------------------------------------------
+
+
+def test_a_beam_row_returns_candidates_and_runs_on_with_the_tokens_the_engine_appends():
+    scheduler, worker = make_scheduler(block_size=4)
+    beam = make_request("beam", prompt_len=6)
+    beam.num_beam_candidates = 3
+    scheduler.add_request(beam)
+    output, updated = step(scheduler, worker)
+    assert output.new_requests[0].num_beam_candidates == 3
+    assert updated == [beam] and beam.output_token_ids == [] and beam.num_computed_tokens == 6
+    first, second, _ = worker.beam_candidates["beam"]
+
+    shared_partial = scheduler.block_manager.block_table("beam")[1]  # slots 0-1 of 4 used
+    sibling = Request("beam.1", list(beam.prompt_token_ids), beam.sampling_params, (EOS,),
+                      output_token_ids=[second], num_beam_candidates=3)
+    scheduler.fork_request("beam", sibling, num_shared_tokens=6)
+    scheduler.append_token("beam", first)
+    output, updated = step(scheduler, worker)
+    (scheduled,) = output.scheduled_requests
+    (copy,) = output.copy
+    assert (scheduled.request_id, scheduled.new_token_ids, scheduled.num_scheduled_tokens) == ("beam", (first,), 1)
+    assert copy[0] == shared_partial and scheduled.replaced_blocks == ((1, copy[1]),)
+    (new,) = output.new_requests
+    assert new.token_ids == (*beam.prompt_token_ids, second) and new.num_computed_tokens == 6
+    assert new.block_ids[1] == shared_partial  # the sibling is its last holder: it writes in place
+    assert worker.rows["beam"].token_ids == beam.all_token_ids == [*beam.prompt_token_ids, first]
+    assert {r.request_id for r in updated} == {"beam", "beam.1"} and set(worker.beam_candidates) == {"beam", "beam.1"}
+
+    output, _ = step(scheduler, worker)
+    assert output.total_num_scheduled_tokens == 0  # both wait for the engine's next choice
+
+
+def test_append_token_is_for_live_beam_rows_within_their_limits():
+    scheduler, worker = make_scheduler()
+    scheduler.add_request(make_request("sampling"))
+    beam = make_request("beam", max_tokens=1)
+    beam.num_beam_candidates = 2
+    scheduler.add_request(beam)
+    step(scheduler, worker)
+    with pytest.raises(ValueError):
+        scheduler.append_token("sampling", 5)
+    with pytest.raises(ValueError):
+        scheduler.append_token("nobody", 5)
+    scheduler.append_token("beam", 5)
+    with pytest.raises(ValueError):
+        scheduler.append_token("beam", 6)  # max_tokens reached: the beam search must end it
+
+
+def beam_row(request_id: str, prompt_len: int) -> Request:
+    request = make_request(request_id, prompt_len=prompt_len, max_tokens=2)
+    request.num_beam_candidates = 2
+    return request
+
+
+@pytest.mark.parametrize(
+    ("case", "limits"),
+    [
+        ("waiting sibling needs blocks", {"max_num_batched_tokens": 64}),
+        ("running sibling needs blocks", {"max_num_batched_tokens": 8}),
+        ("waiting sibling needs the worker row", {"max_num_seqs": 1, "num_gpu_blocks": 16}),
+        ("forked sibling needs the worker row", {"max_num_seqs": 1, "num_gpu_blocks": 16}),
+    ],
+)
+def test_an_idle_beam_holding_what_its_sibling_needs_is_preempted_instead_of_deadlocking(case, limits):
+    """Beams advance in lockstep: one that has its candidates waits, holding blocks and a row, until its
+    siblings have theirs. If a sibling cannot start without those, the idle beam must give them up."""
+    scheduler, worker = make_scheduler(**{"block_size": 4, "num_gpu_blocks": 6, "max_num_seqs": 4, **limits})
+    first = beam_row("first", prompt_len=12)  # 3 blocks
+    scheduler.add_request(first)
+    if case == "forked sibling needs the worker row":
+        while first.num_computed_tokens < 12:
+            step(scheduler, worker)
+        sibling = Request("sibling", list(first.prompt_token_ids), first.sampling_params, (EOS,),
+                          output_token_ids=[5], num_beam_candidates=2)
+        scheduler.fork_request("first", sibling, num_shared_tokens=12)
+    else:
+        sibling = beam_row("sibling", prompt_len=16)  # 4 blocks: does not fit beside the first
+        scheduler.add_request(sibling)
+    reported: set[str] = set()
+    preempted: set[str] = set()
+    for _ in range(8):
+        output, updated = step(scheduler, worker)
+        reported |= {request.request_id for request in updated}
+        preempted |= set(output.preempted_request_ids)
+        if "sibling" in reported:
+            break
+    assert "sibling" in reported and preempted == {"first"}
+
+
+# ---- abort from every state --------------------------------------------------------------------------------
+
+
+def test_abort_from_every_state_frees_every_block_and_reports_every_id():
+    scheduler, worker = make_scheduler(block_size=4, num_gpu_blocks=12, num_cpu_blocks=16, max_num_seqs=5,
+                                       max_num_batched_tokens=16, preemption_mode="swap")
+    root = make_root("root", prompt_len=10, max_tokens=8)
+    beam = make_request("beam", prompt_len=3, max_tokens=8)
+    beam.num_beam_candidates = 2
+    scheduler.add_request(root)
+    scheduler.add_request(beam)
+    scheduler.add_request(make_request("swapped", prompt_len=6, max_tokens=8, priority=3))
+    step(scheduler, worker)
+    for i in range(2):
+        scheduler.fork_request("root", make_child(root, i, max_tokens=8), num_shared_tokens=9)
+    scheduler.append_token("beam", worker.beam_candidates["beam"][0])
+    scheduler.add_request(make_request("chunked", prompt_len=40, max_tokens=2, priority=1))
+    scheduler.add_request(make_request("waiting", prompt_len=4, priority=2))
+    for _ in range(3):
+        step(scheduler, worker)
+    scheduler.fork_request("root", make_child(root, 2, max_tokens=8), num_shared_tokens=9)  # no free row
+    scheduler.append_token("beam", 7)  # not yet sent to the worker
+
+    states = {
+        "root": (RequestStatus.RUNNING, 9),  # a fan-out root waiting to be released
+        "root#0": (RequestStatus.RUNNING, 12),  # forked children with worker rows
+        "root#1": (RequestStatus.RUNNING, 12),
+        "root#2": (RequestStatus.RUNNING, 9),  # forked, no worker row yet
+        "beam": (RequestStatus.RUNNING, 4),
+        "swapped": (RequestStatus.SWAPPED, 6),
+        "chunked": (RequestStatus.RUNNING, 14),  # mid-prefill
+        "waiting": (RequestStatus.WAITING, 0),
+    }
+    for request_id, state in states.items():
+        request = scheduler.get_request(request_id)
+        assert (request.status, request.num_computed_tokens) == state, request_id
+    assert "root#2" not in worker.rows and scheduler.block_manager.num_free_cpu_blocks < 16
+    for request_id in states:
+        assert scheduler.abort_request(request_id)
+        scheduler.block_manager.check_invariants()
+    manager = scheduler.block_manager
+    assert manager.num_used_gpu_blocks == 0 and manager.num_free_cpu_blocks == 16
+    output = scheduler.schedule()
+    assert set(output.finished_request_ids) == set(states) and output.total_num_scheduled_tokens == 0
+    worker.execute(output)
+    assert worker.rows == {}
+
+
+# ---- stats -------------------------------------------------------------------------------------------------
+
+
+def test_stats_count_used_blocks_and_releases_are_not_finishes():
+    scheduler, worker = make_scheduler()
+    scheduler.add_request(make_request("a", prompt_len=9, max_tokens=2))
+    root = make_root("root", prompt_len=5)
+    scheduler.add_request(root)
+    step(scheduler, worker)
+    assert scheduler.num_used_gpu_blocks == 3 + 1 and scheduler.num_running == 2 and scheduler.num_steps == 1
+    scheduler.release_request("root")
+    step(scheduler, worker)
+    assert scheduler.num_finished_requests == 1 and scheduler.num_used_gpu_blocks == 0

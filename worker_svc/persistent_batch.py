@@ -30,8 +30,9 @@ class StepInputs:
     query_start_loc: np.ndarray  # [B + 1]
     seq_lens: np.ndarray  # [B] context length after this step
     block_tables: np.ndarray  # [B, max blocks in use]
-    sample_rows: np.ndarray  # [S] rows whose computed tokens reach their last known token: they sample
-    logits_indices: np.ndarray  # [S] index of each sampling row's last scheduled token in the token axis
+    # Rows whose computed tokens reach their last known token: they sample (or, beam rows, return candidates).
+    sample_rows: np.ndarray  # [S]
+    logits_indices: np.ndarray  # [S] index of each such row's last scheduled token in the token axis
 
 
 class PersistentBatch:
@@ -47,6 +48,7 @@ class PersistentBatch:
         self.top_p = np.ones(max_num_seqs, dtype=np.float32)
         self.top_k = np.full(max_num_seqs, -1, dtype=np.int64)
         self.seed = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_beam_candidates = np.zeros(max_num_seqs, dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._request_of_row: list[str | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -87,14 +89,23 @@ class PersistentBatch:
         self.top_k[row] = sampling.top_k
         seed = sampling.seed
         self.seed[row] = seed - _UINT64_WRAP if seed > _INT64_MAX else seed
+        self.num_beam_candidates[row] = sampling.num_beam_candidates
         return row
 
-    def append_blocks(self, request_id: str, new_block_ids) -> int:
-        row = self._row_of[request_id]
+    def update(self, scheduled: worker_pb2.ScheduledRequest) -> int:
+        """Applies a scheduled request's diff to its row: copy-on-write replacements, new blocks, and the
+        tokens the scheduler chose for it (beam rows)."""
+        row = self._row_of[scheduled.request_id]
+        for replaced in scheduled.replaced_blocks:
+            self.block_table[row, replaced.index] = replaced.block_id
         start = self.num_blocks[row]
-        blocks = np.asarray(new_block_ids, dtype=np.int64)
+        blocks = np.asarray(scheduled.new_block_ids, dtype=np.int64)
         self.block_table[row, start : start + len(blocks)] = blocks
         self.num_blocks[row] = start + len(blocks)
+        if scheduled.new_token_ids:
+            tokens = np.asarray(scheduled.new_token_ids, dtype=np.int64)
+            self.token_ids[row, self.num_tokens[row] : self.num_tokens[row] + len(tokens)] = tokens
+            self.num_tokens[row] += len(tokens)
         return row
 
     def build_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepInputs:
@@ -125,9 +136,9 @@ class PersistentBatch:
             logits_indices=query_start_loc[1:][samples] - 1,
         )
 
-    def commit(self, inputs: StepInputs, sampled_token_ids: np.ndarray) -> None:
-        """Marks the step's tokens computed and appends each sampling row's new token."""
+    def commit(self, inputs: StepInputs, sampled_rows: np.ndarray, sampled_token_ids: np.ndarray) -> None:
+        """Marks the step's tokens computed and appends each sampled row's new token (beam rows get theirs
+        from the scheduler instead)."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
-        rows = inputs.sample_rows
-        self.token_ids[rows, self.num_tokens[rows]] = sampled_token_ids
-        self.num_tokens[rows] += 1
+        self.token_ids[sampled_rows, self.num_tokens[sampled_rows]] = sampled_token_ids
+        self.num_tokens[sampled_rows] += 1

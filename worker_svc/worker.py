@@ -60,22 +60,29 @@ class Worker:
         kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         kv_cache.copy([(m.src, m.dst) for m in plan.copy])
         rows = [batch.add(new) for new in plan.new_requests]
-        rows += [batch.append_blocks(s.request_id, s.new_block_ids) for s in plan.scheduled_requests]
+        rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
         result = worker_pb2.StepResult(step_id=plan.step_id)
         if not rows:
             return result
         num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
         num_scheduled += [s.num_scheduled_tokens for s in plan.scheduled_requests]
         inputs = batch.build_inputs(np.asarray(rows, dtype=np.int64), np.asarray(num_scheduled, dtype=np.int64))
-        token_ids, logprobs = self._forward_and_sample(inputs)
-        batch.commit(inputs, token_ids)
-        for row, token_id, logprob in zip(inputs.sample_rows.tolist(), token_ids.tolist(), logprobs.tolist()):
+        logits = self._forward(inputs)
+        is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
+        sampled_rows = inputs.sample_rows[~is_beam]
+        token_ids, logprobs = self._sample(logits, np.flatnonzero(~is_beam), sampled_rows)
+        batch.commit(inputs, sampled_rows, token_ids)
+        for row, token_id, logprob in zip(sampled_rows.tolist(), token_ids.tolist(), logprobs.tolist()):
             result.sampled.append(
                 worker_pb2.SampledToken(request_id=batch.request_id_of(row), token_id=token_id, logprob=logprob)
             )
+        if is_beam.any():
+            result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
+                                                                inputs.sample_rows[is_beam]))
         return result
 
-    def _forward_and_sample(self, inputs) -> tuple[np.ndarray, np.ndarray]:
+    def _forward(self, inputs) -> torch.Tensor | None:
+        """Runs the model over every scheduled token; returns the logits of the rows that sample, or None."""
         device, batch = self.device, self.batch
         metadata = AttentionMetadata(
             slot_mapping=_to_device(inputs.slot_mapping, torch.long, device),
@@ -87,21 +94,42 @@ class Worker:
         hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
                             _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
         if len(inputs.sample_rows) == 0:
+            return None
+        return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
+
+    def _sample(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if len(rows) == 0:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        logits = self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
-        rows = inputs.sample_rows
+        batch = self.batch
+        if len(logits_rows) != logits.shape[0]:
+            logits = logits[_to_device(logits_rows, torch.long, self.device)]
         tensors = SamplingTensors.from_host(
             temperature=batch.temperature[rows],
             top_p=batch.top_p[rows],
             top_k=batch.top_k[rows],
             seed=batch.seed[rows],
             position=batch.num_tokens[rows],
-            device=device,
+            device=self.device,
         )
         out = sample(logits, tensors)
         # One device-to-host copy per step: ids and logprobs travel together.
         packed = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]).cpu().numpy()
         return packed[0].astype(np.int64), packed[1].astype(np.float32)
+
+    def _beam_candidates(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> list[worker_pb2.BeamCandidates]:
+        """Top log_softmax candidates of each beam row (Hugging Face beam search scores raw logprobs)."""
+        batch = self.batch
+        counts = batch.num_beam_candidates[rows]
+        logprobs = torch.log_softmax(logits[_to_device(logits_rows, torch.long, self.device)].float(), dim=-1)
+        top = torch.topk(logprobs, k=int(min(counts.max(), logprobs.shape[-1])), dim=-1)
+        values, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
+        return [
+            worker_pb2.BeamCandidates(
+                request_id=batch.request_id_of(row),
+                candidates=[worker_pb2.TokenCandidate(token_id=t, logprob=v) for t, v in zip(ids[:k], vals[:k])],
+            )
+            for row, k, ids, vals in zip(rows.tolist(), counts.tolist(), indices, values)
+        ]
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
