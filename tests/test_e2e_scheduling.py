@@ -27,6 +27,11 @@ def llama(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=11)
 
 
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen2", seed=12)
+
+
 def _shared_prefix_prompts(count: int, prefix_len: int = 40, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(512) for _ in range(prefix_len)]
@@ -46,14 +51,16 @@ def _greedy(server, prompts, **kwargs):
     ["--max-num-batched-tokens", "24"],  # prefix caching on, prompts chunked
     ["--no-prefix-caching", "--no-chunked-prefill"],
 ], ids=["prefix-cache-and-chunking", "neither"])
-def test_greedy_equals_transformers_with_prefix_caching_and_chunking_on_or_off(llama, tmp_path, flags):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_equals_transformers_with_prefix_caching_and_chunking_on_or_off(request, arch, tmp_path, flags):
+    model = request.getfixturevalue(arch)
     prompts = _shared_prefix_prompts(8, seed=3)
-    with running_server(tmp_path, "--model", str(llama), *flags) as server:
+    with running_server(tmp_path, "--model", str(model), *flags) as server:
         first = _greedy(server, prompts[:1])  # fills the cache before the rest arrive
         rest = _greedy(server, prompts[1:])
         stats = server.wait_all_blocks_free()
     for prompt, result in zip(prompts, first + rest):
-        assert list(result.token_ids) == hf_greedy(llama, prompt, MAX_TOKENS)
+        assert list(result.token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
     if "--no-prefix-caching" in flags:
         assert stats.prefix_cache_hit_tokens == 0
     else:
