@@ -32,6 +32,12 @@ class AttentionMetadata:
         block_tables: IntTensor[B, max_blocks_per_seq]. Block ids of each sequence in context order;
             unused tail entries are 0.
         block_size: tokens per KV block.
+        num_decode_seqs: host int, optional. The first `num_decode_seqs` sequences are decodes (at most
+            one query token each; the input builder puts decodes first, as the scheduler orders them).
+            Backends that run separate decode and prefill kernels (kernels/triton_backend.py) read it to
+            split the batch without a device-to-host sync; under CUDA graphs it is the padded bucket
+            size. None means unknown: the Triton backend then finds it with one host sync, the torch
+            reference ignores it.
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +45,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     block_size: int
+    num_decode_seqs: int | None = None
 
     @property
     def num_seqs(self) -> int:

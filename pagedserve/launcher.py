@@ -116,7 +116,10 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
 def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv = [*model_argv, "--scheduler-address", address, "--device", args.device, "--dtype", args.dtype,
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space)]
+            "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space),
+            "--load-format", args.load_format, "--attention-backend", args.attention_backend]
+    if not args.cuda_graphs:
+        argv.append("--no-cuda-graphs")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     return argv

@@ -23,6 +23,12 @@ class WorkerConfig:
     swap_space: float = 4.0  # GiB of (pinned) host memory for swapped-out blocks
     rank: int = 0
     world_size: int = 1
+    # "auto": the checkpoint; "dummy": random weights (benchmarks of a model's shape from its config.json).
+    load_format: str = "auto"
+    # "auto": Triton kernels on a GPU, the torch reference on the CPU.
+    attention_backend: str = "auto"
+    # Decode steps replay CUDA graphs (GPU only).
+    cuda_graphs: bool = True
 
     @property
     def torch_dtype_name(self) -> str:
@@ -40,6 +46,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of GPU memory for weights, activations and the KV pool")
     parser.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV pool on the CPU")
     parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap pool per worker")
+    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                        help="dummy: random weights of the model's shape (benchmarks)")
+    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="auto: triton on a GPU, the torch reference on the CPU")
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                        help="run decode steps eagerly on a GPU")
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -60,4 +72,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         swap_space=args.swap_space,
         rank=getattr(args, "rank", 0),
         world_size=getattr(args, "world_size", 1),
+        load_format=args.load_format,
+        attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
     )

@@ -33,6 +33,7 @@ class StepInputs:
     # Rows whose computed tokens reach their last known token: they sample (or, beam rows, return candidates).
     sample_rows: np.ndarray  # [S]
     logits_indices: np.ndarray  # [S] index of each such row's last scheduled token in the token axis
+    num_decode_seqs: int  # leading rows with exactly one scheduled token
 
 
 class PersistentBatch:
@@ -134,6 +135,7 @@ class PersistentBatch:
             block_tables=self.block_table[rows, :max_blocks],
             sample_rows=rows[samples],
             logits_indices=query_start_loc[1:][samples] - 1,
+            num_decode_seqs=int(np.argmax(num_scheduled != 1)) if (num_scheduled != 1).any() else len(rows),
         )
 
     def commit(self, inputs: StepInputs, sampled_rows: np.ndarray, sampled_token_ids: np.ndarray) -> None:

@@ -17,12 +17,14 @@ import zmq
 from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
 from protos.pagedserve.v1 import worker_pb2
+from worker_svc.attention_choice import make_attention_backend
 from worker_svc.config import GIB, WorkerConfig
+from worker_svc.decode_graphs import DecodeGraphs
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PersistentBatch
-from worker_svc.sampler import SamplingTensors, sample
+from worker_svc.sampler import SamplingTensors, gumbel_noise, sample
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +35,15 @@ class Worker:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         model = resolve_model(config.model)
-        self.model, self.model_config = load_model(model.path, self.dtype, self.device)
+        self.model, self.model_config = load_model(model.path, self.dtype, self.device,
+                                                   attention_backend=make_attention_backend(config),
+                                                   load_format=config.load_format)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+        # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
+        self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
@@ -46,6 +53,10 @@ class Worker:
                                                                           self.dtype)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
+                                              self.batch.block_table.shape[1], setup.block_size, self.device)
+            self.decode_graphs.capture()
         logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
         return worker_pb2.WorkerReady(rank=self.config.rank, num_kv_blocks=blocks, num_swap_blocks=swap_blocks)
 
@@ -66,7 +77,10 @@ class Worker:
             return result
         num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
         num_scheduled += [s.num_scheduled_tokens for s in plan.scheduled_requests]
-        inputs = batch.build_inputs(np.asarray(rows, dtype=np.int64), np.asarray(num_scheduled, dtype=np.int64))
+        rows_array, scheduled_array = np.asarray(rows, dtype=np.int64), np.asarray(num_scheduled, dtype=np.int64)
+        # Decodes (one token) first: attention backends run them with their own kernel over a leading range.
+        order = np.argsort(scheduled_array != 1, kind="stable")
+        inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         logits = self._forward(inputs)
         is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
         sampled_rows = inputs.sample_rows[~is_beam]
@@ -84,15 +98,20 @@ class Worker:
     def _forward(self, inputs) -> torch.Tensor | None:
         """Runs the model over every scheduled token; returns the logits of the rows that sample, or None."""
         device, batch = self.device, self.batch
-        metadata = AttentionMetadata(
-            slot_mapping=_to_device(inputs.slot_mapping, torch.long, device),
-            query_start_loc=_to_device(inputs.query_start_loc, torch.int32, device),
-            seq_lens=_to_device(inputs.seq_lens, torch.int32, device),
-            block_tables=_to_device(inputs.block_tables, torch.int32, device),
-            block_size=batch.block_size,
-        )
-        hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
-                            _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
+        bucket = self.decode_graphs.bucket_for(inputs) if self.decode_graphs is not None else None
+        if bucket is not None:
+            hidden = self.decode_graphs.run(inputs, bucket)
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping=_to_device(inputs.slot_mapping, torch.long, device),
+                query_start_loc=_to_device(inputs.query_start_loc, torch.int32, device),
+                seq_lens=_to_device(inputs.seq_lens, torch.int32, device),
+                block_tables=_to_device(inputs.block_tables, torch.int32, device),
+                block_size=batch.block_size,
+                num_decode_seqs=inputs.num_decode_seqs,
+            )
+            hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
+                                _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
         if len(inputs.sample_rows) == 0:
             return None
         return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
@@ -111,7 +130,7 @@ class Worker:
             position=batch.num_tokens[rows],
             device=self.device,
         )
-        out = sample(logits, tensors)
+        out = sample(logits, tensors, noise_fn=self.noise_fn)
         # One device-to-host copy per step: ids and logprobs travel together.
         packed = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]).cpu().numpy()
         return packed[0].astype(np.int64), packed[1].astype(np.float32)

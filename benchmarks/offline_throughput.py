@@ -1,0 +1,212 @@
+"""Offline throughput (workload W1) through the engine's processes, against Hugging Face transformers in the
+same run, and single-request decode latency (TPOT). One command on a lent GPU:
+
+    python benchmarks/offline_throughput.py --shape qwen2.5-1.5b [--skip-hf] [--num-requests 256]
+
+W1 (DESIGN.md): 256 requests x 512 random prompt tokens x exactly 256 output tokens (EOS ignored), all
+submitted at once, greedy. Peers: HF `generate` in static batches of 64, and HF continuous batching
+(`generate_batch`). The floor: prefill FLOPs at the measured bf16 matmul rate plus, for each decode step,
+(weight bytes + KV bytes read) at the measured copy bandwidth. Writes JSON (and a bar chart PNG) to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.model_shapes import SHAPES, hf_config, kv_bytes_per_token, parameter_bytes, write_config_dir  # noqa: E402
+from client import AsyncClient  # noqa: E402
+from tests.server_harness import running_server  # noqa: E402
+
+PROMPT_LEN, OUTPUT_LEN, HF_STATIC_BATCH = 512, 256, 64
+
+
+def measure_ceilings() -> dict:
+    """The card's copy bandwidth (bytes read + written) and bf16 matmul rate, measured now."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    copy_bandwidth = 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    matmul_flops = 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+    del src, dst, a, b
+    torch.cuda.empty_cache()
+    return {"copy_bandwidth_bytes_per_s": copy_bandwidth, "bf16_matmul_flops_per_s": matmul_flops}
+
+
+def w1_floor(shape: str, num_requests: int, ceilings: dict) -> dict:
+    s = SHAPES[shape]
+    weights = parameter_bytes(shape)
+    non_embedding_params = weights / 2 - s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
+    prompt_tokens = num_requests * PROMPT_LEN
+    attention_flops = num_requests * 2 * s["num_hidden_layers"] * s["hidden_size"] * PROMPT_LEN**2  # causal QK + PV
+    prefill_flops = 2 * (non_embedding_params + s["vocab_size"] * s["hidden_size"] / PROMPT_LEN) * prompt_tokens
+    prefill_s = (prefill_flops + attention_flops) / ceilings["bf16_matmul_flops_per_s"]
+    kv_token = kv_bytes_per_token(shape)
+    decode_bytes = sum(weights + num_requests * (PROMPT_LEN + step) * kv_token for step in range(OUTPUT_LEN))
+    decode_s = decode_bytes / ceilings["copy_bandwidth_bytes_per_s"]
+    total = num_requests * OUTPUT_LEN
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "output_tokens_per_s": total / (prefill_s + decode_s)}
+
+
+def prompts(num_requests: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(num_requests)]
+
+
+async def _engine_w1(target: str, requests: list[list[int]]) -> tuple[float, int, list[float]]:
+    async with AsyncClient(target) as client:
+        await client.generate([5] * 16, max_tokens=4, temperature=0.0)  # warm-up: kernel compiles
+        start = time.perf_counter()
+        results = await asyncio.gather(*(
+            client.generate(p, max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True) for p in requests))
+        elapsed = time.perf_counter() - start
+        generated = sum(len(r.token_ids) for r in results)
+        # TPOT of a lone request: inter-chunk times of one stream on the idle server.
+        stamps = []
+        async for _ in client.generate_stream(requests[0], max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True):
+            stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return elapsed, generated, gaps
+
+
+def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
+    model_dir = write_config_dir(shape, work / shape)
+    flags = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+             "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--max-model-len", "1024",
+             "--swap-space", "1", *extra]
+    with running_server(work, *flags, ready_timeout=900) as server:
+        elapsed, generated, gaps = asyncio.run(_engine_w1(server.target, requests))
+        stats = server.wait_all_blocks_free()
+    return {
+        "elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
+        "tpot_median_ms": 1e3 * statistics.median(gaps), "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))],
+        "num_kv_blocks": stats.num_kv_blocks, "preemptions": stats.num_preemptions, "steps": stats.num_steps,
+    }
+
+
+def run_hf_static(model, requests) -> dict:
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(requests), HF_STATIC_BATCH):
+        batch = torch.tensor(requests[i : i + HF_STATIC_BATCH], device="cuda")
+        with torch.no_grad():
+            out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                                 max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, pad_token_id=0)
+        generated += (out.shape[1] - PROMPT_LEN) * out.shape[0]
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed}
+
+
+def run_hf_generate_batch(model, requests) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, do_sample=False,
+                              eos_token_id=2, pad_token_id=0)
+    model.generate_batch(inputs=requests[:4], generation_config=config)  # warm-up
+    start = time.perf_counter()
+    results = model.generate_batch(inputs=requests, generation_config=config)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    generated = sum(len(r.generated_tokens) for r in results.values())
+    return {"elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed}
+
+
+def run_hf(shape: str, requests) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16).eval()
+    results = {}
+    for name, runner in (("hf_static_batch64", run_hf_static), ("hf_generate_batch", run_hf_generate_batch)):
+        try:
+            results[name] = runner(model, requests)
+        except Exception as error:  # a peer that cannot run here is reported, not hidden
+            results[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+        print(name, json.dumps(results[name]), flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return results
+
+
+def draw(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n, r in summary["runs"].items() if "output_tokens_per_s" in r] + ["W1 floor"]
+    values = [summary["runs"][n]["output_tokens_per_s"] for n in names[:-1]] + [summary["floor"]["output_tokens_per_s"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(names, values, color=["tab:blue"] + ["tab:gray"] * (len(names) - 2) + ["tab:green"])
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"W1 on {summary['device']}, {summary['shape']} shape (bf16)")
+    for x, v in enumerate(values):
+        ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--engine-flags", default="", help="extra `pagedserve serve` flags")
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "."))
+    work = Path(tempfile.mkdtemp())
+    ceilings = measure_ceilings()
+    requests = prompts(args.num_requests, SHAPES[args.shape]["vocab_size"])
+    summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "ceilings": ceilings,
+               "floor": w1_floor(args.shape, args.num_requests, ceilings), "runs": {}}
+    print("ceilings", json.dumps(ceilings), "floor", json.dumps(summary["floor"]), flush=True)
+    summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, args.engine_flags.split())
+    print("pagedserve", json.dumps(summary["runs"]["pagedserve"]), flush=True)
+    if not args.skip_hf:
+        summary["runs"].update(run_hf(args.shape, requests))
+    engine = summary["runs"]["pagedserve"]["output_tokens_per_s"]
+    summary["ratios"] = {
+        f"pagedserve_over_{name}": engine / run["output_tokens_per_s"]
+        for name, run in summary["runs"].items() if name != "pagedserve" and "output_tokens_per_s" in run
+    }
+    summary["ratios"]["pagedserve_fraction_of_floor"] = engine / summary["floor"]["output_tokens_per_s"]
+    stem = f"w1_{args.shape}"
+    (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
+    draw(summary, out_dir / f"{stem}.png")
+    print(json.dumps(summary["ratios"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
