@@ -1,0 +1,30 @@
+"""Torch reference of RMSNorm with an optional residual add: the math of worker_svc/models/llama.py's RMSNorm.
+
+Why a standalone function: the Triton kernel (kernels/triton_rmsnorm.py) is tested against it, and
+tests/triton_kernels/ checks it equals the model module bit for bit, so the kernel is held to the same
+cast order Hugging Face uses (to fp32, normalize, back to the input dtype, times weight).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of `hidden` [T, H] (of `hidden + residual` when a residual is given).
+
+    Returns (normed, new_residual): new_residual is the sum the norm was taken of (a decoder layer's
+    next residual stream), or `hidden` itself without a residual.
+    """
+    if residual is not None:
+        hidden = hidden + residual
+    input_dtype = hidden.dtype
+    normed = hidden.to(torch.float32)
+    variance = normed.pow(2).mean(-1, keepdim=True)
+    normed = normed * torch.rsqrt(variance + eps)
+    return weight * normed.to(input_dtype), hidden

@@ -1,0 +1,138 @@
+"""Building blocks shared by the Triton attention kernels: paged K/V addressing and one online-softmax step.
+
+Why a shared module: the decode kernel and the prefill/extend kernel read K/V through the same block
+table and fold tiles into the same running (max, sum, acc) state; writing that once keeps the two kernels
+numerically identical and the traps handled in one place:
+
+- Addresses are int64: `block_id * stride_block` overflows int32 on a real pool (tens of GB).
+- A row that has seen no visible key yet has max = -inf; `exp2(-inf - -inf)` is NaN, so the running max
+  used for rescaling is replaced by 0 while it is -inf (the row's probabilities are then exactly 0).
+- Scores are kept in the log2 domain (`scale * log2(e)` folded in) so the kernels use `exp2`.
+
+Cache layout read here: `[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last axis
+(the K or V half of the per-layer `[2, ...]` tensor).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634  # host side: the kernels take `scale * LOG2_E` and use exp2
+
+
+
+@triton.jit
+def paged_token_offsets(
+    table_row_ptr,
+    positions,
+    in_context,
+    kv_head,
+    stride_block,
+    stride_token,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """int64 element offsets of context `positions` of one sequence (its block-table row) for `kv_head`."""
+    if MASKED:
+        block_ids = tl.load(table_row_ptr + positions // BLOCK_SIZE, mask=in_context, other=0)
+    else:
+        block_ids = tl.load(table_row_ptr + positions // BLOCK_SIZE)
+    return (
+        block_ids.to(tl.int64) * stride_block
+        + (positions % BLOCK_SIZE) * stride_token
+        + kv_head * stride_head
+    )
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    token_offsets,
+    in_context,
+    dims,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK_D] tile of K or V; masked-out tokens and padded dims read as 0 (never NaN)."""
+    ptrs = cache_ptr + token_offsets[:, None] + dims[None, :]
+    if MASKED:
+        return tl.load(ptrs, mask=in_context[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
+    elif BLOCK_D != HEAD_DIM:
+        return tl.load(ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def online_softmax_step(
+    query,
+    key,
+    value,
+    visible,
+    running_max,
+    running_sum,
+    acc,
+    scale_log2,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Fold one K/V tile into the running state of rows `query` [R, D]; `visible` [R, N] when MASKED.
+
+    Returns (running_max, running_sum, acc) with acc unnormalized, all fp32, max in the log2 domain.
+    """
+    if UPCAST:
+        key = key.to(tl.float32)
+        value = value.to(tl.float32)
+    scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    new_max = tl.maximum(running_max, tl.max(scores, 1))
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp2(running_max - safe_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    running_sum = running_sum * rescale + tl.sum(probs, 1)
+    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
+    return new_max, running_sum, acc
+
+
+@triton.jit
+def attend_paged_tile(
+    query,
+    key_cache_ptr,
+    value_cache_ptr,
+    table_row_ptr,
+    positions,
+    in_context,
+    visible,
+    kv_head,
+    stride_block,
+    stride_token,
+    stride_head,
+    dims,
+    running_max,
+    running_sum,
+    acc,
+    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """Gather the K/V of context `positions` through the block table and fold them into the state.
+
+    Without MASKED every position is in the context and visible to every row (no masks at all).
+    """
+    offsets = paged_token_offsets(
+        table_row_ptr, positions, in_context, kv_head, stride_block, stride_token, stride_head, BLOCK_SIZE, MASKED
+    )
+    key = load_kv_tile(key_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
+    value = load_kv_tile(value_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
+    return online_softmax_step(
+        query, key, value, visible, running_max, running_sum, acc, scale_log2, UPCAST, DOT_PRECISION, MASKED
+    )

@@ -1,0 +1,192 @@
+"""Prefill / extend attention in Triton: variable-length query chunks over their paged context.
+
+Torch reference: kernels/paged_attention_ref.py (`paged_attention`).
+
+One kernel serves fresh prefill, chunked prefill and prefix-cache hits: sequence i's `q_len` new tokens
+are the last `q_len` positions of its `seq_len`-token context, and the new tokens' K/V were already
+written into the cache (kernels/triton_cache_write.py) before this runs, so every key is read through the
+block table; there is no separate "new K/V" input.
+
+Design (KERNELS.md):
+- A program owns BLOCK_M (64) query tokens of one sequence and one query head (decode's 16-row tiles
+  halve prefill speed). It loops over key tiles only up to its causal bound: tiles strictly before its
+  first query position need no mask at all; the rest (the diagonal) are masked.
+- The grid is flat over query tiles, `T // BLOCK_M + B` of them, an upper bound on
+  `sum_i ceil(q_len_i / BLOCK_M)` known from shapes alone. Each program finds its sequence by a binary
+  search over `first_tile(i) = (query_start_loc[i] - query_start_loc[0]) // BLOCK_M + i` and exits if it
+  is past its sequence's last tile. So the launch needs no max query length and no host sync.
+
+Measured on an H200 (benchmarks/kernel_bench.py, bf16, 32/8 heads, head_dim 128): 294 TFLOP/s on a
+fresh 4 x 2048 prefill (57% of torch SDPA's FlashAttention on the same dense shapes), 342 on 8 chunks of
+512 over 4k contexts; BLOCK_N 64, 4 warps, 2 stages was the best of the sweep.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
+    """The last sequence whose first query tile is <= `tile` (binary search over query_start_loc)."""
+    first_token = tl.load(query_start_loc_ptr)
+    # int32 tensors from the start (not Python ints): loop-carried values must keep one type.
+    low = first_token * 0
+    high = low + num_seqs
+    while low < high:
+        middle = (low + high) // 2
+        first_tile = (tl.load(query_start_loc_ptr + middle) - first_token) // BLOCK_M + middle
+        if first_tile <= tile:
+            low = middle + 1
+        else:
+            high = middle
+    return low - 1
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    output_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    scale_log2,
+    num_seqs,
+    stride_q_token,
+    stride_q_head,
+    stride_o_token,
+    stride_o_head,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    stride_table_seq,
+    QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile_index = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // QUERIES_PER_KV
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_M)
+    first_token = tl.load(query_start_loc_ptr)
+    token_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - token_start
+    row_start = (tile_index - ((token_start - first_token) // BLOCK_M + seq)) * BLOCK_M
+    if row_start >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_before = seq_len - query_len
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_valid = rows < query_len
+    row_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    tokens = (token_start + rows).to(tl.int64)
+    query = tl.load(
+        query_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    if UPCAST:
+        query = query.to(tl.float32)
+    query_positions = context_before + rows
+
+    # Keys before the tile's first query position are visible to every row: no mask there.
+    unmasked_end = (context_before + row_start) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(seq_len, context_before + row_start + BLOCK_M)
+
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    tile = tl.arange(0, BLOCK_N)
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        positions = tile_start + tile
+        running_max, running_sum, acc = attend_paged_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < seq_len,
+            positions[None, :] < seq_len, kv_head, stride_cache_block, stride_cache_token,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False,
+        )
+    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
+        positions = tile_start + tile
+        in_context = positions < causal_end
+        visible = in_context[None, :] & (positions[None, :] <= query_positions[:, None])
+        running_max, running_sum, acc = attend_paged_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
+            visible, kv_head, stride_cache_block, stride_cache_token,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True,
+        )
+
+    output = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
+    tl.store(
+        output_ptr + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
+        output.to(output_ptr.dtype.element_ty),
+        mask=row_mask,
+    )
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    output: torch.Tensor,
+    num_query_tokens: int,
+    block_m: int = 64,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Write causal attention of `seq_lens.shape[0]` sequences' query chunks into `output` in place.
+
+    query / output [T, Hq, D] (the whole step's token axis; rows are addressed through
+    `query_start_loc`, which may start past 0); kv_cache [2, num_blocks, block_size, Hkv, D];
+    query_start_loc [B + 1]; seq_lens [B]; block_tables [B, W]. `num_query_tokens` is a host-side upper
+    bound on the tokens these sequences own (e.g. T minus the decode tokens before them); it only sizes
+    the grid. `block_n` defaults to 64 key tokens a tile for 16-bit caches and 32 for fp32 ones (an
+    fp32 64 x 64 x 128 pipeline would not fit in shared memory); it, `num_warps` and `num_stages` are
+    tuning knobs (benchmarks/kernel_bench.py --sweep).
+    """
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0:
+        return
+    num_query_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    assert query.stride(2) == 1 and output.stride(2) == 1 and key_cache.stride(3) == 1
+    if block_n is None:
+        block_n = 64 if kv_cache.element_size() <= 2 else 32
+    num_tiles = num_query_tokens // block_m + num_seqs
+    _prefill_attention_kernel[(num_tiles, num_query_heads)](
+        query, key_cache, value_cache, output,
+        query_start_loc, seq_lens, block_tables,
+        scale * LOG2_E, num_seqs,
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=num_query_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
+        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,47 @@
+"""SiLU(gate) * up in Triton over a fused `[T, 2 * I]` gate_up row; grid (tokens, column tiles).
+
+Torch reference: kernels/silu_and_mul_ref.py (`silu_and_mul`), which is llama.py's MLP activation.
+
+Rounding follows torch: SiLU is computed in fp32 and rounded to the activation dtype, then the product
+rounds again. Arithmetic is explicit fp32, so no interpreter upcast flag is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_up_ptr,
+    out_ptr,
+    stride_gate_up,
+    stride_out,
+    intermediate_size,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < intermediate_size
+    row = gate_up_ptr + token * stride_gate_up
+    gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row + intermediate_size + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, (activated * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """Same contract as kernels/silu_and_mul_ref.py: [T, 2 * I] -> [T, I]."""
+    num_tokens, width = gate_up.shape
+    intermediate_size = width // 2
+    assert gate_up.stride(1) == 1
+    out = torch.empty((num_tokens, intermediate_size), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate_size, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4,
+    )
+    return out

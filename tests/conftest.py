@@ -1,0 +1,16 @@
+"""Process-wide test setup that must come before any test module is imported.
+
+Triton kernels run in Triton's CPU interpreter (CI has no GPU). Why the flag is set here, in the root
+conftest that pytest loads before collecting any test module, and not in tests/triton_kernels/: Triton
+decides interpreter-or-compiler when a function is decorated with `triton.jit`, i.e. when a module is
+first imported; that covers our kernels and Triton's own library functions (`tl.zeros`, `tl.sum`, ...)
+decorated when `triton` itself is imported, and transformers' model code imports `triton` as a side
+effect. A flag set after any earlier-collected test module pulled `triton` in would come too late.
+
+`TRITON_INTERPRET=0 pytest` on a GPU machine opts out: tests/triton_kernels/ is then skipped, and
+benchmarks/kernel_bench.py checks the compiled kernels against the references instead.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,110 @@
+"""Triton RMSNorm, rotary and SiLU-and-mul equal their torch references (CPU interpreter, see conftest.py).
+
+The references are first checked to equal worker_svc/models/llama.py's modules bit for bit, so the
+kernels are held to the model's exact math (HF's cast order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels.triton_rmsnorm import rms_norm
+from kernels.triton_rotary import rotary_embedding
+from kernels.triton_silu_and_mul import silu_and_mul
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.llama import MLP, RMSNorm, RotaryEmbedding
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def tiny_config(head_dim=64, hidden_size=96, intermediate_size=80) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama", name="tiny", vocab_size=32, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True,
+        attention_bias=False, bos_token_id=None, eos_token_ids=(0,),
+    )
+
+
+def assert_close(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tolerance = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@DTYPES
+def test_references_equal_the_model_modules(dtype):
+    torch.manual_seed(0)
+    config = tiny_config()
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(dtype)
+    nn.init.normal_(norm.weight)
+    hidden = torch.randn(5, config.hidden_size, dtype=dtype)
+    assert torch.equal(rmsnorm_ref.rms_norm(hidden, norm.weight, norm.eps)[0], norm(hidden))
+
+    rotary = RotaryEmbedding(config)
+    positions = torch.tensor([0, 7, 300, 511, 3])
+    query = torch.randn(5, 8, config.head_dim, dtype=dtype)
+    key = torch.randn(5, 2, config.head_dim, dtype=dtype)
+    for got, want in zip(
+        rotary_ref.rotary_embedding(positions, query, key, rotary.cos_sin_cache),
+        rotary(positions, query, key),
+    ):
+        assert torch.equal(got, want)
+
+    mlp = MLP(config).to(dtype)
+    gate_up = torch.cat([mlp.gate_proj(hidden), mlp.up_proj(hidden)], dim=-1)
+    expected = mlp.down_proj(silu_and_mul_ref.silu_and_mul(gate_up))
+    assert torch.equal(expected, mlp(hidden))
+
+
+@DTYPES
+@pytest.mark.parametrize("hidden_size", [64, 96])
+def test_rms_norm_without_residual(dtype, hidden_size):
+    torch.manual_seed(0)
+    hidden = torch.randn(7, hidden_size, dtype=dtype) * 3
+    weight = torch.randn(hidden_size, dtype=dtype)
+    normed, residual = rms_norm(hidden, weight, 1e-6)
+    expected, _ = rmsnorm_ref.rms_norm(hidden, weight, 1e-6)
+    assert_close(normed, expected)
+    assert residual is hidden
+
+
+@DTYPES
+def test_rms_norm_adds_the_residual_and_returns_the_sum(dtype):
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 96, dtype=dtype)
+    residual = torch.randn(6, 96, dtype=dtype)
+    weight = torch.randn(96, dtype=dtype)
+    normed, new_residual = rms_norm(hidden, weight, 1e-5, residual=residual)
+    expected, expected_residual = rmsnorm_ref.rms_norm(hidden, weight, 1e-5, residual=residual)
+    assert_close(normed, expected)
+    assert_close(new_residual, expected_residual)
+
+
+@DTYPES
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_on_query_and_key_views_of_a_fused_projection(dtype, head_dim):
+    torch.manual_seed(0)
+    config = tiny_config(head_dim=head_dim)
+    cos_sin_cache = RotaryEmbedding(config).cos_sin_cache
+    num_tokens = 5
+    qkv = torch.randn(num_tokens, (8 + 2 + 2) * head_dim, dtype=dtype)
+    query = qkv[:, : 8 * head_dim].view(num_tokens, 8, head_dim)
+    key = qkv[:, 8 * head_dim : 10 * head_dim].view(num_tokens, 2, head_dim)
+    positions = torch.tensor([0, 1, 17, 511, 200])
+    rotated_query, rotated_key = rotary_embedding(positions, query, key, cos_sin_cache)
+    expected_query, expected_key = rotary_ref.rotary_embedding(positions, query, key, cos_sin_cache)
+    assert_close(rotated_query, expected_query)
+    assert_close(rotated_key, expected_key)
+
+
+@DTYPES
+def test_silu_and_mul_over_several_column_tiles(dtype):
+    torch.manual_seed(0)
+    gate_up = torch.randn(4, 2 * 300, dtype=dtype) * 4
+    assert_close(silu_and_mul(gate_up, block=128), silu_and_mul_ref.silu_and_mul(gate_up))
