@@ -24,7 +24,8 @@ def hf_config(shape: str):
     fields = dict(SHAPES[shape])
     architecture = fields.pop("architecture")
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[architecture]
-    return config_class(**fields, bos_token_id=1, eos_token_id=2)
+    model_class = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[architecture]
+    return config_class(**fields, bos_token_id=1, eos_token_id=2, architectures=[model_class])
 
 
 def write_config_dir(shape: str, directory: Path) -> Path:

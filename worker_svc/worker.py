@@ -16,6 +16,7 @@ import zmq
 
 from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
+from pagedserve.step_timer import StepTimer
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.attention_choice import make_attention_backend
 from worker_svc.config import GIB, WorkerConfig
@@ -42,6 +43,7 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.step_timer = StepTimer(f"worker rank {config.rank}")
         # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
         self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
 
@@ -62,7 +64,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        batch, kv_cache = self.batch, self.kv_cache
+        batch, kv_cache, timer = self.batch, self.kv_cache, self.step_timer
+        timer.start_step()
         for request_id in plan.finished_request_ids:
             batch.remove(request_id)
         for request_id in plan.preempted_request_ids:
@@ -81,10 +84,13 @@ class Worker:
         # Decodes (one token) first: attention backends run them with their own kernel over a leading range.
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
+        timer.mark("prepare")
         logits = self._forward(inputs)
+        timer.mark("forward_launch")
         is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
         sampled_rows = inputs.sample_rows[~is_beam]
         token_ids, logprobs = self._sample(logits, np.flatnonzero(~is_beam), sampled_rows)
+        timer.mark("sample_and_copy")
         batch.commit(inputs, sampled_rows, token_ids)
         for row, token_id, logprob in zip(sampled_rows.tolist(), token_ids.tolist(), logprobs.tolist()):
             result.sampled.append(
@@ -93,6 +99,7 @@ class Worker:
         if is_beam.any():
             result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
                                                                 inputs.sample_rows[is_beam]))
+        timer.mark("result")
         return result
 
     def _forward(self, inputs) -> torch.Tensor | None:
@@ -188,7 +195,7 @@ def run_worker(config: WorkerConfig) -> int:
                 step_id = message.plan.step_id
                 _send(socket, worker_pb2.WorkerToScheduler(result=worker.execute(message.plan)))
             elif kind == "shutdown":
-                logger.info("rank %d: shutdown requested", config.rank)
+                logger.info("rank %d: shutdown requested; %s", config.rank, worker.step_timer.summary())
                 return 0
     except Exception as error:
         logger.exception("rank %d failed at step %d", config.rank, step_id)

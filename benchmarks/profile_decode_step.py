@@ -1,0 +1,81 @@
+"""Where a decode step's time goes inside the worker: drives a real `Worker` (no scheduler, no sockets) with
+synthetic plans (B requests, PROMPT tokens each, prefilled, then decode steps) under torch.profiler, and
+prints the top GPU kernels and host ops plus wall time per decode step.
+
+    python benchmarks/profile_decode_step.py --shape qwen2.5-1.5b --batch 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.model_shapes import SHAPES, write_config_dir  # noqa: E402
+from protos.pagedserve.v1 import worker_pb2  # noqa: E402
+from worker_svc.config import WorkerConfig  # noqa: E402
+from worker_svc.worker import Worker  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: 48 per request")
+    parser.add_argument("--spread", action="store_true", help="spread each request's blocks over the pool")
+    args = parser.parse_args()
+    model_dir = write_config_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
+                                 load_format="dummy", swap_space=0.1, num_kv_blocks=args.num_kv_blocks or args.batch * 48,
+                                 cuda_graphs=not args.no_cuda_graphs))
+    worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=args.batch, max_num_batched_tokens=16384,
+                                        max_model_len=1024))
+    blocks_per_request = 48
+    plan = worker_pb2.StepPlan(step_id=1)
+    for i in range(args.batch):
+        plan.new_requests.append(worker_pb2.NewRequest(
+            request_id=f"r{i}", token_ids=[(i * 7 + j) % 1000 + 3 for j in range(args.prompt)],
+            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i),
+            block_ids=[(b * args.batch + i) if args.spread else i * blocks_per_request + b
+                       for b in range(blocks_per_request)],
+            num_computed_tokens=0, num_scheduled_tokens=args.prompt))
+    worker.execute(plan)  # prefill all at once
+    step = 1
+
+    def decode_step():
+        nonlocal step
+        step += 1
+        decode = worker_pb2.StepPlan(step_id=step)
+        for i in range(args.batch):
+            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1))
+        worker.execute(decode)
+
+    for _ in range(5):
+        decode_step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        decode_step()
+    torch.cuda.synchronize()
+    print(f"decode step wall: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms at batch {args.batch}")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(5):
+            decode_step()
+        torch.cuda.synchronize()
+    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table)
+    print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Cumulative wall time per phase of the per-step loop, for the question "where does a step's time go".
+
+Owned by one loop (the engine's or a worker's); never shared. Cheap enough to stay on: one perf_counter
+call per phase boundary. `summary()` is logged at shutdown and read by benchmarks from the service log.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class StepTimer:
+    def __init__(self, name: str):
+        self.name = name
+        self._totals: dict[str, float] = {}
+        self._steps = 0
+        self._last = 0.0
+
+    def start_step(self) -> None:
+        self._steps += 1
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """Charges the time since the previous mark (or the step's start) to `phase`."""
+        now = time.perf_counter()
+        self._totals[phase] = self._totals.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        steps = max(self._steps, 1)
+        phases = " ".join(f"{phase}={1e3 * total / steps:.3f}ms" for phase, total in self._totals.items())
+        return f"{self.name} step time over {self._steps} steps (mean per step): {phases}"
