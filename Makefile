@@ -10,7 +10,7 @@ PROMPT ?= What is the capital of France?
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install protos serve test demo clean
+.PHONY: install protos serve test demo compose-smoke clean
 
 install: $(STAMP) $(GENERATED)
 
@@ -37,6 +37,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Builds the image and brings the CPU compose profile up for real (root, Docker; see the script's header).
+compose-smoke:
+	bash scripts/compose_smoke.sh
 
 clean:
 	rm -rf $(VENV) protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

@@ -5,7 +5,8 @@
         client.wait_ready()
         print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
 
-`python -m client "prompt"` is the same from a shell.
+`python -m client "prompt"` is the same from a shell. `LLM` (with `SamplingParams`) is offline batch
+inference: it starts its own server and returns results in prompt order.
 """
 
 from client.async_client import AsyncClient
@@ -17,8 +18,10 @@ from client.errors import (
     RequestCancelledError,
     ServerUnavailableError,
 )
+from client.llm import LLM
+from client.sampling_params import SamplingParams
 from client.sync_client import Client
-from client.types import CompletionOutput, GenerateChunk, GenerationResult, ModelInfo, ServerStats
+from client.types import CompletionOutput, GenerateChunk, GenerationResult, LatencyHistogram, ModelInfo, ServerStats
 
 __all__ = [
     "AsyncClient",
@@ -28,10 +31,13 @@ __all__ = [
     "GenerateChunk",
     "GenerationResult",
     "InvalidRequestError",
+    "LLM",
+    "LatencyHistogram",
     "ModelInfo",
     "OverloadedError",
     "PagedServeError",
     "RequestCancelledError",
+    "SamplingParams",
     "ServerStats",
     "ServerUnavailableError",
 ]

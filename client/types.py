@@ -40,6 +40,9 @@ class GenerateChunk:
     # last chunk, which also carries the sequence's cumulative logprob.
     index: int = 0
     cumulative_logprob: float | None = None
+    # The logprob of each of `token_ids` (log_softmax of the raw logits); empty where the server does not
+    # track them (beam search results).
+    logprobs: tuple[float, ...] = ()
 
     @classmethod
     def from_response(cls, response: generate_pb2.GenerateResponse) -> GenerateChunk:
@@ -54,6 +57,7 @@ class GenerateChunk:
             completion_tokens=response.usage.completion_tokens if has_usage else None,
             index=response.index,
             cumulative_logprob=response.cumulative_logprob if has_usage else None,
+            logprobs=tuple(response.logprobs),
         )
 
 
@@ -67,6 +71,8 @@ class CompletionOutput:
     finish_reason: str | None
     completion_tokens: int | None
     cumulative_logprob: float | None
+    # One per token id when the server tracked them all, else empty.
+    logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,11 +97,13 @@ class GenerationResult:
     def from_chunks(cls, chunks: Iterable[GenerateChunk]) -> GenerationResult:
         texts: dict[int, list[str]] = {}
         token_ids: dict[int, list[int]] = {}
+        logprobs: dict[int, list[float]] = {}
         last: dict[int, GenerateChunk] = {}
         request_id, prompt_tokens = "", None
         for chunk in chunks:
             texts.setdefault(chunk.index, []).append(chunk.text)
             token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
+            logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
             last[chunk.index] = chunk
             request_id = chunk.request_id
             if chunk.prompt_tokens is not None:
@@ -108,6 +116,7 @@ class GenerationResult:
                 finish_reason=last[index].finish_reason,
                 completion_tokens=last[index].completion_tokens,
                 cumulative_logprob=last[index].cumulative_logprob,
+                logprobs=tuple(logprobs[index]) if len(logprobs[index]) == len(token_ids[index]) else (),
             )
             for index in sorted(texts)
         )
@@ -148,9 +157,25 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class LatencyHistogram:
+    """A latency histogram in seconds (mirrors the LatencyHistogram message): `counts[i]` observations fell
+    in (upper_bounds[i-1], upper_bounds[i]]; the last count, one past `upper_bounds`, is the +Inf bucket."""
+
+    upper_bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    @classmethod
+    def from_message(cls, message: generate_pb2.LatencyHistogram) -> LatencyHistogram:
+        return cls(tuple(message.upper_bounds), tuple(message.counts), message.sum, message.count)
+
+
+@dataclass(frozen=True)
 class ServerStats:
     """Scheduler counters at one moment (mirrors GetStatsResponse): queue lengths, KV and swap blocks,
-    preemptions, steps and finished requests since the server started."""
+    preemptions, steps and finished requests since the server started; prompt and generated token totals
+    and latency histograms (time to first token, time per output token, end to end)."""
 
     num_running: int
     num_waiting: int
@@ -166,7 +191,17 @@ class ServerStats:
     prefix_cache_hit_rate: float
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    time_to_first_token: LatencyHistogram
+    time_per_output_token: LatencyHistogram
+    e2e_request_latency: LatencyHistogram
 
     @classmethod
     def from_response(cls, response: generate_pb2.GetStatsResponse) -> ServerStats:
-        return cls(**{field.name: getattr(response, field.name) for field in dataclasses.fields(cls)})
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = getattr(response, field.name)
+            values[field.name] = (LatencyHistogram.from_message(value)
+                                  if isinstance(value, generate_pb2.LatencyHistogram) else value)
+        return cls(**values)

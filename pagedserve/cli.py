@@ -1,4 +1,5 @@
-"""`pagedserve` command line: `serve` (scheduler + worker processes), `scheduler`, `worker`.
+"""`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
+`gateway`, and `health` (a readiness probe for container health checks).
 
 Each subcommand parses its flags into its service's one frozen config; `serve` forwards the same flags to
 the children it starts (the same command lines docker compose uses).
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import sys
 
+from gateway.config import add_gateway_access_arguments, add_gateway_arguments, gateway_config_from_args
 from scheduler_svc.config import add_scheduler_arguments, scheduler_config_from_args
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 
@@ -21,12 +23,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="vLLM-style LLM serving over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="start the scheduler and its worker as separate processes")
+    serve = commands.add_parser("serve", help="start the scheduler, its worker and the HTTP gateway as processes")
     add_scheduler_arguments(serve)
     add_worker_arguments(serve)
     serve.add_argument("--worker-address", default=None,
                        help="ZeroMQ address between scheduler and worker (default: a private ipc socket)")
     serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    serve.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP gateway")
+    serve.add_argument("--no-http", dest="enable_http", action="store_false", help="start no HTTP gateway")
+    add_gateway_access_arguments(serve)
 
     scheduler = commands.add_parser("scheduler", help="start the scheduler service alone")
     add_scheduler_arguments(scheduler)
@@ -41,11 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--rank", type=int, default=0)
     worker.add_argument("--world-size", type=int, default=1)
     worker.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+    gateway = commands.add_parser("gateway", help="start the OpenAI-compatible HTTP gateway alone")
+    add_gateway_arguments(gateway)
+    gateway.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+
+    health = commands.add_parser("health", help="exit 0 if a scheduler or gateway is ready, else 1")
+    probe = health.add_mutually_exclusive_group(required=True)
+    probe.add_argument("--grpc-target", help="a scheduler's host:port: its gRPC health must be SERVING")
+    probe.add_argument("--http-url", help="a gateway's /health URL: it must answer 200")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "health":
+        from pagedserve.health_probe import grpc_serving, http_ok
+
+        ready = grpc_serving(args.grpc_target, args.timeout) if args.grpc_target else http_ok(args.http_url, args.timeout)
+        return 0 if ready else 1
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
     if getattr(args, "exit_with_parent", False):
         from pagedserve.process_guard import exit_with_parent
@@ -59,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from scheduler_svc.service import run_scheduler_service
 
         return asyncio.run(run_scheduler_service(scheduler_config_from_args(args)))
+    if args.command == "gateway":
+        from gateway.server import run_gateway
+
+        return run_gateway(gateway_config_from_args(args))
     if args.world_size != 1:
         raise SystemExit("--world-size > 1 (tensor parallel) is not supported yet")
     from worker_svc.worker import run_worker

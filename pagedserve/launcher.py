@@ -1,9 +1,14 @@
-"""`pagedserve serve`: runs the scheduler and one worker as separate processes and supervises them.
+"""`pagedserve serve`: runs the scheduler, one worker and the HTTP gateway (unless --no-http) as separate
+processes and supervises them.
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
 drains, then tells the worker to exit), and if either child dies on its own, stops the other and exits 1 so a
 restart policy can bring the stack back. Children die with the launcher (see process_guard.py).
+
+The gateway is a gRPC client of the scheduler like any other; it is ready when its /health says the
+scheduler is SERVING. On SIGTERM it is signalled together with the scheduler, so HTTP streams in flight
+keep flowing while the scheduler drains them.
 """
 
 from __future__ import annotations
@@ -16,9 +21,7 @@ import sys
 import tempfile
 import time
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from pagedserve.health_probe import grpc_serving, http_ok
 from pagedserve.model_source import resolve_model
 
 _POLL_SECONDS = 0.2
@@ -32,6 +35,8 @@ def serve(args: argparse.Namespace) -> int:
         scheduler = _start("scheduler", _scheduler_argv(args, model_argv, address))
         worker = _start("worker", _worker_argv(args, model_argv, address))
         children = {"scheduler": scheduler, "worker": worker}
+        if args.enable_http:
+            children["gateway"] = _start("gateway", _gateway_argv(args))
         stop_requested = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, f: stop_requested.append(s))
@@ -42,37 +47,39 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list) -> int:
-    target = f"{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+    target = _local_address(args.host, args.port)
+    http_health = f"http://{_local_address(args.host, args.http_port)}/health" if args.enable_http else None
     ready_deadline = time.monotonic() + args.ready_timeout
     ready = False
     while True:
         if stop_requested:
             print("pagedserve: shutting down", file=sys.stderr, flush=True)
-            children["scheduler"].send_signal(signal.SIGTERM)
+            for name in ("scheduler", "gateway"):
+                if name in children:
+                    children[name].send_signal(signal.SIGTERM)
             code = _wait(children["scheduler"], args.shutdown_timeout + 10)
             _wait(children["worker"], 15)
+            if "gateway" in children:
+                _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
         for name, child in children.items():
             if child.poll() is not None:
                 print(f"pagedserve: the {name} exited with code {child.returncode}", file=sys.stderr, flush=True)
                 return 1
         if not ready:
-            ready = _is_serving(target)
+            ready = grpc_serving(target) and (http_health is None or http_ok(http_health))
             if ready:
-                print(f"pagedserve: serving {model_name} on {target}", file=sys.stderr, flush=True)
+                http = f"; OpenAI API on {http_health.removesuffix('/health')}/v1" if http_health else ""
+                print(f"pagedserve: serving {model_name} on {target}{http}", file=sys.stderr, flush=True)
             elif time.monotonic() > ready_deadline:
                 print("pagedserve: not ready in time", file=sys.stderr, flush=True)
                 return 1
         time.sleep(_POLL_SECONDS)
 
 
-def _is_serving(target: str) -> bool:
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+def _local_address(host: str, port: int) -> str:
+    """Where this machine reaches a server bound to host:port (a wildcard bind is reached on loopback)."""
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
 def _start(role: str, argv: list[str]) -> subprocess.Popen:
@@ -122,4 +129,14 @@ def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv.append("--no-cuda-graphs")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    return argv
+
+
+def _gateway_argv(args) -> list[str]:
+    argv = ["--grpc-target", _local_address(args.host, args.port), "--host", args.host, "--port", str(args.http_port),
+            "--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.api_key:
+        argv += ["--api-key", args.api_key]
+    if args.served_model_name:
+        argv += ["--served-model-name", args.served_model_name]
     return argv

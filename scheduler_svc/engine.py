@@ -15,7 +15,9 @@ import logging
 import random
 from dataclasses import dataclass
 
+from pagedserve.step_timer import StepTimer
 from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
 from scheduler_svc.plan_codec import decode_step_result, encode_step_plan
 from scheduler_svc.request import Request
 from scheduler_svc.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
@@ -72,6 +74,8 @@ class Engine:
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
+        self.step_timer = StepTimer("scheduler")
+        self._metrics = ServingMetrics()  # metrics: token totals and latency histograms (GetStats)
 
     # -- called by gRPC handlers -------------------------------------------------------------------------
 
@@ -100,6 +104,7 @@ class Engine:
         else:
             group_class = SingleSequence
         group = group_class(request_id, root, self._context)
+        self._metrics.on_admitted(request_id, root.num_prompt_tokens)  # metrics
         self._groups[request_id] = group
         self._inbox.append(group)
         self._wake.set()
@@ -134,6 +139,9 @@ class Engine:
             prefix_cache_query_tokens=scheduler.prefix_cache_query_tokens,
         )
 
+    def serving_metrics(self) -> ServingMetricsSnapshot:  # metrics
+        return self._metrics.snapshot()
+
     # -- the loop ----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -145,13 +153,20 @@ class Engine:
                 if output.total_num_scheduled_tokens == 0 and not _carries_block_work(output):
                     await self._idle(self._scheduler.has_unfinished_requests())
                     continue
+                timer = self.step_timer
+                timer.start_step()
                 self._num_swapped_out_blocks += len(output.swap_out)
                 plan = encode_step_plan(output)
                 if self._plan_log is not None:
                     self._plan_log.write(plan.plan)
-                outcome = decode_step_result(await self._link.execute(plan))
+                timer.mark("encode")
+                result = await self._link.execute(plan)
+                timer.mark("worker_round_trip")
+                outcome = decode_step_result(result)
                 updated = self._scheduler.update_from_output(output, outcome.sampled)
+                timer.mark("update")
                 self._publish(output, updated, outcome)
+                timer.mark("publish")
         except asyncio.CancelledError:
             raise
         except BaseException as failure:
@@ -196,18 +211,20 @@ class Engine:
 
     def _publish(self, output: SchedulerOutput, updated: list[Request], outcome) -> None:
         owners = self._context.owners
+        self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
         for request in updated:
             group = owners.get(request.request_id)
             if group is None:
                 continue
             group.on_step(request, outcome)
             if group.finished:
-                self._forget(group)
+                self._forget(group, completed=True)
 
-    def _forget(self, group: RequestGroup) -> None:
+    def _forget(self, group: RequestGroup, completed: bool = False) -> None:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
             self._num_finished += 1
+            self._metrics.on_request_end(group.request_id, completed)  # metrics
 
     def _fail_all(self, failure: BaseException) -> None:
         self._failure = failure

@@ -14,6 +14,7 @@ import grpc
 
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.engine import Engine
+from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.output_stream import OutputDelta
 from scheduler_svc.request import FinishReason
 from scheduler_svc.request_group import StreamEnd
@@ -113,7 +114,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self._engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
         stats = self._engine.stats()
-        return generate_pb2.GetStatsResponse(**stats.__dict__)
+        response = generate_pb2.GetStatsResponse(**stats.__dict__)
+        fill_stats_response(response, self._engine.serving_metrics())  # metrics: token totals, latency histograms
+        return response
 
 
 def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateResponse:
@@ -123,6 +126,7 @@ def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateRespo
         token_ids=delta.token_ids,
         finish_reason=_FINISH_REASONS[delta.finish_reason],
         index=delta.index,
+        logprobs=delta.logprobs,  # per-token logprobs (OpenAI gateway's logprobs)
     )
     if delta.finish_reason is not None:
         response.usage.prompt_tokens = delta.prompt_tokens

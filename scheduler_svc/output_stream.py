@@ -26,6 +26,7 @@ class OutputDelta:
     completion_tokens: int = 0
     index: int = 0  # which of the request's n sequences
     cumulative_logprob: float = 0.0  # set on a sequence's last message
+    logprobs: tuple[float, ...] = ()  # one per token id, when tracked (request_group.py fills it)
 
 
 class OutputStream:

@@ -108,7 +108,7 @@ class SingleSequence(RequestGroup):
 
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
         self._cumulative_logprob += outcome.logprobs.get(request.request_id, 0.0)
-        delta = _advance(self._stream, request, self.context.scheduler)
+        delta = _advance(self._stream, request, self.context.scheduler, outcome)
         if delta.finish_reason is not None:
             delta = dataclasses.replace(delta, cumulative_logprob=self._cumulative_logprob)
         if delta.text or delta.token_ids or delta.finish_reason is not None:
@@ -126,6 +126,7 @@ class ParallelSampling(RequestGroup):
         self._streams: dict[str, OutputStream] = {}
         self._index: dict[str, int] = {}
         self._logprob: dict[str, float] = {}
+        self._token_logprobs: dict[str, list[float]] = {}  # best_of > n: sent with each child's whole output
         self._finals: dict[str, OutputDelta] = {}  # best_of > n: each child's whole output, sent at the end
         if self.root.num_prompt_tokens == 1:
             self._fork_children(parent_id=None)
@@ -145,7 +146,8 @@ class ParallelSampling(RequestGroup):
             return
         child_id = request.request_id
         self._logprob[child_id] += outcome.logprobs.get(child_id, 0.0)
-        delta = _advance(self._streams[child_id], request, self.context.scheduler)
+        delta = _advance(self._streams[child_id], request, self.context.scheduler, outcome)
+        self._token_logprobs[child_id].extend(delta.logprobs)
         streaming = self._best_of == self._n
         if delta.finish_reason is not None:
             self._drop(child_id)
@@ -173,6 +175,7 @@ class ParallelSampling(RequestGroup):
             self._streams[child.request_id] = OutputStream(child, self.context.tokenizer)
             self._index[child.request_id] = i
             self._logprob[child.request_id] = 0.0
+            self._token_logprobs[child.request_id] = []
             self._add(child, parent_id, num_shared_tokens=self.root.num_prompt_tokens - 1 if parent_id else 0)
 
     def _send_best(self) -> None:
@@ -187,11 +190,20 @@ class ParallelSampling(RequestGroup):
                 completion_tokens=final.completion_tokens,
                 index=index,
                 cumulative_logprob=self._logprob[child.request_id],
+                logprobs=_whole_logprobs(self._token_logprobs[child.request_id], child),
             ))
 
 
-def _advance(stream: OutputStream, request: Request, scheduler: Scheduler) -> OutputDelta:
+def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outcome: StepOutcome) -> OutputDelta:
     delta, stopped_by_string = stream.advance(request)
     if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
         scheduler.finish_request(request.request_id, FinishReason.STOP)
+    logprob = outcome.logprobs.get(request.request_id)
+    if len(delta.token_ids) == 1 and logprob is not None:  # a step samples one token per sequence
+        delta = dataclasses.replace(delta, logprobs=(logprob,))
     return delta
+
+
+def _whole_logprobs(token_logprobs: list[float], request: Request) -> tuple[float, ...]:
+    """Per-token logprobs of a whole output, or none if any token's is unknown (they would not line up)."""
+    return tuple(token_logprobs) if len(token_logprobs) == request.num_output_tokens else ()

@@ -111,6 +111,7 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
     except (asyncio.CancelledError, Exception):
         pass
     await link.shutdown_workers()
+    logger.info(engine.step_timer.summary())
     return 0
 
 

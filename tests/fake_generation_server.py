@@ -17,8 +17,11 @@ MODEL_INFO = generate_pb2.ModelInfoResponse(
     model_name="fake-model", max_model_len=2048, vocab_size=32000, block_size=16, num_kv_blocks=100,
     num_swap_blocks=50, eos_token_ids=[2, 7], has_tokenizer=True, has_chat_template=False,
 )
+# Every counter set to its field's position (1, 2, ...); every histogram to one observation in its first bucket.
 STATS = generate_pb2.GetStatsResponse(**{
-    field.name: index + 1 for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
+    field.name: (generate_pb2.LatencyHistogram(upper_bounds=[0.5, 1.0], counts=[1, 0, 0], sum=0.25, count=1)
+                 if field.message_type is not None else index + 1)
+    for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
 })
 
 

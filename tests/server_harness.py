@@ -1,15 +1,21 @@
 """Real `pagedserve serve` processes for end-to-end tests: start on a free loopback port, wait until
-SERVING, and on exit stop with SIGTERM and prove a clean shutdown (exit code 0, no child process left)."""
+SERVING, and on exit stop with SIGTERM and prove a clean shutdown (exit code 0, no child process left).
+
+The HTTP gateway is off (`--no-http`) unless a test asks for it with `http=True`, which gives it a free
+port of its own: the default port 8000 would collide between servers, and most tests speak gRPC only."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -27,11 +33,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, process: subprocess.Popen, port: int, log_path: Path):
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, http_port: int | None = None):
         self.process = process
         self.port = port
         self.target = f"127.0.0.1:{port}"
         self.log_path = log_path
+        self.http_port = http_port
+        # The gateway's root URL (OpenAI clients take base_url = this + "/v1"); None without a gateway.
+        self.http_url = None if http_port is None else f"http://127.0.0.1:{http_port}"
 
     def client(self) -> Client:
         return Client(self.target)
@@ -61,12 +70,23 @@ def _wait_serving(server: ServerProcess, timeout: float) -> None:
             if server.process.poll() is not None:
                 raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()[-4000:]}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+                        and _http_ready(server)):
                     return
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"server not SERVING within {timeout}s:\n{server.log()[-4000:]}")
+
+
+def _http_ready(server: ServerProcess) -> bool:
+    if server.http_url is None:
+        return True
+    try:
+        with urllib.request.urlopen(f"{server.http_url}/health", timeout=1) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _descendants(pid: int) -> list[int]:
@@ -85,16 +105,19 @@ def _descendants(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_server(tmp_dir: Path, *args: str, ready_timeout: float = 180.0):
-    """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after."""
+def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
+    """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after.
+    `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too."""
     port = free_port()
+    http_port = free_port() if http else None
+    http_args = ["--http-port", str(http_port)] if http else ["--no-http"]
     log_path = Path(tmp_dir) / f"server-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *args],
+            [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *http_args, *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(process, port, log_path)
+    server = ServerProcess(process, port, log_path, http_port)
     try:
         _wait_serving(server, ready_timeout)
         children = _descendants(process.pid)
@@ -117,3 +140,53 @@ def _is_alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def running_gateway(tmp_dir: Path, grpc_target: str, *args: str, ready_timeout: float = 60.0):
+    """Runs `pagedserve gateway --grpc-target TARGET ARGS` on a free port and yields its root URL once it
+    answers HTTP (whatever its /health says); asserts a clean SIGTERM shutdown after."""
+    port = free_port()
+    log_path = Path(tmp_dir) / f"gateway-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve", "gateway", "--grpc-target", grpc_target, "--port", str(port), *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not _answers_http(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway not up (exit {process.poll()}):\n{log_path.read_text(errors='replace')[-4000:]}")
+            time.sleep(0.1)
+        yield url
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=30)
+        assert code == 0, f"gateway exited with {code}:\n{log_path.read_text(errors='replace')[-4000:]}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # an HTTP answer, even 503, means the gateway is up
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def http_json(url: str, body: dict | bytes | None = None, headers: dict | None = None):
+    """GET (body None) or POST `url`; returns (status, headers (case-insensitive), decoded JSON body)
+    whatever the status."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, json.loads(error.read())

@@ -25,6 +25,7 @@ from client import (
     Client,
     DeadlineExceededError,
     InvalidRequestError,
+    LatencyHistogram,
     ModelInfo,
     OverloadedError,
     ServerStats,
@@ -140,7 +141,13 @@ def test_model_info_and_stats_mirror_the_server_responses(client):
     stats = client.stats()
     proto_fields = [field.name for field in generate_pb2.GetStatsResponse.DESCRIPTOR.fields]
     assert [field.name for field in dataclasses.fields(ServerStats)] == proto_fields  # no counter left behind
-    assert [getattr(stats, name) for name in proto_fields] == list(range(1, len(proto_fields) + 1))
+    counters = [(index + 1, field.name) for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
+                if field.message_type is None]
+    assert [getattr(stats, name) for _, name in counters] == [position for position, _ in counters]
+    histograms = set(proto_fields) - {name for _, name in counters}
+    assert histograms == {"time_to_first_token", "time_per_output_token", "e2e_request_latency"}
+    for name in histograms:
+        assert getattr(stats, name) == LatencyHistogram(upper_bounds=(0.5, 1.0), counts=(1, 0, 0), sum=0.25, count=1)
 
 
 def test_wait_ready_returns_once_the_server_turns_serving(client, server):

@@ -1,0 +1,46 @@
+"""SamplingParams: vLLM's name and fields for how to sample, as one reusable frozen object.
+
+Why a class when the clients take keywords: the offline `LLM.generate(prompts, sampling_params)` applies one
+set of parameters to many prompts (or one per prompt), as vLLM's does, so code moving over from vLLM keeps
+its shape. Fields left None stay unset on the wire and take the server's defaults (max_tokens 16,
+temperature 1.0, top_p 1.0, top_k off, n 1), exactly as with the keyword API.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    # Generation stops before the first occurrence of any of these (not included in the output).
+    stop: str | tuple[str, ...] | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool | None = None
+    # Parallel sampling: n sequences returned, best of best_of generated.
+    n: int | None = None
+    best_of: int | None = None
+    # Beam search when > 1 (greedy).
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+
+    def __post_init__(self) -> None:
+        # Lists are accepted as vLLM's are, and kept as tuples so the object stays hashable and immutable.
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+
+    def keywords(self) -> dict[str, Any]:
+        """The SDK's sampling keywords (`Client.generate(..., **params.keywords())`), unset ones left out."""
+        return {field.name: (list(value) if isinstance(value, tuple) else value)
+                for field in dataclasses.fields(self)
+                if (value := getattr(self, field.name)) is not None}

@@ -1,0 +1,95 @@
+"""POST /v1/chat/completions: the conversation goes to the scheduler as a gRPC ChatPrompt, rendered there by
+the model's own chat template (with the generation prompt), and the answer comes back as OpenAI chat
+completion objects, or chunks when streamed.
+
+Streamed, each choice opens with a chunk carrying the assistant role (OpenAI's shape), then content deltas;
+the chunk that ends a choice carries its finish_reason.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from client.types import GenerateChunk
+from gateway.backend import Backend
+from gateway.choices import ChoiceLog, chat_logprobs, usage
+from gateway.errors import invalid_request
+from gateway.protocol import ChatCompletionRequest
+from gateway.sampling import chat_keywords, chat_messages
+from gateway.streaming import collect_streams, event_stream, start_streams
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, backend: Backend) -> Response:
+    model_name, info = await backend.model_for(body.model)
+    keywords = chat_keywords(body, info)
+    messages = chat_messages(body.messages)
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    try:
+        stream = backend.client.generate_stream(messages=messages, request_id=completion_id, **keywords)
+    except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
+        raise invalid_request(str(error)) from error
+    relay = _ChatRelay(completion_id, model_name, body)
+    if body.stream:
+        chunks = await start_streams(request, [stream])
+        return event_stream(relay.events(chunks), backend.to_openai_error)
+    for _, chunk in await collect_streams(request, [stream]):
+        relay.record(chunk)
+    return JSONResponse(relay.response())
+
+
+class _ChatRelay:
+    """The choices of one chat completion as its chunks arrive, and the OpenAI objects made from them."""
+
+    def __init__(self, completion_id: str, model_name: str, body: ChatCompletionRequest) -> None:
+        self._id = completion_id
+        self._model = model_name
+        self._created = int(time.time())
+        self._with_logprobs = body.logprobs
+        self._with_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self._choices: dict[int, ChoiceLog] = {}
+        self._prompt_tokens = 0
+
+    def record(self, chunk: GenerateChunk) -> list[dict]:
+        """Adds a chunk; returns the streamed choice deltas it makes (none when it carries nothing)."""
+        opening = chunk.index not in self._choices
+        choice = self._choices.setdefault(chunk.index, ChoiceLog(chunk.index))
+        span = choice.add(chunk)
+        if chunk.prompt_tokens is not None:
+            self._prompt_tokens = chunk.prompt_tokens
+        deltas = []
+        if opening:
+            deltas.append({"index": chunk.index, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None})
+        if chunk.text or chunk.token_ids or chunk.finish_reason:
+            deltas.append({"index": chunk.index, "delta": {"content": chunk.text} if chunk.text else {},
+                           "logprobs": chat_logprobs(span) if self._with_logprobs else None,
+                           "finish_reason": chunk.finish_reason})
+        return deltas
+
+    async def events(self, chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[dict]:
+        async for _, chunk in chunks:
+            for delta in self.record(chunk):
+                yield self._object("chat.completion.chunk", choices=[delta])
+        if self._with_usage:
+            yield self._object("chat.completion.chunk", choices=[], usage=self._usage())
+
+    def response(self) -> dict:
+        choices = [
+            {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+             "logprobs": chat_logprobs(choice.whole()) if self._with_logprobs else None,
+             "finish_reason": choice.finish_reason}
+            for choice in sorted(self._choices.values(), key=lambda c: c.index)
+        ]
+        return self._object("chat.completion", choices=choices, usage=self._usage())
+
+    def _object(self, kind: str, **fields) -> dict:
+        return {"id": self._id, "object": kind, "created": self._created, "model": self._model, **fields}
+
+    def _usage(self) -> dict:
+        return usage(self._prompt_tokens, list(self._choices.values()))
+

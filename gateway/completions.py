@@ -1,0 +1,103 @@
+"""POST /v1/completions: one gRPC Generate stream per prompt, relayed as OpenAI text completions.
+
+A batch of prompts runs concurrently (the scheduler batches them like any other requests); prompt p's n
+sequences are choices p*n .. p*n+n-1, as in OpenAI's API. The gRPC request ids are the completion id plus
+the prompt index, so scheduler logs and Abort calls can be matched to the HTTP response.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from client.types import GenerateChunk
+from gateway.backend import Backend
+from gateway.choices import ChoiceLog, completion_logprobs, usage
+from gateway.errors import invalid_request
+from gateway.protocol import CompletionRequest
+from gateway.sampling import completion_keywords
+from gateway.streaming import collect_streams, event_stream, start_streams
+
+
+async def create_completion(body: CompletionRequest, request: Request, backend: Backend) -> Response:
+    model_name, _ = await backend.model_for(body.model)
+    keywords = completion_keywords(body)
+    prompts = _prompts(body.prompt)
+    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    try:
+        streams = [backend.client.generate_stream(prompt, request_id=f"{completion_id}-{index}", **keywords)
+                   for index, prompt in enumerate(prompts)]
+    except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
+        raise invalid_request(str(error)) from error
+    relay = _CompletionRelay(completion_id, model_name, body)
+    if body.stream:
+        chunks = await start_streams(request, streams)
+        return event_stream(relay.events(chunks), backend.to_openai_error)
+    for prompt_index, chunk in await collect_streams(request, streams):
+        relay.record(prompt_index, chunk)
+    return JSONResponse(relay.response())
+
+
+class _CompletionRelay:
+    """The choices of one completion as its chunks arrive, and the OpenAI objects made from them."""
+
+    def __init__(self, completion_id: str, model_name: str, body: CompletionRequest) -> None:
+        self._id = completion_id
+        self._model = model_name
+        self._created = int(time.time())
+        self._n = body.n
+        self._with_logprobs = body.logprobs is not None
+        self._with_usage = bool(body.stream_options and body.stream_options.include_usage)
+        self._choices: dict[int, ChoiceLog] = {}
+        self._prompt_tokens: dict[int, int] = {}
+
+    def record(self, prompt_index: int, chunk: GenerateChunk) -> dict | None:
+        """Adds a chunk; returns its choice's streamed form, or None when it carries nothing to send."""
+        index = prompt_index * self._n + chunk.index
+        choice = self._choices.setdefault(index, ChoiceLog(index))
+        span = choice.add(chunk)
+        if chunk.prompt_tokens is not None:
+            self._prompt_tokens[prompt_index] = chunk.prompt_tokens
+        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+            return None
+        return {"index": index, "text": chunk.text,
+                "logprobs": completion_logprobs(span) if self._with_logprobs else None,
+                "finish_reason": chunk.finish_reason}
+
+    async def events(self, chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[dict]:
+        async for prompt_index, chunk in chunks:
+            choice = self.record(prompt_index, chunk)
+            if choice is not None:
+                yield self._object(choices=[choice])
+        if self._with_usage:
+            yield self._object(choices=[], usage=self._usage())
+
+    def response(self) -> dict:
+        choices = [
+            {"index": choice.index, "text": choice.text,
+             "logprobs": completion_logprobs(choice.whole()) if self._with_logprobs else None,
+             "finish_reason": choice.finish_reason}
+            for choice in sorted(self._choices.values(), key=lambda c: c.index)
+        ]
+        return self._object(choices=choices, usage=self._usage())
+
+    def _object(self, **fields) -> dict:
+        return {"id": self._id, "object": "text_completion", "created": self._created, "model": self._model, **fields}
+
+    def _usage(self) -> dict:
+        return usage(sum(self._prompt_tokens.values()), list(self._choices.values()))
+
+
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts: text, token ids, or a batch of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid_request("prompt: must not be empty", "prompt")
+    if all(isinstance(item, int) for item in prompt):
+        return [prompt]
+    return list(prompt)

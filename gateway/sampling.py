@@ -1,0 +1,84 @@
+"""OpenAI request fields -> the SDK's sampling keywords (vLLM's names), and refusals of what is not served.
+
+Why refuse instead of ignoring: a client that asks for a frequency penalty, tools or top-5 alternatives and
+silently gets none would trust output it did not get. Each refusal is a 400 naming the field.
+
+Ranges (temperature >= 0, top_p in (0, 1], n <= 64, prompt length, ...) are the scheduler's to check: it
+refuses with INVALID_ARGUMENT naming the field, which the gateway relays as a 400 (errors.py), so the rules
+live in one place for every client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from client.types import ModelInfo
+from gateway.errors import invalid_request, unsupported
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+_ONLY_SAMPLED = ("only the sampled token's logprob is available (the workers return no alternatives); "
+                 "ask for {zero}")
+
+
+def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
+    if body.echo:
+        raise unsupported("echo", "echoing the prompt is not supported")
+    if body.suffix:
+        raise unsupported("suffix", "insertion (suffix) is not supported")
+    if body.logprobs:
+        raise unsupported("logprobs", _ONLY_SAMPLED.format(zero="logprobs=0"))
+    if body.logprobs is not None and body.best_of is not None and body.best_of > body.n:
+        raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
+    return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of}
+
+
+def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, Any]:
+    if body.tools:
+        raise unsupported("tools", "tool calling is not supported")
+    if body.tool_choice not in (None, "none"):
+        raise unsupported("tool_choice", "tool calling is not supported")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise unsupported("response_format", "only text responses are supported")
+    if body.top_logprobs and not body.logprobs:
+        raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
+    if body.top_logprobs:
+        raise unsupported("top_logprobs", _ONLY_SAMPLED.format(zero="logprobs=true without top_logprobs"))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
+    # max_model_len with finish_reason "length".
+    return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens}
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The conversation for the model's chat template: text content only (parts joined by newlines)."""
+    rendered = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            content = ""
+        elif not isinstance(content, str):
+            texts = [getattr(part, "text", None) for part in content]
+            if any(text is None for text in texts):
+                raise unsupported(f"messages[{index}].content", "only text content parts are supported")
+            content = "\n".join(texts)
+        rendered.append({"role": message.role, "content": content})
+    return rendered
+
+
+def _common_keywords(body: SamplingFields) -> dict[str, Any]:
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise unsupported(name, "penalties are not supported; leave it 0")
+    if body.logit_bias:
+        raise unsupported("logit_bias", "logit bias is not supported")
+    return {
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "seed": body.seed,
+        "stop": body.stop,
+        "stop_token_ids": body.stop_token_ids,
+        "ignore_eos": body.ignore_eos or None,
+        "n": body.n,
+        "priority": body.priority or None,
+    }

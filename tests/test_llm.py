@@ -1,0 +1,105 @@
+"""The offline `LLM` class: it starts its own server, generates for every prompt at once, and returns
+results in prompt order equal to what a separately started server answers for the same greedy requests;
+`chat` renders conversations with the model's template; server options are checked against the real CLI."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from client import LLM, SamplingParams
+from client.llm import server_argv
+from tests.server_harness import running_server
+from tests.tiny_models import make_tiny_model
+
+SERVER_OPTIONS = dict(max_model_len=128, num_kv_blocks=96)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    with LLM(model=str(model_dir), **SERVER_OPTIONS) as offline:
+        yield offline
+
+
+def test_generate_returns_one_result_per_prompt_in_order_equal_to_the_servers_greedy_answers(llm, model_dir, tmp_path):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, 512) for _ in range(rng.randrange(1, 40))] for _ in range(20)]
+    lengths = [rng.randrange(1, 24) for _ in prompts]  # different lengths: finishing order is not prompt order
+    params = [SamplingParams(temperature=0.0, max_tokens=length) for length in lengths]
+    results = llm.generate(prompts, params, use_tqdm=False)
+
+    assert len(results) == 20
+    with running_server(tmp_path, "--model", str(model_dir), "--max-model-len", "128", "--num-kv-blocks", "96") as server:
+        with server.client() as client:
+            expected = [client.generate(prompt, temperature=0.0, max_tokens=length) for prompt, length in zip(prompts, lengths)]
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert [r.prompt_tokens for r in results] == [len(p) for p in prompts]
+    assert [len(r.token_ids) for r in results] == lengths
+
+
+def test_one_sampling_params_applies_to_every_prompt_and_n_returns_n_outputs(llm):
+    results = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=5),
+                           use_tqdm=False)
+    assert [len(result.outputs) for result in results] == [3, 3]
+    assert all(len(output.token_ids) == 5 for result in results for output in result.outputs)
+    again = llm.generate([5, 6, 7], SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=5))  # with a progress bar
+    assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in results[0].outputs]  # seeded
+
+
+def test_a_refused_prompt_raises_the_typed_error(llm):
+    from client import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        llm.generate([[1] * 500], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_server_options_map_to_the_serve_flags_and_unknown_ones_fail_early():
+    assert server_argv("m", dict(max_model_len=64, enable_prefix_caching=False, enable_chunked_prefill=True,
+                                 preemption_mode="swap")) == [
+        "--model", "m", "--max-model-len", "64", "--no-prefix-caching", "--preemption-mode", "swap"]
+    with pytest.raises(TypeError, match="max_model_length"):
+        server_argv(None, dict(max_model_length=64))
+    with pytest.raises(TypeError, match="port"):
+        server_argv(None, dict(port=1234))
+
+
+def test_a_server_that_cannot_start_raises_with_its_log(tmp_path):
+    with pytest.raises(RuntimeError, match="exited"):
+        LLM(model=str(tmp_path / "no-such-model"))
+
+
+def test_chat_renders_each_conversation_with_the_template_in_order():
+    conversations = [
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name a color."}],
+        [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "What is 2 + 2?"}],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(max_model_len=512, cpu_kv_cache_space=0.1, swap_space=0.05) as smollm2:
+        results = smollm2.chat(conversations, params, use_tqdm=False)
+        single = smollm2.chat(conversations[0], params, use_tqdm=False)
+        from client import Client
+
+        with Client(smollm2.target) as client:
+            expected = [client.generate(messages=conversation, temperature=0.0, max_tokens=12)
+                        for conversation in conversations]
+    assert [r.text for r in results] == [e.text for e in expected]
+    assert "Paris" in results[0].text
+    assert [r.text for r in single] == [results[0].text]
+
+
+def test_each_output_carries_its_tokens_logprobs_streamed_or_ranked(llm):
+    streamed, ranked = llm.generate([[5, 6, 7], [5, 6, 7]], [
+        SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=6),             # streamed token by token
+        SamplingParams(n=2, best_of=4, temperature=0.8, seed=3, max_tokens=6),  # sent whole when ranked
+    ], use_tqdm=False)
+    for output in (*streamed.outputs, *ranked.outputs):
+        assert len(output.logprobs) == len(output.token_ids) == 6
+        assert all(logprob <= 0 for logprob in output.logprobs)
+        assert sum(output.logprobs) == pytest.approx(output.cumulative_logprob, abs=1e-4)
