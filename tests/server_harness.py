@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
+from pagedserve.health_probe import http_ok
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,13 +81,7 @@ def _wait_serving(server: ServerProcess, timeout: float) -> None:
 
 
 def _http_ready(server: ServerProcess) -> bool:
-    if server.http_url is None:
-        return True
-    try:
-        with urllib.request.urlopen(f"{server.http_url}/health", timeout=1) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
+    return server.http_url is None or http_ok(f"{server.http_url}/health")
 
 
 def _descendants(pid: int) -> list[int]:
