@@ -14,3 +14,15 @@ benchmarks/kernel_bench.py checks the compiled kernels against the references in
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_block_leaks(server):
+    """For modules sharing one `server` fixture (pytestmark = usefixtures("no_block_leaks")): after each test,
+    every KV block must be free again."""
+    yield
+    stats = server.wait_all_blocks_free()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "a test leaked KV blocks"

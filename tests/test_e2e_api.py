@@ -25,11 +25,7 @@ def server(tmp_path_factory):
         yield running
 
 
-@pytest.fixture(autouse=True)
-def no_block_leaks(server):
-    yield
-    stats = server.wait_all_blocks_free()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "a test leaked KV blocks"
+pytestmark = pytest.mark.usefixtures("no_block_leaks")
 
 
 def test_model_info_reports_the_pool_and_limits(server):
