@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tests.hf_reference import hf_greedy  # noqa: E402
 from tests.server_harness import running_server  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
 

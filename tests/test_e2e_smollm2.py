@@ -4,7 +4,6 @@ capital of France with Paris, token for token as transformers does, and its text
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
