@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks.model_shapes import SHAPES, hf_config  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels.layer_ops import triton_layer_ops  # noqa: E402
 from kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from tests.server_harness import running_server  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
@@ -71,7 +72,8 @@ def main() -> int:
     vocab = SHAPES[args.shape]["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(20, 300))] for _ in range(8)]
 
-    ours, config = load_model(model_dir, torch.bfloat16, "cuda", attention_backend=TritonAttentionBackend())
+    ours, config = load_model(model_dir, torch.bfloat16, "cuda", attention_backend=TritonAttentionBackend(),
+                               layer_ops=triton_layer_ops())
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     errors, hf_bf16_vs_fp32, ours_vs_fp32 = [], [], []
     for prompt in prompts[:4]:

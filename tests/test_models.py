@@ -95,7 +95,7 @@ def test_load_model_in_bf16_keeps_rotary_cache_fp32_and_stays_close(model_pair, 
     arch, model, config, _ = model_pair
     path = make_tiny_model(tmp_path, arch=arch, seed=0)
     bf16_model, _ = load_model(path, torch.bfloat16, "cpu")
-    assert bf16_model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    assert bf16_model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     assert bf16_model.model.rotary_emb.cos_sin_cache.dtype == torch.float32
     prompts = make_prompts(config.vocab_size, [17])
     ours_fp32 = prefill_logits_paged(model, config, prompts)[0]

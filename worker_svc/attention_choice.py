@@ -1,16 +1,30 @@
-"""Which attention backend a worker runs: Triton kernels on a GPU, the pure-torch reference on the CPU."""
+"""Which kernels a worker runs: Triton on a GPU, the pure-torch references on the CPU.
+
+`--attention-backend` picks the whole set: the attention backend and the layer ops (RMSNorm, rotary,
+SiLU-and-mul) always come from the same side, so "torch" on a GPU is the all-reference path to compare
+against.
+"""
 
 from __future__ import annotations
 
 from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
+from kernels.layer_ops import LayerOps, torch_layer_ops, triton_layer_ops
 from worker_svc.config import WorkerConfig
 
 
+def kernel_set(config: WorkerConfig) -> str:
+    """"triton" or "torch": the flag, with "auto" resolved by the device."""
+    if config.attention_backend == "auto":
+        return "triton" if config.device.startswith("cuda") else "torch"
+    return config.attention_backend
+
+
+def make_layer_ops(config: WorkerConfig) -> LayerOps:
+    return triton_layer_ops() if kernel_set(config) == "triton" else torch_layer_ops()
+
+
 def make_attention_backend(config: WorkerConfig) -> AttentionBackend:
-    choice = config.attention_backend
-    if choice == "auto":
-        choice = "triton" if config.device.startswith("cuda") else "torch"
-    if choice == "torch":
+    if kernel_set(config) == "torch":
         return TorchReferenceBackend()
     from kernels.triton_backend import TritonAttentionBackend  # triton is imported only when used
 

@@ -18,7 +18,7 @@ from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
 from pagedserve.step_timer import StepTimer
 from protos.pagedserve.v1 import worker_pb2
-from worker_svc.attention_choice import make_attention_backend
+from worker_svc.attention_choice import make_attention_backend, make_layer_ops
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs
 from worker_svc.kv_cache import KVCache, bytes_per_block
@@ -38,6 +38,7 @@ class Worker:
         model = resolve_model(config.model)
         self.model, self.model_config = load_model(model.path, self.dtype, self.device,
                                                    attention_backend=make_attention_backend(config),
+                                                   layer_ops=make_layer_ops(config),
                                                    load_format=config.load_format)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels.layer_ops import torch_layer_ops
 from kernels.triton_rmsnorm import rms_norm
 from kernels.triton_rotary import rotary_embedding
 from kernels.triton_silu_and_mul import silu_and_mul
@@ -41,25 +42,46 @@ def assert_close(actual, expected):
 def test_references_equal_the_model_modules(dtype):
     torch.manual_seed(0)
     config = tiny_config()
-    norm = RMSNorm(config.hidden_size, config.rms_norm_eps).to(dtype)
+    ops = torch_layer_ops()
+    norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops).to(dtype)
     nn.init.normal_(norm.weight)
     hidden = torch.randn(5, config.hidden_size, dtype=dtype)
-    assert torch.equal(rmsnorm_ref.rms_norm(hidden, norm.weight, norm.eps)[0], norm(hidden))
+    assert torch.equal(rmsnorm_ref.rms_norm(hidden, norm.weight, norm.eps)[0], hf_rms_norm(norm, hidden))
 
-    rotary = RotaryEmbedding(config)
+    rotary = RotaryEmbedding(config, ops)
     positions = torch.tensor([0, 7, 300, 511, 3])
     query = torch.randn(5, 8, config.head_dim, dtype=dtype)
     key = torch.randn(5, 2, config.head_dim, dtype=dtype)
     for got, want in zip(
         rotary_ref.rotary_embedding(positions, query, key, rotary.cos_sin_cache),
-        rotary(positions, query, key),
+        hf_rotary(rotary.cos_sin_cache, positions, query, key),
     ):
         assert torch.equal(got, want)
 
-    mlp = MLP(config).to(dtype)
-    gate_up = torch.cat([mlp.gate_proj(hidden), mlp.up_proj(hidden)], dim=-1)
-    expected = mlp.down_proj(silu_and_mul_ref.silu_and_mul(gate_up))
-    assert torch.equal(expected, mlp(hidden))
+    mlp = MLP(config, ops).to(dtype)
+    nn.init.normal_(mlp.gate_up_proj.weight)
+    gate, up = mlp.gate_up_proj.weight.chunk(2)
+    expected = nn.functional.silu(hidden @ gate.T) * (hidden @ up.T)
+    assert torch.equal(silu_and_mul_ref.silu_and_mul(mlp.gate_up_proj(hidden)), expected)
+
+
+def hf_rms_norm(norm: RMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward, written out."""
+    variance = hidden.float().pow(2).mean(-1, keepdim=True)
+    return norm.weight * (hidden.float() * torch.rsqrt(variance + norm.eps)).to(hidden.dtype)
+
+
+def hf_rotary(cos_sin_cache, positions, query, key):
+    """transformers' apply_rotary_pos_emb with cos/sin cast to the activation dtype, written out."""
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat([cos, cos], dim=-1)[:, None, :].to(query.dtype)
+    sin = torch.cat([sin, sin], dim=-1)[:, None, :].to(query.dtype)
+
+    def rotate_half(x):
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat([-second, first], dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 
 @DTYPES
@@ -91,7 +113,7 @@ def test_rms_norm_adds_the_residual_and_returns_the_sum(dtype):
 def test_rotary_on_query_and_key_views_of_a_fused_projection(dtype, head_dim):
     torch.manual_seed(0)
     config = tiny_config(head_dim=head_dim)
-    cos_sin_cache = RotaryEmbedding(config).cos_sin_cache
+    cos_sin_cache = RotaryEmbedding(config, torch_layer_ops()).cos_sin_cache
     num_tokens = 5
     qkv = torch.randn(num_tokens, (8 + 2 + 2) * head_dim, dtype=dtype)
     query = qkv[:, : 8 * head_dim].view(num_tokens, 8, head_dim)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kernels.attention_backend import AttentionBackend
+from kernels.layer_ops import LayerOps
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.weight_loader import iter_weights
@@ -15,10 +16,12 @@ from worker_svc.weight_loader import iter_weights
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
 
 
-def build_model(config: ModelConfig, attention_backend: AttentionBackend | None = None) -> nn.Module:
+def build_model(
+    config: ModelConfig, attention_backend: AttentionBackend | None = None, layer_ops: LayerOps | None = None
+) -> nn.Module:
     if config.architecture not in MODEL_CLASSES:
         raise ValueError(f"no model for architecture {config.architecture!r}")
-    return MODEL_CLASSES[config.architecture](config, attention_backend)
+    return MODEL_CLASSES[config.architecture](config, attention_backend, layer_ops)
 
 
 def load_model(
@@ -27,6 +30,7 @@ def load_model(
     device: str | torch.device,
     attention_backend: AttentionBackend | None = None,
     load_format: str = "auto",
+    layer_ops: LayerOps | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build on the meta device (no init cost, no fp32 copy), allocate in `dtype` on `device`, load.
 
@@ -36,7 +40,7 @@ def load_model(
     """
     config = ModelConfig.from_path(path)
     with torch.device("meta"):
-        model = build_model(config, attention_backend)
+        model = build_model(config, attention_backend, layer_ops)
     model = model.to(dtype).to_empty(device=device)
     if load_format == "dummy":
         _fill_random(model)

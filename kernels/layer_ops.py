@@ -1,0 +1,46 @@
+"""LayerOps: the elementwise operations of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul).
+
+Why a set passed into the model, like the attention backend: on a GPU each of these is one fused Triton
+kernel instead of five to ten torch launches (a decode step of a 28-layer model is otherwise hundreds of
+tiny elementwise kernels that read and write the activations again and again); on the CPU the torch
+references run, which are the model's exact Hugging Face math. Both sets share one contract per op, set
+in the reference modules (kernels/*_ref.py), so the model code is the same whichever set it gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+
+# (hidden [T, H], weight [H], eps, residual [T, H] | None) -> (normed, new_residual)
+RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
+# (positions [T], query [T, Hq, D], key [T, Hkv, D], cos_sin_cache fp32 [P, D]) -> (query, key) rotated
+RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# gate_up [T, 2 * I] -> [T, I]
+SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    name: str
+    rms_norm: RmsNormFn
+    rotary_embedding: RotaryFn
+    silu_and_mul: SiluAndMulFn
+
+
+def torch_layer_ops() -> LayerOps:
+    """The references: exact HF math, any device."""
+    return LayerOps("torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul)
+
+
+def triton_layer_ops() -> LayerOps:
+    """Fused Triton kernels (GPU; CPU under TRITON_INTERPRET=1). Triton is imported only when asked for."""
+    from kernels import triton_rmsnorm, triton_rotary, triton_silu_and_mul
+
+    return LayerOps(
+        "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul
+    )
