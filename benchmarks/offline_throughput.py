@@ -112,7 +112,11 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
     with running_server(work, *flags, ready_timeout=900) as server:
         elapsed, generated, gaps, first_run = asyncio.run(_engine_w1(server.target, requests))
         stats = server.wait_all_blocks_free()
+    # Where a step's time goes: the scheduler's and the worker's step timers, logged at shutdown (means over
+    # every step of the run: both W1 passes and the single-request TPOT phase).
+    step_timers = [line.split(" INFO ", 1)[-1] for line in server.log().splitlines() if "step time over" in line]
     return {
+        "step_timers": step_timers,
         "elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
         "first_run_elapsed_s": first_run,
         "tpot_median_ms": 1e3 * statistics.median(gaps), "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))],

@@ -18,9 +18,10 @@ from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
 from pagedserve.step_timer import StepTimer
 from protos.pagedserve.v1 import worker_pb2
-from worker_svc.attention_choice import make_attention_backend, make_layer_ops
+from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs
+from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
@@ -56,6 +57,9 @@ class Worker:
                                                                           self.dtype)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        if self.device.type == "cuda" and kernel_set(self.config) == "triton":
+            warm_up_kernels(self.model, self.kv_cache.layers, setup.block_size, self.batch.block_table.shape[1],
+                            self.device)
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)

@@ -1,0 +1,33 @@
+"""The start-up kernel warm-up runs every mixed decode/prefill shape it promises and leaves the KV cache as
+it found it (it must not write K/V into blocks the scheduler is about to hand out)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.paged_runner import make_kv_caches
+from tests.tiny_models import make_tiny_model
+from worker_svc import kernel_warmup
+from worker_svc.models import load_model
+
+
+def test_warm_up_runs_each_batch_shape_and_writes_no_kv(tmp_path):
+    model, config = load_model(make_tiny_model(tmp_path, arch="llama", seed=0), torch.float32, "cpu")
+    kv_caches = [torch.randn_like(cache) for cache in make_kv_caches(config, num_blocks=4, block_size=16)]
+    before = [cache.clone() for cache in kv_caches]
+    shapes = []
+    forward = model.forward
+
+    def recording_forward(input_ids, positions, caches, metadata):
+        query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
+        shapes.append((metadata.num_decode_seqs, tuple(query_lens), tuple(metadata.seq_lens.tolist())))
+        assert (metadata.slot_mapping == -1).all() and len(input_ids) == len(positions) == sum(query_lens)
+        return forward(input_ids, positions, caches, metadata)
+
+    model.forward = recording_forward
+    count = kernel_warmup.warm_up_kernels(model, kv_caches, 16, 4, torch.device("cpu"))
+    assert count == len(shapes) == len(set(shapes)) == 26
+    assert {shape[0] for shape in shapes} == {0, 1, 16}
+    assert {len(shape[1]) - shape[0] for shape in shapes} == {0, 1, 2}  # prefill chunks after the decodes
+    assert {q for shape in shapes for q in shape[1][shape[0]:]} == {16, 17}
+    assert all(torch.equal(a, b) for a, b in zip(kv_caches, before))
