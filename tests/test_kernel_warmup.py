@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_decode_attention import choose_num_kv_splits
 from tests.paged_runner import make_kv_caches
 from tests.tiny_models import make_tiny_model
 from worker_svc import kernel_warmup
 from worker_svc.models import load_model
+
+
+def test_decode_size_classes_cover_every_split_count_and_alignment():
+    counts = kernel_warmup.decode_size_classes(256, num_kv_heads=2)
+    assert {choose_num_kv_splits(n, 2) for n in counts} == {choose_num_kv_splits(n, 2) for n in range(1, 257)}
+    assert 1 in counts and any(n % 16 == 0 for n in counts) and any(n % 16 and n > 1 for n in counts)
+    assert counts == sorted(set(counts)) and max(counts) <= 256
 
 
 def test_warm_up_runs_each_batch_shape_and_writes_no_kv(tmp_path):
@@ -22,12 +30,14 @@ def test_warm_up_runs_each_batch_shape_and_writes_no_kv(tmp_path):
         query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
         shapes.append((metadata.num_decode_seqs, tuple(query_lens), tuple(metadata.seq_lens.tolist())))
         assert (metadata.slot_mapping == -1).all() and len(input_ids) == len(positions) == sum(query_lens)
+        assert all(q == 1 for q in query_lens[: metadata.num_decode_seqs])
         return forward(input_ids, positions, caches, metadata)
 
     model.forward = recording_forward
-    count = kernel_warmup.warm_up_kernels(model, kv_caches, 16, 4, torch.device("cpu"))
-    assert count == len(shapes) == len(set(shapes)) == 26
-    assert {shape[0] for shape in shapes} == {0, 1, 16}
+    count = kernel_warmup.warm_up_kernels(model, kv_caches, 16, 4, 32, torch.device("cpu"))
+    decode_counts = kernel_warmup.decode_size_classes(32, config.num_key_value_heads)
+    assert count == len(shapes) == len(set(shapes)) == 2 * len(decode_counts) + 8
+    assert {shape[0] for shape in shapes} == {0, *decode_counts}
     assert {len(shape[1]) - shape[0] for shape in shapes} == {0, 1, 2}  # prefill chunks after the decodes
     assert {q for shape in shapes for q in shape[1][shape[0]:]} == {16, 17}
     assert all(torch.equal(a, b) for a, b in zip(kv_caches, before))

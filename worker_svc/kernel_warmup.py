@@ -5,8 +5,10 @@ divisible by 16, pointer alignment of a sliced metadata view, the decode split c
 100 ms to a second. Left to the first requests, the first mixed prefill/decode steps of a fresh server stall
 for seconds (measured: the first W1 run 2.4x slower than the second). The decode CUDA graphs already warm
 the pure-decode buckets; this runs the eager path over small synthetic batches that cover the other
-specializations: 0, 1 or 16 decodes in front (an aligned or odd metadata slice), then 0, 1 or 2 prefill
-chunks of 16 or 17 tokens, over a context with or without earlier tokens in the cache.
+specializations of a mixed step: a leading decode range of every size class the decode kernel tells apart
+(`decode_size_classes`: its split-KV count, a size of 1, a multiple of 16 or not), alone and followed by a
+prefill chunk; and prefill-only batches of 1 or 2 chunks of 16 or 17 tokens, with or without earlier tokens
+in the cache.
 
 The batches write no K/V (every slot is -1) and read block 0 only, whatever it holds: results are discarded.
 """
@@ -23,36 +25,53 @@ from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-NUM_DECODES = (0, 1, 16)
-NUM_PREFILLS = (0, 1, 2)
+NUM_PREFILLS = (1, 2)
 CHUNK_LENS = (16, 17)
 EARLIER_TOKENS = (0, 5)
 
 
+def decode_size_classes(max_num_seqs: int, num_kv_heads: int) -> list[int]:
+    """The smallest decode count of each (split-KV count, == 1, multiple of 16) class up to max_num_seqs."""
+    from kernels.triton_decode_attention import choose_num_kv_splits
+
+    classes: dict[tuple[int, bool, bool], int] = {}
+    for count in range(1, max_num_seqs + 1):
+        classes.setdefault((choose_num_kv_splits(count, num_kv_heads), count == 1, count % 16 == 0), count)
+    return sorted(classes.values())
+
+
+def warm_up_batches(max_num_seqs: int, num_kv_heads: int) -> list[tuple[list[int], list[int], int]]:
+    """(query lens, seq lens, num decodes) of every warm-up batch: decodes first, then prefill chunks."""
+    batches = []
+    for num_decodes in decode_size_classes(max_num_seqs, num_kv_heads):
+        for chunks in ([], [(17, 5)]):
+            batches.append(_batch(num_decodes, chunks))
+    for num_prefills, chunk_len, earlier in itertools.product(NUM_PREFILLS, CHUNK_LENS, EARLIER_TOKENS):
+        batches.append(_batch(0, [(chunk_len, earlier)] * num_prefills))
+    return batches
+
+
+def _batch(num_decodes: int, chunks: list[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    query_lens = [1] * num_decodes + [length for length, _ in chunks]
+    seq_lens = [3] * num_decodes + [length + earlier for length, earlier in chunks]
+    return query_lens, seq_lens, num_decodes
+
+
 @torch.inference_mode()
 def warm_up_kernels(model, kv_caches: list[torch.Tensor], block_size: int, max_blocks_per_seq: int,
-                    device: torch.device) -> int:
-    """Runs every combination once; returns how many forward passes it ran."""
+                    max_num_seqs: int, device: torch.device) -> int:
+    """Runs every warm-up batch once; returns how many forward passes it ran."""
     start = time.perf_counter()
-    count = 0
-    for num_decodes, num_prefills, chunk_len, earlier in itertools.product(
-        NUM_DECODES, NUM_PREFILLS, CHUNK_LENS, EARLIER_TOKENS
-    ):
-        if num_decodes + num_prefills == 0 or (num_prefills == 0 and (chunk_len, earlier) != (16, 0)):
-            continue
-        query_lens = [1] * num_decodes + [chunk_len] * num_prefills
-        seq_lens = [1 + earlier] * num_decodes + [chunk_len + earlier] * num_prefills
-        if max(seq_lens) > max_blocks_per_seq * block_size:
-            continue
+    batches = warm_up_batches(max_num_seqs, model.config.num_key_value_heads)
+    for query_lens, seq_lens, num_decodes in batches:
         metadata = synthetic_metadata(query_lens, seq_lens, block_size, max_blocks_per_seq, num_decodes, device)
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)
         input_ids = torch.zeros(positions.shape[0], dtype=torch.long, device=device)
         model.compute_logits(model(input_ids, positions, kv_caches, metadata)[-1:])
-        count += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    logger.info("warmed up %d kernel variants in %.1f s", count, time.perf_counter() - start)
-    return count
+    logger.info("warmed up %d batch shapes in %.1f s", len(batches), time.perf_counter() - start)
+    return len(batches)
 
 
 def synthetic_metadata(query_lens: list[int], seq_lens: list[int], block_size: int, max_blocks_per_seq: int,

@@ -59,7 +59,7 @@ class Worker:
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
         if self.device.type == "cuda" and kernel_set(self.config) == "triton":
             warm_up_kernels(self.model, self.kv_cache.layers, setup.block_size, self.batch.block_table.shape[1],
-                            self.device)
+                            setup.max_num_seqs, self.device)
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)
