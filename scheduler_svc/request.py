@@ -12,6 +12,8 @@ Token counts, not phase flags. A request is described by two numbers:
 
 Each step a running request is given `num_scheduled_tokens = min(num_tokens - num_computed_tokens, budget)`,
 and the worker samples a token for it exactly when `num_computed_tokens + num_scheduled_tokens == num_tokens`.
+(Counts advance when a step is planned; a token sampled by a step still in flight is counted in
+`num_tokens` as a pending token, so the next step can be planned before the result is back.)
 That one rule is prefill (computed 0), chunked prefill (the budget cuts the prompt), decode (computed is
 num_tokens - 1, the newest token has no K/V yet), recompute after preemption (computed reset to 0, the
 generated tokens stay in `output_token_ids` and are prefilled again) and swap-in (computed kept, since the
@@ -85,8 +87,12 @@ class Request:
     arrival_seq: int = -1
     fork_seq: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    # Tokens whose K/V are in the KV cache (GPU, or the swap pool while SWAPPED).
+    # Tokens whose K/V are in the KV cache (GPU, or the swap pool while SWAPPED), counting those of steps
+    # already planned whose results have not come back: the count advances when a step is scheduled.
     num_computed_tokens: int = 0
+    # Tokens sampled by planned steps whose results have not come back yet (one per such step): with step N
+    # in flight the scheduler plans step N+1 as if its token were known (the worker feeds it from its row).
+    num_pending_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -15,13 +15,19 @@ returned whenever its last known token was computed (the worker sent candidates 
 then appends the chosen token (`append_token`), forks siblings, or releases it. Both wait, idle, until the
 engine acts.
 
-Why counts advance in `update_from_output`, not at schedule time: each output that scheduled tokens must come
-back through `update_from_output` before the next `schedule()` (enforced; one that scheduled none may be
-passed or not), so `num_computed_tokens` never counts work the worker has not done. Planning step N+1 while
-step N runs (DESIGN.md, performance principle 4) will need vLLM V1's way instead: advance when scheduling.
+Counts advance when a step is scheduled, as in vLLM V1, so step N+1 can be planned while step N runs
+(DESIGN.md, performance principle 4): a request that samples in step N has its token counted as pending
+(`Request.num_pending_tokens`) and is planned a decode in step N+1, whose input token the worker takes from
+its own row. Up to `max_steps_in_flight` outputs may be planned before the oldest comes back through
+`update_from_output` (enforced, in order). What the scheduler cannot know yet costs at most one wasted token
+per request: a request that stops on EOS or a stop string in step N was already planned in step N+1; its
+token from N+1 is dropped. A request is never planned past its length limit (its pending token may be its
+last), and one preempted while its token is in flight keeps that token and resumes only once it is back.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.request import FinishReason, Request, RequestStatus
@@ -40,7 +46,7 @@ __all__ = [
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, max_steps_in_flight: int = 1) -> None:
         if limits.enable_prefix_caching != block_manager.enable_prefix_caching:
             raise ValueError("SchedulerLimits and BlockManager disagree on enable_prefix_caching")
         self.limits = limits
@@ -48,7 +54,12 @@ class Scheduler:
         self._state = SchedulerState(limits, block_manager)
         self._planner = StepPlanner(self._state)
         self._finished_ids_to_report: list[str] = []
-        self._unapplied_step_id: int | None = None  # a step whose output has not come back yet
+        if max_steps_in_flight < 1:
+            raise ValueError("max_steps_in_flight must be at least 1")
+        self.max_steps_in_flight = max_steps_in_flight
+        # Planned steps that scheduled tokens, oldest first, with the requests that complete in each (by
+        # identity: an id may finish and come back before its old step's result does).
+        self._unapplied: deque[tuple[int, dict[str, Request]]] = deque()
         self._next_arrival_seq = 0
         self._next_fork_seq = 1
         self._num_steps = 0
@@ -230,6 +241,8 @@ class Scheduler:
         self._state.worker_rows.discard(request_id)
         self._state.unsent_token_ids.pop(request_id, None)
         self._state.awaiting_engine.discard(request_id)
+        self._state.reporting_in_flight.discard(request_id)
+        request.num_pending_tokens = 0  # any token still in flight for it is dropped
         request.status = RequestStatus.finished_by(reason)
         request.finish_reason = reason
         del self._state.requests[request_id]
@@ -243,49 +256,55 @@ class Scheduler:
         """Plan the next step (`step_planner.py` has the policy); it reports every request finished since the
         last plan.
 
-        Raises RuntimeError if the previous output that scheduled tokens has not been passed to
+        Raises RuntimeError if `max_steps_in_flight` outputs that scheduled tokens have not been passed to
         `update_from_output` yet.
         """
-        if self._unapplied_step_id is not None:
-            raise RuntimeError(f"step {self._unapplied_step_id} was not passed to update_from_output")
+        if len(self._unapplied) >= self.max_steps_in_flight:
+            raise RuntimeError(f"step {self._unapplied[0][0]} was not passed to update_from_output")
         step_id = self._num_steps
         self._num_steps += 1
         output = self._planner.plan(step_id, tuple(self._finished_ids_to_report))
         self._finished_ids_to_report = []
         if output.total_num_scheduled_tokens:
-            self._unapplied_step_id = step_id
+            requests = self._state.requests
+            self._unapplied.append((step_id, {rid: requests[rid] for rid in output.completing_request_ids}))
         return output
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Planned steps that scheduled tokens and whose results have not been applied yet."""
+        return len(self._unapplied)
 
     # ---- results -----------------------------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a step the worker ran: advance each scheduled request's computed tokens, append the token
-        sampled for each request that reached the end of its known tokens, and finish those that hit a
-        token-level stop (EOS unless ignore_eos, a stop token id: STOP; max_tokens or max_model_len: LENGTH).
-        Finished requests are freed now and reported in the next output.
+        """Apply a step the worker ran (the oldest planned one): append the token sampled for each request that
+        completed in it and finish those that hit a token-level stop (EOS unless ignore_eos, a stop token id:
+        STOP; max_tokens or max_model_len: LENGTH). Finished requests are freed now and reported in the next
+        output. A request preempted since the plan keeps its token (it resumes with it).
 
         Returns, in plan order, the requests that got a new token (finished or not), the beam rows whose last
         known token was computed (their candidates are in the worker's result; no token is expected), and the
-        fan-out roots that reached num_prompt_tokens - 1 computed tokens in this step (still RUNNING: the
-        engine forks their children and releases them). Requests aborted or finished since `output` was
-        planned are skipped, and so are their tokens.
+        fan-out roots that reached num_prompt_tokens - 1 computed tokens in this step (the engine forks their
+        children and releases them). Requests aborted or finished since `output` was planned are skipped, and
+        so are their tokens.
         """
         if output.total_num_scheduled_tokens == 0:
             return []
-        if output.step_id != self._unapplied_step_id:
-            raise ValueError(f"expected the output of step {self._unapplied_step_id}, got step {output.step_id}")
-        live = self._check_sampled(output, sampled)  # raises before anything changes
-        self._unapplied_step_id = None
+        if not self._unapplied or output.step_id != self._unapplied[0][0]:
+            expected = self._unapplied[0][0] if self._unapplied else None
+            raise ValueError(f"expected the output of step {expected}, got step {output.step_id}")
+        live = self._check_sampled(output, self._unapplied[0][1], sampled)  # raises before anything changes
+        self._unapplied.popleft()
         updated = []
-        for request, num_tokens in live:
-            request.num_computed_tokens += num_tokens
-            if self._state.num_tokens_to_compute(request):
-                continue  # a prefill chunk that did not reach the end
+        for request in live:
             if request.prefill_only or request.num_beam_candidates:
+                self._state.reporting_in_flight.discard(request.request_id)
                 self._state.awaiting_engine.add(request.request_id)
                 updated.append(request)
                 continue
             token_id = sampled[request.request_id]
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
             reason = self._token_stop_reason(request, token_id)
             if reason is not None:
@@ -293,27 +312,23 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _check_sampled(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, int]]:
-        """The (request, num_scheduled_tokens) pairs of `output` still running, after checking that the
-        worker sampled a token for exactly those that sample and whose computed tokens reach their known
-        tokens."""
-        num_scheduled = output.num_scheduled_tokens()
-        unexpected = sampled.keys() - num_scheduled.keys()
+    def _check_sampled(
+        self, output: SchedulerOutput, completing: dict[str, Request], sampled: dict[str, int]
+    ) -> list[Request]:
+        """The requests of `completing` still unfinished (the same objects), after checking that the worker
+        sampled a token for exactly the completing requests that sample."""
+        unexpected = sampled.keys() - completing.keys()
         if unexpected:
-            raise ValueError(f"tokens sampled for requests not in step {output.step_id}: {sorted(unexpected)}")
+            raise ValueError(f"tokens sampled for requests not completing in step {output.step_id}: {sorted(unexpected)}")
         live = []
-        for request_id, num_tokens in num_scheduled.items():
-            request = self._state.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # left (and maybe came back under the same id) since the plan was made
+        for request_id, request in completing.items():
             samples = not request.prefill_only and not request.num_beam_candidates
-            should_sample = samples and request.num_computed_tokens + num_tokens == request.num_tokens
-            if should_sample != (request_id in sampled):
+            if samples != (request_id in sampled):
                 raise ValueError(
-                    f"request {request_id}: a token was {'not ' if should_sample else ''}sampled after "
-                    f"{request.num_computed_tokens + num_tokens} of {request.num_tokens} tokens"
+                    f"request {request_id}: a token was {'not ' if samples else ''}sampled in step {output.step_id}"
                 )
-            live.append((request, num_tokens))
+            if self._state.requests.get(request_id) is request:
+                live.append(request)  # else it left since the plan was made (and maybe came back under its id)
         return live
 
     def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:

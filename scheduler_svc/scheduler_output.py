@@ -71,6 +71,9 @@ class SchedulerOutput:
     # may be written by its remaining holder in the same step's forward, never before the copy.
     copy: tuple[tuple[int, int], ...]
     total_num_scheduled_tokens: int
+    # Requests whose computed tokens reach their end in this step, in plan order: those that sample (a token
+    # comes back for each) and the fan-out roots and beam rows reported to the engine. Scheduler-side only.
+    completing_request_ids: tuple[str, ...] = ()
 
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Request id -> tokens scheduled in this step, over new and already-running requests."""

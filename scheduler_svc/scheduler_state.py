@@ -10,6 +10,8 @@ theirs to keep together.
   blocks, before it first reaches the worker). A request loses its row when preempted or finished.
 - `unsent_token_ids`: tokens the engine appended (`Scheduler.append_token`) to a row the worker holds, not yet
   sent in a ScheduledRequestData.
+- `reporting_in_flight`: fan-out roots and beam rows planned to complete in a step whose result is not back;
+  they are not preempted (for at most one step), so the engine finds them as computed when they are reported.
 - `awaiting_engine`: requests reported to the engine that cannot go on until it acts (a fan-out root to be
   forked and released, a beam row until its next token is appended). They are idle: no tokens to compute, even
   after a recompute preemption.
@@ -36,6 +38,9 @@ class SchedulerState:
     worker_rows: set[str] = field(default_factory=set)
     unsent_token_ids: dict[str, list[int]] = field(default_factory=dict)
     awaiting_engine: set[str] = field(default_factory=set)
+    # Fan-out roots and beam rows whose completing step is planned but not applied: never preempted until
+    # their result is reported (the engine forks from what they computed).
+    reporting_in_flight: set[str] = field(default_factory=set)
     num_preemptions: int = 0
 
     def queue_of(self, request: Request) -> RequestQueue:
@@ -46,12 +51,33 @@ class SchedulerState:
         }[request.status]
 
     def num_tokens_to_compute(self, request: Request) -> int:
-        """Tokens the request still has to compute before it can sample or be reported (0: idle)."""
+        """Tokens the request still has to compute before it can sample or be reported (0: idle).
+
+        A token in flight (`num_pending_tokens`) counts as known, so a running decode has one more to
+        compute while its previous step runs; but it is idle while that token may be its last (max_tokens
+        or max_model_len), and while preempted until the token is back (a resumed row carries every token).
+        """
         if request.request_id in self.awaiting_engine:
             return 0
         if request.prefill_only:
             return max(0, request.num_prompt_tokens - 1 - request.num_computed_tokens)
-        return request.num_tokens - request.num_computed_tokens
+        pending = request.num_pending_tokens
+        num_tokens = request.num_tokens + pending
+        if pending and (
+            request.status is not RequestStatus.RUNNING
+            or request.num_output_tokens + pending >= request.sampling_params.max_tokens
+            or num_tokens >= self.limits.max_model_len
+        ):
+            return 0
+        return num_tokens - request.num_computed_tokens
+
+    def is_idle(self, request: Request) -> bool:
+        """Waiting on the engine: nothing to compute and no result of its own in flight."""
+        return (
+            not self.num_tokens_to_compute(request)
+            and not request.num_pending_tokens
+            and request.request_id not in self.reporting_in_flight
+        )
 
     def has_free_worker_row(self) -> bool:
         return len(self.worker_rows) < self.limits.max_num_seqs

@@ -71,6 +71,10 @@ class _StepDraft:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copy: list[tuple[int, int]] = field(default_factory=list)
+    completing_request_ids: list[str] = field(default_factory=list)
+    # Scheduled in this step: never a victim later in the pass (their counts already advanced, so one whose
+    # pending token may be its last looks idle).
+    scheduled_ids: set[str] = field(default_factory=set)
 
 
 class StepPlanner:
@@ -95,6 +99,7 @@ class StepPlanner:
             swap_in=tuple(draft.swap_in),
             copy=tuple(draft.copy),
             total_num_scheduled_tokens=self._limits.max_num_batched_tokens - draft.token_budget,
+            completing_request_ids=tuple(draft.completing_request_ids),
         )
 
     # ---- (0) room for the first in line ------------------------------------------------------------------
@@ -105,17 +110,20 @@ class StepPlanner:
         if first is None:
             return
         running = state.running
-        while running and running[-1].priority > first.priority and not self._could_start(first):
-            self._preempt(running.pop(-1), draft)
+        for index in range(len(running) - 1, -1, -1):  # worst priority first
+            if running[index].priority <= first.priority or self._could_start(first):
+                break
+            if running[index].request_id not in state.reporting_in_flight:
+                self._preempt(running.pop(index), draft)
         first_key = scheduling_key(first)
         if self._could_start(first) or any(
-            scheduling_key(r) < first_key and state.num_tokens_to_compute(r) for r in running
+            scheduling_key(r) < first_key and not state.is_idle(r) for r in running
         ):
             return  # it can start, or someone earlier is still working: idle requests may be waiting on that one
         for index in range(len(running) - 1, -1, -1):
             if self._could_start(first):
                 return
-            if not state.num_tokens_to_compute(running[index]):
+            if state.is_idle(running[index]):
                 self._preempt(running.pop(index), draft)
 
     def _first_inactive_with_work(self) -> Request | None:
@@ -155,7 +163,7 @@ class StepPlanner:
                 index += 1
                 continue
             while request.request_id not in state.worker_rows and not state.has_free_worker_row():
-                victim = self._pick_victim(request, needs_row=True)
+                victim = self._pick_victim(request, draft, needs_row=True)
                 if victim is None:
                     break
                 num_decodes_after -= self._preempt(victim, draft)
@@ -164,7 +172,7 @@ class StepPlanner:
                 continue
             allocation = self._blocks.allocate_slots(request, num_new_tokens)
             while allocation is None:
-                victim = self._pick_victim(request, needs_row=False)
+                victim = self._pick_victim(request, draft, needs_row=False)
                 if victim is None:
                     running.remove(request)
                     self._preempt(request, draft)
@@ -174,9 +182,10 @@ class StepPlanner:
             self._record_scheduled(request, num_new_tokens, allocation, draft)
             index = running.index(request) + 1  # an idle victim before it may have shifted it
 
-    def _pick_victim(self, request: Request, needs_row: bool) -> Request | None:
+    def _pick_victim(self, request: Request, draft: _StepDraft, needs_row: bool) -> Request | None:
         """Remove from the running queue whom `request` should preempt to get blocks (or a worker row, with
-        `needs_row`): the last request after it, else an idle one before it; None if neither."""
+        `needs_row`): the last request after it, else an idle one before it (not scheduled in this step);
+        None if neither."""
         state = self._state
         running = state.running
         position = running.index(request)
@@ -184,7 +193,9 @@ class StepPlanner:
             candidate = running[index]
             if index == position or (needs_row and candidate.request_id not in state.worker_rows):
                 continue
-            if index > position or not state.num_tokens_to_compute(candidate):
+            if candidate.request_id in draft.scheduled_ids or candidate.request_id in state.reporting_in_flight:
+                continue
+            if index > position or state.is_idle(candidate):
                 return running.pop(index)
         return None
 
@@ -285,6 +296,26 @@ class StepPlanner:
         request_id = request.request_id
         draft.copy.extend(allocation.copies)
         draft.token_budget -= num_new_tokens
+        draft.scheduled_ids.add(request_id)
+        self._record_row(request, num_new_tokens, allocation, draft)
+        # Counts advance now, not when the result is back, so the next step can be planned while this one
+        # runs. A request that reaches its end samples a token (pending until the result applies it) or is
+        # reported to the engine (a fan-out root, a beam row).
+        completes = state.num_tokens_to_compute(request) == num_new_tokens
+        request.num_computed_tokens += num_new_tokens
+        if completes:
+            draft.completing_request_ids.append(request_id)
+            if request.prefill_only or request.num_beam_candidates:
+                state.reporting_in_flight.add(request_id)
+            else:
+                request.num_pending_tokens += 1
+
+    def _record_row(
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft
+    ) -> None:
+        """The step's data for the worker: a diff for a row it holds, else a whole new row."""
+        state = self._state
+        request_id = request.request_id
         if request_id in state.worker_rows:
             draft.scheduled_requests.append(
                 ScheduledRequestData(

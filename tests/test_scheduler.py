@@ -29,13 +29,15 @@ def make_scheduler(
     preemption_mode="recompute",
     enable_prefix_caching=True,
     enable_chunked_prefill=True,
+    max_steps_in_flight=1,
 ) -> tuple[Scheduler, FakeWorker]:
     limits = SchedulerLimits(
         max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
         enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
     )
     manager = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
-    return Scheduler(limits, manager), FakeWorker(block_size, num_gpu_blocks, num_cpu_blocks)
+    scheduler = Scheduler(limits, manager, max_steps_in_flight=max_steps_in_flight)
+    return scheduler, FakeWorker(block_size, num_gpu_blocks, num_cpu_blocks)
 
 
 def make_request(request_id, prompt_len=4, max_tokens=16, priority=0, **params) -> Request:
@@ -77,6 +79,36 @@ def test_request_added_while_others_run_joins_the_next_step():
     assert (new_b.request_id, new_b.token_ids, new_b.num_computed_tokens) == ("b", b_prompt, 0)
     assert out1.total_num_scheduled_tokens == 4
     assert {r.request_id for r in updated} == {"a", "b"}
+
+
+def test_next_step_is_planned_while_the_previous_one_runs():
+    """Async scheduling: step 1 is planned before step 0's result; a decode takes its input token from the
+    worker's row; a request whose token in flight may be its last is not planned; a stop found in step 1's
+    result drops the token step 2 (already planned) sampled for it."""
+    scheduler, worker = make_scheduler(max_steps_in_flight=2)
+    scheduler.add_request(make_request("a", prompt_len=5, max_tokens=2))
+    scheduler.add_request(make_request("b", prompt_len=5, max_tokens=16))
+    out0 = scheduler.schedule()
+    sampled0 = worker.execute(out0)
+    out1 = scheduler.schedule()  # step 0 still in flight
+    assert dict(out1.num_scheduled_tokens()) == {"a": 1, "b": 1} and out1.completing_request_ids == ("a", "b")
+    with pytest.raises(RuntimeError):
+        scheduler.schedule()  # two steps in flight already
+    sampled1 = worker.execute(out1)
+    updated = scheduler.update_from_output(out0, sampled0)
+    assert [(r.request_id, r.num_output_tokens, r.num_pending_tokens) for r in updated] == [("a", 1, 1), ("b", 1, 1)]
+    out2 = scheduler.schedule()  # a's token in flight is its last (max_tokens 2): only b
+    assert dict(out2.num_scheduled_tokens()) == {"b": 1}
+    sampled2 = worker.execute(out2)
+    sampled1 = dict(sampled1, b=EOS)  # b stops in step 1...
+    updated = scheduler.update_from_output(out1, sampled1)
+    assert {r.request_id: r.status for r in updated} == {
+        "a": RequestStatus.FINISHED_LENGTH, "b": RequestStatus.FINISHED_STOPPED}
+    assert scheduler.update_from_output(out2, sampled2) == []  # ...so its token from step 2 is dropped
+    b = updated[1]
+    assert b.output_token_ids == [sampled0["b"], EOS] and b.num_pending_tokens == 0
+    assert scheduler.block_manager.num_free_gpu_blocks == 64
+    assert set(scheduler.schedule().finished_request_ids) == {"a", "b"}
 
 
 def test_finished_request_leaves_at_once_and_is_reported_in_the_next_output_only():

@@ -65,6 +65,9 @@ class EngineStandIn:
         self.max_head_wait = 0  # longest run of steps the earliest request with work went unscheduled
         self.max_wait = 0  # the same for any request with work
         self._waits: dict[str, int] = {}  # request id -> steps in a row it had work and was not scheduled
+        # Planned and run, result not applied yet (the scheduler plans step N+1 before N's result applies).
+        self.in_flight: list[tuple[SchedulerOutput, dict[str, int], dict[str, list[int]]]] = []
+        self.beam_candidates: dict[str, list[int]] = {}  # of the step whose result is being applied
 
     # ---- the engine's side ---------------------------------------------------------------------------
 
@@ -136,7 +139,7 @@ class EngineStandIn:
             self._leave(group, request.request_id)
         elif request.num_beam_candidates:
             assert request.request_id not in group.candidates, "reported twice in one round"
-            candidates = self.worker.beam_candidates[request.request_id]
+            candidates = self.beam_candidates[request.request_id]
             assert candidates == beam_candidates_at(request.sampling_params.seed, request.num_tokens,
                                                     request.num_beam_candidates)
             group.candidates[request.request_id] = candidates
@@ -208,21 +211,34 @@ class EngineStandIn:
         assert not set(output.preempted_request_ids) & set(scheduled)
         self._check_shared_writes(scheduled)
         self._remember_keys(scheduled)
-        sampled = worker.execute(output)
+        sampled = worker.execute(output)  # the worker runs plans in order, as soon as they arrive
         self._check_cached_blocks()
         running = {r.request_id for r in self._live_requests() if r.status is RequestStatus.RUNNING}
         assert set(worker.rows) <= running and len(worker.rows) <= MAX_NUM_SEQS
-        if scheduled and rng.random() < 0.005:  # an abort lands while the step runs
-            victim = rng.choice([self.owner[rid] for rid in scheduled if rid in self.owner])
-            self.abort_group(victim)
-        updated = scheduler.update_from_output(output, sampled)
-        for request in updated:
-            if request.status is RequestStatus.RUNNING:
-                assert worker.rows[request.request_id].token_ids == request.all_token_ids
-        for request in updated:
-            self.on_update(request)
+        if output.total_num_scheduled_tokens:
+            self.in_flight.append((output, sampled, dict(worker.beam_candidates)))
+            if scheduler.num_steps_in_flight < scheduler.max_steps_in_flight:
+                return output  # plan the next step before this one's result applies
+        if self.in_flight:
+            self.apply_oldest_result()
         scheduler.block_manager.check_invariants()
         return output
+
+    def apply_oldest_result(self) -> None:
+        output, sampled, self.beam_candidates = self.in_flight.pop(0)
+        scheduled = output.num_scheduled_tokens()
+        if scheduled and self.rng.random() < 0.005:  # an abort lands while the step runs
+            victim = self.rng.choice([self.owner[rid] for rid in scheduled if rid in self.owner] or [None])
+            if victim is not None:
+                self.abort_group(victim)
+        updated = self.scheduler.update_from_output(output, sampled)
+        for request in updated:
+            if request.status is RequestStatus.RUNNING:  # the worker may hold tokens of steps still in flight
+                row_tokens, known = self.worker.rows[request.request_id].token_ids, request.all_token_ids
+                assert row_tokens[: len(known)] == known
+                assert len(row_tokens) - len(known) <= request.num_pending_tokens
+        for request in updated:
+            self.on_update(request)
 
     def _live_requests(self):
         return self.live.values()
@@ -246,7 +262,8 @@ class EngineStandIn:
         for request_id, num_tokens in scheduled.items():
             request = self.scheduler.get_request(request_id)
             table, tokens = manager.block_table(request_id), request.all_token_ids
-            for position in range(request.num_computed_tokens, request.num_computed_tokens + num_tokens):
+            # Counts advanced when the step was planned: this step writes the last num_tokens computed ones.
+            for position in range(request.num_computed_tokens - num_tokens, request.num_computed_tokens):
                 block_id = table[position // BLOCK_SIZE]
                 if manager.gpu_ref_count(block_id) > 1:
                     shared_writes.append((request_id, block_id, position % BLOCK_SIZE, tokens[position]))
@@ -281,7 +298,8 @@ class EngineStandIn:
 
 
 def run_simulation(
-    num_requests: int, preemption_mode: str, enable_prefix_caching: bool, seed: int, enable_chunked_prefill=True
+    num_requests: int, preemption_mode: str, enable_prefix_caching: bool, seed: int, enable_chunked_prefill=True,
+    max_steps_in_flight: int = 1,
 ):
     rng = random.Random(seed)
     num_gpu_blocks, num_cpu_blocks = 40, 16
@@ -294,7 +312,7 @@ def run_simulation(
         enable_chunked_prefill=enable_chunked_prefill,
     )
     manager = BlockManager(BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching)
-    scheduler = Scheduler(limits, manager)
+    scheduler = Scheduler(limits, manager, max_steps_in_flight=max_steps_in_flight)
     worker = FakeWorker(BLOCK_SIZE, num_gpu_blocks, num_cpu_blocks)
     engine = EngineStandIn(rng, scheduler, worker)
     num_swap_outs = num_copies = 0
@@ -310,6 +328,8 @@ def run_simulation(
         num_swap_outs += len(output.swap_out)
         num_copies += len(output.copy)
 
+    while engine.in_flight:  # results of steps planned for requests that have all finished since
+        engine.apply_oldest_result()
     worker.execute(scheduler.schedule())  # reports the last finished ids; the worker drops every row
     assert worker.rows == {}
     assert all(group.done for group in engine.groups)
@@ -345,3 +365,15 @@ def test_simulation_without_prefix_caching():
 def test_simulation_without_chunked_prefill():
     engine, scheduler, num_swap_outs, _ = run_simulation(1000, "swap", True, 14, enable_chunked_prefill=False)
     assert scheduler.num_preemptions > 30 and num_swap_outs > 0
+
+
+@pytest.mark.parametrize(("preemption_mode", "seed"), [("recompute", 15), ("swap", 16)])
+def test_simulation_planning_each_step_while_the_previous_one_runs(preemption_mode, seed):
+    """Async scheduling: step N+1 is planned (and run by the worker) before step N's result applies. Same
+    checks: rows, copy-on-write, cached blocks, every token the seed dictates, nothing starves or leaks."""
+    engine, scheduler, num_swap_outs, num_copies = run_simulation(3000, preemption_mode, True, seed,
+                                                                  max_steps_in_flight=2)
+    assert scheduler.num_preemptions > 50 and num_copies > 50 and engine.num_forks > 500
+    assert scheduler.prefix_cache_hit_rate > 0.1
+    if preemption_mode == "swap":
+        assert num_swap_outs > 0
