@@ -117,6 +117,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv.append("--no-chunked-prefill")
     if args.plan_log:
         argv += ["--plan-log", args.plan_log]
+    if not args.async_scheduling:
+        argv.append("--no-async-scheduling")
     return argv
 
 

@@ -20,6 +20,10 @@ class StepTimer:
         self._steps += 1
         self._last = time.perf_counter()
 
+    def resume(self) -> None:
+        """Restarts the clock without counting a new step (a step's phases split across the loop)."""
+        self._last = time.perf_counter()
+
     def mark(self, phase: str) -> None:
         """Charges the time since the previous mark (or the step's start) to `phase`."""
         now = time.perf_counter()

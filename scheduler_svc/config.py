@@ -33,6 +33,8 @@ class SchedulerConfig:
     worker_ready_timeout: float = 600.0
     # Seconds in-flight requests get to finish on SIGTERM before they are aborted.
     shutdown_timeout: float = 30.0
+    # Plan step N+1 while the worker runs step N (see scheduler.py); off: plan, wait, apply, plan.
+    async_scheduling: bool = True
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="schedule each prompt whole (needs --max-num-batched-tokens >= max model len)")
     parser.add_argument("--plan-log", default=None, help="append every step plan to this file (replay, tests)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="wait for each step's result before planning the next (default: plan step N+1 "
+                             "while the worker runs step N)")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -74,4 +79,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         plan_log=args.plan_log,
+        async_scheduling=args.async_scheduling,
     )

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+from collections import deque
 from dataclasses import dataclass
 
 from pagedserve.step_timer import StepTimer
@@ -145,33 +146,55 @@ class Engine:
     # -- the loop ----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Runs until cancelled; a worker failure ends every stream with the exception and is re-raised."""
+        """Runs until cancelled; a worker failure ends every stream with the exception and is re-raised.
+
+        Async scheduling: with `max_steps_in_flight` 2 the loop plans and sends step N+1 before it waits for
+        step N's result, so the worker finds its next plan waiting when it finishes a step, and the
+        scheduler's own work (applying results, streaming, planning) runs while the GPU computes.
+        """
+        sent: deque[SchedulerOutput] = deque()  # plans sent, results not received, oldest first
+        depth = self._scheduler.max_steps_in_flight
         try:
             while True:
                 self._drain_inbox()
-                output = self._scheduler.schedule()
-                if output.total_num_scheduled_tokens == 0 and not _carries_block_work(output):
-                    await self._idle(self._scheduler.has_unfinished_requests())
-                    continue
-                timer = self.step_timer
-                timer.start_step()
-                self._num_swapped_out_blocks += len(output.swap_out)
-                plan = encode_step_plan(output)
-                if self._plan_log is not None:
-                    self._plan_log.write(plan.plan)
-                timer.mark("encode")
-                result = await self._link.execute(plan)
-                timer.mark("worker_round_trip")
-                outcome = decode_step_result(result)
-                updated = self._scheduler.update_from_output(output, outcome.sampled)
-                timer.mark("update")
-                self._publish(output, updated, outcome)
-                timer.mark("publish")
+                if len(sent) < depth:
+                    output = self._scheduler.schedule()
+                    if output.total_num_scheduled_tokens or _carries_block_work(output):
+                        await self._send(output)
+                        sent.append(output)
+                        if len(sent) < depth:
+                            continue  # fill the pipeline before waiting
+                    elif not sent:
+                        await self._idle(self._scheduler.has_unfinished_requests())
+                        continue
+                await self._apply_result(sent.popleft())
         except asyncio.CancelledError:
             raise
         except BaseException as failure:
             self._fail_all(failure)
             raise
+
+    async def _send(self, output: SchedulerOutput) -> None:
+        timer = self.step_timer
+        timer.start_step()
+        self._num_swapped_out_blocks += len(output.swap_out)
+        plan = encode_step_plan(output)
+        if self._plan_log is not None:
+            self._plan_log.write(plan.plan)
+        timer.mark("encode")
+        await self._link.send_plan(plan)
+        timer.mark("send")
+
+    async def _apply_result(self, output: SchedulerOutput) -> None:
+        timer = self.step_timer
+        timer.resume()
+        result = await self._link.receive_result(output.step_id)
+        timer.mark("wait_for_result")
+        outcome = decode_step_result(result)
+        updated = self._scheduler.update_from_output(output, outcome.sampled)
+        timer.mark("update")
+        self._publish(output, updated, outcome)
+        timer.mark("publish")
 
     def abort_all(self) -> None:
         """Server-side abort of everything in flight (shutdown): each stream ends with finish_reason abort."""

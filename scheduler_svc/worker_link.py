@@ -85,10 +85,18 @@ class WorkerLink:
 
     async def execute(self, plan: worker_pb2.SchedulerToWorker) -> worker_pb2.StepResult:
         """Runs one step on every rank; returns rank 0's result (the ranks sample identically)."""
+        await self.send_plan(plan)
+        return await self.receive_result(plan.plan.step_id)
+
+    async def send_plan(self, plan: worker_pb2.SchedulerToWorker) -> None:
+        """Sends a step to every rank without waiting for it: a worker runs plans in the order they arrive,
+        so the next one can be sent while this one runs (async scheduling)."""
         for rank in sorted(self._identities):
             await self._send(rank, plan)
+
+    async def receive_result(self, step_id: int) -> worker_pb2.StepResult:
+        """Waits for every rank's result of `step_id`, the oldest step sent and not received; returns rank 0's."""
         results: dict[int, worker_pb2.StepResult] = {}
-        step_id = plan.plan.step_id
         while len(results) < self._num_workers:
             identity, message = await self._receive()
             self._raise_if_error(message)
