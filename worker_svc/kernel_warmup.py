@@ -6,9 +6,10 @@ divisible by 16, pointer alignment of a sliced metadata view, the decode split c
 for seconds (measured: the first W1 run 2.4x slower than the second). The decode CUDA graphs already warm
 the pure-decode buckets; this runs the eager path over small synthetic batches that cover the other
 specializations of a mixed step: a leading decode range of every size class the decode kernel tells apart
-(`decode_size_classes`: its split-KV count, a size of 1, a multiple of 16 or not), alone and followed by a
-prefill chunk; and prefill-only batches of 1 or 2 chunks of 16 or 17 tokens, with or without earlier tokens
-in the cache.
+(`decode_size_classes`: its split-KV count, a size of 1, a multiple of 16 or not), and none, followed by 0, 1,
+2 or 16 prefill chunks (the prefill kernel specializes its sequence count the same way, and the slices of
+the metadata after an odd number of decodes are less aligned); and prefill-only batches with chunks of 16
+or 17 tokens, with or without earlier tokens in the cache.
 
 The batches write no K/V (every slot is -1) and read block 0 only, whatever it holds: results are discarded.
 """
@@ -25,7 +26,7 @@ from kernels.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-NUM_PREFILLS = (1, 2)
+NUM_PREFILLS = (0, 1, 2, 16)
 CHUNK_LENS = (16, 17)
 EARLIER_TOKENS = (0, 5)
 
@@ -43,11 +44,13 @@ def decode_size_classes(max_num_seqs: int, num_kv_heads: int) -> list[int]:
 def warm_up_batches(max_num_seqs: int, num_kv_heads: int) -> list[tuple[list[int], list[int], int]]:
     """(query lens, seq lens, num decodes) of every warm-up batch: decodes first, then prefill chunks."""
     batches = []
-    for num_decodes in decode_size_classes(max_num_seqs, num_kv_heads):
-        for chunks in ([], [(17, 5)]):
-            batches.append(_batch(num_decodes, chunks))
-    for num_prefills, chunk_len, earlier in itertools.product(NUM_PREFILLS, CHUNK_LENS, EARLIER_TOKENS):
-        batches.append(_batch(0, [(chunk_len, earlier)] * num_prefills))
+    for num_decodes in [0, *decode_size_classes(max_num_seqs, num_kv_heads)]:
+        for num_prefills in NUM_PREFILLS:
+            if num_decodes + num_prefills and num_decodes + num_prefills <= max_num_seqs:
+                batches.append(_batch(num_decodes, [(17, 5)] * num_prefills))
+    for chunk_len, earlier in itertools.product(CHUNK_LENS, EARLIER_TOKENS):
+        if (chunk_len, earlier) != (17, 5):
+            batches.append(_batch(0, [(chunk_len, earlier)]))
     return batches
 
 
