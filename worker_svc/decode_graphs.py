@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from worker_svc.host_to_device import copy_into, to_device
 from worker_svc.persistent_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -83,17 +83,30 @@ class DecodeGraphs:
             return None
         return next(size for size in self.buckets if size >= num_seqs)
 
-    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
-        """Replays the bucket's graph over this step's inputs; returns the hidden states of its real rows."""
+    def run(self, inputs: StepInputs, size: int, previous_sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Replays the bucket's graph over this step's inputs; returns the hidden states of its real rows.
+        Input tokens still pending from the step in flight are taken from its sampled ids on the device
+        (`previous_sampled`). No copy here waits for the GPU (pinned staging buffers)."""
         n = len(inputs.rows)
-        self._input_ids[:n].copy_(torch.from_numpy(inputs.input_ids), non_blocking=True)
-        self._positions[:n].copy_(torch.from_numpy(inputs.positions), non_blocking=True)
-        self._slot_mapping[:n].copy_(torch.from_numpy(inputs.slot_mapping), non_blocking=True)
+        copy_into(self._input_ids[:n], inputs.input_ids)
+        if len(inputs.pending_input_indices):
+            take_pending_tokens(self._input_ids, inputs, previous_sampled)
+        copy_into(self._positions[:n], inputs.positions)
+        copy_into(self._slot_mapping[:n], inputs.slot_mapping)
         self._slot_mapping[n:size].fill_(-1)
-        self._seq_lens[:n].copy_(torch.from_numpy(inputs.seq_lens.astype(np.int32)), non_blocking=True)
+        copy_into(self._seq_lens[:n], inputs.seq_lens)
         self._seq_lens[n:size].zero_()
         width = inputs.block_tables.shape[1]
-        self._block_tables[:n, :width].copy_(torch.from_numpy(inputs.block_tables.astype(np.int32)),
-                                             non_blocking=True)
+        copy_into(self._block_tables[:n, :width], inputs.block_tables)
         self._graphs[size].replay()
         return self._outputs[size][:n]
+
+
+def take_pending_tokens(input_ids: torch.Tensor, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> None:
+    """input_ids[i] = previous_sampled[source] for each input token still pending (on the device)."""
+    if previous_sampled is None:
+        raise RuntimeError("a step has pending input tokens but no step is in flight")
+    device = input_ids.device
+    indices = to_device(inputs.pending_input_indices, torch.long, device)
+    sources = to_device(inputs.pending_sources, torch.long, device)
+    input_ids[indices] = previous_sampled[sources].to(input_ids.dtype)

@@ -15,6 +15,9 @@ import numpy as np
 
 from protos.pagedserve.v1 import worker_pb2
 
+# A token the previous step samples that has not come back to the host yet: the next step may be built
+# before it does (see `begin_step`), and its input is then taken from that step's sampled ids on the device.
+PENDING_TOKEN = -1
 _UINT64_WRAP = 1 << 64
 _INT64_MAX = (1 << 63) - 1
 
@@ -34,6 +37,20 @@ class StepInputs:
     sample_rows: np.ndarray  # [S]
     logits_indices: np.ndarray  # [S] index of each such row's last scheduled token in the token axis
     num_decode_seqs: int  # leading rows with exactly one scheduled token
+    # Input tokens still pending from the step in flight: their indices in input_ids, and where each sits
+    # in that step's sampled ids (its `sampled_rows` order). Empty unless steps overlap.
+    pending_input_indices: np.ndarray
+    pending_sources: np.ndarray
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """Where the tokens a launched step samples go once they reach the host (`PersistentBatch.fill`): the
+    rows, their owners' generation at launch (a row freed and reused meanwhile is skipped), positions."""
+
+    rows: np.ndarray
+    generations: np.ndarray
+    positions: np.ndarray
 
 
 class PersistentBatch:
@@ -50,6 +67,10 @@ class PersistentBatch:
         self.top_k = np.full(max_num_seqs, -1, dtype=np.int64)
         self.seed = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_beam_candidates = np.zeros(max_num_seqs, dtype=np.int64)
+        # Bumped when a row is given to a request, so late tokens of its previous owner are not written.
+        self.generation = np.zeros(max_num_seqs, dtype=np.int64)
+        # For a row whose newest token is PENDING_TOKEN: its index in the in-flight step's sampled ids.
+        self.pending_source = np.zeros(max_num_seqs, dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._request_of_row: list[str | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -75,6 +96,7 @@ class PersistentBatch:
         if not self._free_rows:
             raise ValueError("more requests than max_num_seqs")
         row = self._free_rows.pop()
+        self.generation[row] += 1
         self._row_of[new.request_id] = row
         self._request_of_row[row] = new.request_id
         tokens = np.asarray(new.token_ids, dtype=np.int64)
@@ -125,6 +147,7 @@ class PersistentBatch:
         seq_lens = computed + num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
         samples = seq_lens == self.num_tokens[rows]
+        pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         return StepInputs(
             rows=rows,
             input_ids=input_ids,
@@ -136,11 +159,27 @@ class PersistentBatch:
             sample_rows=rows[samples],
             logits_indices=query_start_loc[1:][samples] - 1,
             num_decode_seqs=int(np.argmax(num_scheduled != 1)) if (num_scheduled != 1).any() else len(rows),
+            pending_input_indices=pending,
+            pending_sources=self.pending_source[token_row[pending]],
         )
 
-    def commit(self, inputs: StepInputs, sampled_rows: np.ndarray, sampled_token_ids: np.ndarray) -> None:
-        """Marks the step's tokens computed and appends each sampled row's new token (beam rows get theirs
-        from the scheduler instead)."""
+    def begin_step(self, inputs: StepInputs, sampled_rows: np.ndarray) -> PendingTokens:
+        """Marks a launched step's tokens computed and gives each sampled row its next token as PENDING_TOKEN
+        (beam rows get theirs from the scheduler instead), so the next step can be built before the sampled
+        ids reach the host. `fill` writes them then."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
-        self.token_ids[sampled_rows, self.num_tokens[sampled_rows]] = sampled_token_ids
+        positions = self.num_tokens[sampled_rows].copy()
+        self.token_ids[sampled_rows, positions] = PENDING_TOKEN
         self.num_tokens[sampled_rows] += 1
+        self.pending_source[sampled_rows] = np.arange(len(sampled_rows))
+        return PendingTokens(sampled_rows, self.generation[sampled_rows].copy(), positions)
+
+    def fill(self, pending: PendingTokens, sampled_token_ids: np.ndarray) -> None:
+        """Writes the sampled tokens of a step begun with `begin_step`, in its rows still held by the same
+        requests."""
+        same = self.generation[pending.rows] == pending.generations
+        self.token_ids[pending.rows[same], pending.positions[same]] = sampled_token_ids[same]
+
+    def commit(self, inputs: StepInputs, sampled_rows: np.ndarray, sampled_token_ids: np.ndarray) -> None:
+        """`begin_step` and `fill` at once: the step's tokens are back already."""
+        self.fill(self.begin_step(inputs, sampled_rows), sampled_token_ids)

@@ -1,0 +1,28 @@
+"""Host-to-device copies that never make the host wait for the GPU.
+
+Why: a copy from pageable host memory (a numpy array's buffer) is staged by the driver and the host returns
+only once the stream has reached it, i.e. after everything queued before it has run. A worker that builds
+step N+1 while the GPU still runs step N would then wait for step N at its first input copy. A pinned staging
+buffer (torch's caching host allocator, which keeps it alive until the copy has run) makes the copy truly
+asynchronous. On the CPU this is a plain conversion.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(target: torch.Tensor, array: np.ndarray) -> None:
+    """target[...] = array, asynchronously on a GPU (target's dtype; shapes must match)."""
+    host = torch.from_numpy(np.ascontiguousarray(array)).to(target.dtype)
+    if target.device.type == "cuda":
+        host = host.pin_memory()
+    target.copy_(host, non_blocking=True)
