@@ -33,6 +33,8 @@ class SchedulerConfig:
     worker_ready_timeout: float = 600.0
     # Seconds in-flight requests get to finish on SIGTERM before they are aborted.
     shutdown_timeout: float = 30.0
+    # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
+    heartbeat_interval: float = 1.0
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +53,14 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                         help="schedule each prompt whole (needs --max-num-batched-tokens >= max model len)")
     parser.add_argument("--plan-log", default=None, help="append every step plan to this file (replay, tests)")
+    add_heartbeat_argument(parser)
+
+
+def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
+    """--heartbeat-interval, shared by the scheduler, the worker and `pagedserve serve` (which gives both the
+    same value)."""
+    parser.add_argument("--heartbeat-interval", type=float, default=1.0,
+                        help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -59,6 +69,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise SystemExit("--max-model-len must be at least 2")
+    if args.heartbeat_interval <= 0:
+        raise SystemExit("--heartbeat-interval must be > 0")
     return SchedulerConfig(
         model=args.model,
         host=args.host,
@@ -74,4 +86,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         plan_log=args.plan_log,
+        heartbeat_interval=args.heartbeat_interval,
     )
