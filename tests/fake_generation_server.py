@@ -26,9 +26,10 @@ STATS = generate_pb2.GetStatsResponse(**{
 
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):
-    """Prompt text -> behaviour: "invalid" / "overloaded" fail; "endless" streams until cancelled and then
-    sets `cancelled`; "gated" sends one chunk, waits for `gate`, then finishes; anything else streams
-    NORMAL_CHUNKS and finishes with "stop"."""
+    """Prompt text -> behaviour: "invalid" / "overloaded" / "unavailable" fail; "unavailable twice" fails
+    UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
+    fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
+    waits for `gate`, then finishes; anything else streams NORMAL_CHUNKS and finishes with "stop"."""
 
     def __init__(self) -> None:
         self.reset()
@@ -45,6 +46,12 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")
         if request.text == "overloaded":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
+        attempt = sum(earlier.text == request.text for earlier in self.requests)
+        if request.text == "unavailable" or (request.text == "unavailable twice" and attempt <= 2):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
+        if request.text == "dies after a chunk":
+            yield generate_pb2.GenerateResponse(request_id=request_id, text="once", token_ids=[1])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped: worker rank 0 disconnected")
         if request.text == "endless":
             try:
                 for token_id in range(10**9):
