@@ -34,6 +34,9 @@ from scheduler_svc.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# The SDK pings every 20 s to notice a server that froze (client/channel.py); gRPC's default would answer
+# pings more often than every 5 minutes on a quiet stream with GOAWAY.
+SERVER_OPTIONS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),)
 
 
 async def run_scheduler_service(config: SchedulerConfig) -> int:
@@ -44,7 +47,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = GenerationServicer(tokenizer)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{config.host}:{config.port}")

@@ -83,12 +83,12 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
 class FakeServer:
     """A grpc.aio server on its own event-loop thread, so blocking clients and tests can drive it."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, options: tuple = ()) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self.generation = FakeGeneration()
-        self.port = self._run(self._start(port))
+        self.port = self._run(self._start(port, options))
         self.target = f"127.0.0.1:{self.port}"
 
     def reset(self) -> FakeGeneration:
@@ -108,8 +108,8 @@ class FakeServer:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
 
-    async def _start(self, port: int) -> int:
-        self._server = grpc.aio.server()
+    async def _start(self, port: int, options: tuple) -> int:
+        self._server = grpc.aio.server(options=options)
         self._health = health.aio.HealthServicer()
         generate_pb2_grpc.add_GenerationServicer_to_server(self.generation, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -6,6 +6,7 @@ error at once instead of hanging."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -16,6 +17,8 @@ import grpc
 import pytest
 
 from client import AsyncClient, Client, InvalidRequestError, OverloadedError, ServerUnavailableError
+from client import sync_client
+from client.channel import CHANNEL_OPTIONS
 from client.retry import RetryBudget, RetryPolicy
 from tests.fake_generation_server import FakeServer
 from tests.server_harness import REPO_ROOT, free_port
@@ -92,22 +95,44 @@ def test_no_retry_starts_after_the_call_timeout():
     assert all(pause is None or pause < 1.0 for pause in pauses)
 
 
-def test_a_server_killed_mid_stream_raises_unavailable_promptly_instead_of_hanging():
+@contextlib.contextmanager
+def fake_server_process(options: tuple = ()):
+    """A FakeServer in a process of its own (so a test can kill or stop it); yields (process, target)."""
     port = free_port()
-    code = ("import time, sys; from tests.fake_generation_server import FakeServer; "
-            f"server = FakeServer({port}); print('up', flush=True); time.sleep(600)")
+    code = ("import time; from tests.fake_generation_server import FakeServer; "
+            f"server = FakeServer({port}, {options!r}); print('up', flush=True); time.sleep(600)")
     process = subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE)
     try:
         assert process.stdout.readline() == b"up\n"
-        with Client(f"127.0.0.1:{port}") as client:
-            stream = client.generate_stream("endless")
-            next(stream)
-            os.kill(process.pid, signal.SIGKILL)
-            killed_at = time.monotonic()
-            with pytest.raises(ServerUnavailableError):
-                for _ in stream:
-                    pass
-            assert time.monotonic() - killed_at < 5.0
+        yield process, f"127.0.0.1:{port}"
     finally:
         process.kill()
         process.wait()
+
+
+def _raises_unavailable_within(stream, seconds: float) -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerUnavailableError):
+        for _ in stream:
+            pass
+    assert time.monotonic() - started < seconds
+
+
+def test_a_server_killed_mid_stream_raises_unavailable_promptly_instead_of_hanging():
+    with fake_server_process() as (process, target), Client(target) as client:
+        stream = client.generate_stream("endless")
+        next(stream)
+        os.kill(process.pid, signal.SIGKILL)
+        _raises_unavailable_within(stream, 5.0)
+
+
+def test_a_frozen_server_is_noticed_by_keepalive_pings(monkeypatch):
+    """SIGSTOP keeps the connection open: only the keepalive ping notices (timings shortened for the test)."""
+    short = {"grpc.keepalive_time_ms": 500, "grpc.keepalive_timeout_ms": 1000, "grpc.http2.ping_timeout_ms": 1000}
+    monkeypatch.setattr(sync_client, "CHANNEL_OPTIONS", tuple((k, short.get(k, v)) for k, v in CHANNEL_OPTIONS))
+    server_options = (("grpc.http2.min_recv_ping_interval_without_data_ms", 100),)
+    with fake_server_process(server_options) as (process, target), Client(target) as client:
+        stream = client.generate_stream("endless")
+        next(stream)
+        os.kill(process.pid, signal.SIGSTOP)
+        _raises_unavailable_within(stream, 10.0)
