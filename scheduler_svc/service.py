@@ -30,7 +30,7 @@ from scheduler_svc.grpc_server import GenerationServicer, ServedModel
 from scheduler_svc.request_validation import ServingLimits
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.worker_link import WorkerFailure, WorkerLink
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -68,9 +68,15 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
             connecting.cancel()
+            await link.shutdown_workers()
             return 0
         stopping.cancel()
-        pool = connecting.result()
+        try:
+            pool = connecting.result()
+        except (WorkerFailure, TimeoutError) as failure:
+            logger.error("the workers did not come up: %s", failure or f"not ready in {config.worker_ready_timeout:g} s")
+            await link.shutdown_workers()
+            return 1
         max_model_len = _max_model_len(config, pool.max_position_embeddings)
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
         scheduler = Scheduler(
@@ -97,16 +103,20 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
     engine_task = asyncio.ensure_future(engine.run())
     stopping = asyncio.ensure_future(stop.wait())
     link_failed = asyncio.ensure_future(link.wait_failed())
+
+    def failed() -> bool:
+        return engine_task.done() or link_failed.done()
+
     try:
         await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
-        servicer.stop_accepting("the server is shutting down")
-        await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if not (engine_task.done() or link_failed.done()):
+        if not failed():
+            servicer.stop_accepting("the server is shutting down")
+            await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
             deadline = loop_time() + config.shutdown_timeout
-            while _has_work(engine) and loop_time() < deadline and not (engine_task.done() or link_failed.done()):
+            while _has_work(engine) and loop_time() < deadline and not failed():
                 await asyncio.sleep(0.05)
-        if engine_task.done() or link_failed.done():
-            return await _fail(engine, engine_task, link_failed, servicer, link)
+        if failed():
+            return await _fail(engine, engine_task, link_failed, servicer, health, link)
         engine.abort_all()
         await asyncio.sleep(0.05)  # let the handlers flush their final messages
         engine_task.cancel()
@@ -120,17 +130,18 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         link_failed.cancel()
 
 
-async def _fail(engine: Engine, engine_task, link_failed, servicer, link: WorkerLink) -> int:
-    """A worker failed or went away (or the engine itself raised): every request in flight ends with
-    UNAVAILABLE saying why, new ones are refused, and the process exits 1 for its supervisor to restart."""
+async def _fail(engine: Engine, engine_task, link_failed, servicer, health, link: WorkerLink) -> int:
+    """A worker failed or went away (or the engine itself raised): new requests are refused and every request
+    in flight ends with UNAVAILABLE saying why, health turns NOT_SERVING, and the process exits 1 for its
+    supervisor to restart."""
     failure = link_failed.result() if link_failed.done() else engine_task.exception()
+    servicer.stop_accepting(f"the engine stopped: {failure}")
     if not engine_task.done():  # idle, or waiting for a result that will never come
         engine_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await engine_task
-    servicer.stop_accepting(f"the engine stopped: {failure}")
     engine.fail_all(failure)
-    logger.error("engine failed: %s", failure)
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     await link.shutdown_workers()  # ranks still alive exit now rather than when our heartbeats stop
     return 1
 

@@ -163,10 +163,14 @@ class WorkerLink:
         next_beat = self._loop.time()
         while self._failure is None:
             events = dict(await poller.poll(timeout=max(0.0, next_beat - self._loop.time()) * 1000))
-            if self._monitor in events:
-                self._on_monitor_event(parse_monitor_message(await self._monitor.recv_multipart()))
             if self._socket in events:
                 self._on_frames(await self._socket.recv_multipart(copy=False))
+            if self._monitor in events:
+                event = parse_monitor_message(await self._monitor.recv_multipart())
+                # A worker's last words (its WorkerError) come before its disconnect: read them first.
+                while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    self._on_frames(await self._socket.recv_multipart(copy=False))
+                self._on_monitor_event(event)
             now = self._loop.time()
             if now >= next_beat:
                 for rank in sorted(self._identities):
