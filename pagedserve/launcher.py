@@ -100,10 +100,11 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
             child.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) handles SIGTERM only once resumed
-    for child in children.values():
+    for name, child in children.items():
         if _wait(child, timeout=min(timeout, 10.0)) is None:
             child.kill()
             child.wait()
+        print(f"pagedserve: {name} exit code {child.returncode}", file=sys.stderr, flush=True)
 
 
 def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:

@@ -40,6 +40,7 @@ def _assert_fault_handled(server, streams, health: HealthWatch, fault_at: float,
     with Client(server.target, max_retries=0) as client, pytest.raises(ServerUnavailableError):
         client.generate([1, 2, 3], max_tokens=4)
     assert server.process.wait(timeout=30) != 0, server.log()[-3000:]
+    assert "pagedserve: scheduler exit code 1" in server.log(), server.log()[-3000:]
     assert_all_gone(server.children, timeout=2.0)
 
 
