@@ -34,7 +34,7 @@ class SchedulerConfig:
     # Seconds in-flight requests get to finish on SIGTERM before they are aborted.
     shutdown_timeout: float = 30.0
     # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 2.0
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
     """--heartbeat-interval, shared by the scheduler, the worker and `pagedserve serve` (which gives both the
     same value)."""
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0,
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0,
                         help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
 
 

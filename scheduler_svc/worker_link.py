@@ -55,7 +55,7 @@ class _Arrival:
 
 
 class WorkerLink:
-    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 1.0):
+    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0):
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -155,6 +155,15 @@ class WorkerLink:
             raise WorkerFailure(f"worker rank {self._ranks[arrival.identity]} sent {got}, expected {kind}")
 
     async def _pump(self) -> None:
+        try:
+            await self._pump_until_failed()
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a bug or a ZeroMQ error here must not leave the engine waiting forever
+            logger.exception("the worker link's receive loop failed")
+            self._fail(f"the worker link failed: {type(error).__name__}: {error}")
+
+    async def _pump_until_failed(self) -> None:
         poller = zmq.asyncio.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)

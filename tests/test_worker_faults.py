@@ -63,7 +63,7 @@ def test_a_forward_pass_that_raises_ends_every_stream_unavailable_naming_the_err
 
 
 def test_a_stopped_worker_misses_its_heartbeats_and_is_killed_with_the_stack(model, tmp_path):
-    with launched_server(tmp_path, *_serve_args(model, "--heartbeat-interval", "0.5")) as server:
+    with launched_server(tmp_path, *_serve_args(model, "--heartbeat-interval", "1")) as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
         worker = process_with_role(server.children, "worker")

@@ -30,7 +30,7 @@ class WorkerConfig:
     # Decode steps replay CUDA graphs (GPU only).
     cuda_graphs: bool = True
     # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 2.0
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = None
 
