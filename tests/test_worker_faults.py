@@ -74,3 +74,14 @@ def test_a_stopped_worker_misses_its_heartbeats_and_is_killed_with_the_stack(mod
             if os.path.exists(f"/proc/{worker}"):
                 os.kill(worker, signal.SIGKILL)
         health.close()
+
+
+def test_a_worker_lost_while_draining_still_ends_the_streams_unavailable_and_exits_nonzero(model, tmp_path):
+    with launched_server(tmp_path, *_serve_args(model, "--shutdown-timeout", "30")) as server:
+        health = HealthWatch(server.target)
+        streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
+        server.process.send_signal(signal.SIGTERM)
+        assert health.wait_for("NOT_SERVING", 10), health.statuses
+        os.kill(process_with_role(server.children, "worker"), signal.SIGKILL)
+        _assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 disconnected")
+        health.close()
