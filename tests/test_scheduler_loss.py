@@ -1,6 +1,7 @@
 """A worker whose scheduler is gone exits by itself within 15 s, as separate processes with no launcher to
 clean up (docker compose runs them so): killed, the scheduler's connection closes; stopped, only its
-heartbeats stop. Either way the worker exits non-zero, for its restart policy."""
+heartbeats stop. Either way the worker exits non-zero, for its restart policy. And a `pagedserve serve`
+killed with SIGKILL leaves no child behind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from tests.server_harness import REPO_ROOT, free_port
+from tests.server_harness import REPO_ROOT, assert_all_gone, free_port, launched_server
 from tests.tiny_models import make_tiny_model
 
 SCHEDULER_LOSS_BOUND_S = 15.0
@@ -58,3 +59,10 @@ def test_the_worker_exits_nonzero_within_15_s_of_losing_its_scheduler(model, tmp
         assert code != 0
         assert took <= SCHEDULER_LOSS_BOUND_S, f"the worker took {took:.1f} s to exit"
         assert "the scheduler sent nothing" in (tmp_path / "stack.log").read_text(errors="replace")
+
+
+def test_a_killed_launcher_leaves_no_process_behind(model, tmp_path):
+    with launched_server(tmp_path, "--model", str(model), "--num-kv-blocks", "64") as server:
+        server.process.kill()
+        server.process.wait()
+        assert_all_gone(server.children, timeout=SCHEDULER_LOSS_BOUND_S)
