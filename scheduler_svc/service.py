@@ -74,7 +74,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         try:
             pool = connecting.result()
         except (WorkerFailure, TimeoutError) as failure:
-            logger.error("the workers did not come up: %s", failure or f"not ready in {config.worker_ready_timeout:g} s")
+            reason = failure or f"not ready in {config.worker_ready_timeout:g} s"
+            logger.error("the workers did not come up: %s", reason)
             await link.shutdown_workers()
             return 1
         max_model_len = _max_model_len(config, pool.max_position_embeddings)

@@ -217,7 +217,8 @@ class WorkerLink:
             else:
                 logger.warning("dropped a %s message from a peer that is no worker (%d bytes)", kind, len(payload))
             return
-        self._health.heard(rank, self._loop.time(), message.heartbeat.interval_ms / 1000 if kind == "heartbeat" else None)
+        announced = message.heartbeat.interval_ms / 1000 if kind == "heartbeat" else None
+        self._health.heard(rank, self._loop.time(), announced)
         if kind == "error":
             error = message.error
             self._fail(f"worker rank {error.rank} failed at step {error.step_id}: {error.message}")

@@ -43,8 +43,9 @@ def _sigterm_during_streams(model, tmp_path, drain_s: int, max_tokens: int):
 def test_sigterm_refuses_new_requests_and_lets_running_ones_finish_within_the_drain(model, tmp_path):
     max_tokens = 48
     with _sigterm_during_streams(model, tmp_path, drain_s=30, max_tokens=max_tokens) as (server, streams):
-        with Client(server.target, max_retries=0) as client, pytest.raises(ServerUnavailableError, match="shutting down"):
-            client.generate([1, 2, 3], max_tokens=4)
+        with Client(server.target, max_retries=0) as client:
+            with pytest.raises(ServerUnavailableError, match="shutting down"):
+                client.generate([1, 2, 3], max_tokens=4)
         assert any(stream.ended_at is None for stream in streams), "the streams ended before the refusal"
     assert [stream.error for stream in streams] == [None] * NUM_STREAMS
     assert [(s.finish_reason, s.num_tokens) for s in streams] == [("length", max_tokens)] * NUM_STREAMS
