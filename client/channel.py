@@ -20,11 +20,10 @@ from protos.pagedserve.v1 import generate_pb2
 # path) sends no FIN, so a stream without a deadline would wait forever. A ping every 20 s that is not
 # answered within 10 s ends the call with UNAVAILABLE instead, also while the server sends nothing (no limit
 # on pings without data); the scheduler accepts pings that often (scheduler_svc/service.py).
-KEEPALIVE_TIME_MS = 20_000
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),  # what gRPC 1.85 waits for the ping's answer (default 60 s)
     ("grpc.http2.max_pings_without_data", 0),
