@@ -17,12 +17,14 @@ from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, Readi
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
+from client.retry import RetryBudget, RetryPolicy
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
 
 class AsyncClient:
-    """Asyncio client. `timeout` (seconds) is the deadline of every call, a whole stream included.
+    """Asyncio client. `timeout` (seconds) is the deadline of every call, a whole stream and its retries
+    included. Retries as the blocking Client (`max_retries`, client/retry.py).
 
         async with AsyncClient("127.0.0.1:50051") as client:
             await client.wait_ready()
@@ -30,13 +32,14 @@ class AsyncClient:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, max_retries: int = 3) -> None:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError("create an AsyncClient inside a running event loop (in an async function)") from None
         self.target = target
         self._timeout = timeout
+        self._retry = RetryPolicy(max_retries=max_retries)
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -106,17 +109,32 @@ class AsyncClient:
         await self.close()
 
     async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        call = self._generation.Generate(request, timeout=self._timeout)
-        try:
-            async for response in call:
-                yield GenerateChunk.from_response(response)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
-        finally:
-            call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+        budget = RetryBudget(self._retry, self._timeout)
+        while True:
+            call = self._generation.Generate(request, timeout=budget.attempt_timeout())
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield GenerateChunk.from_response(response)
+                return
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                pause = None if received else budget.next_pause(error)
+                if pause is None:
+                    raise error from rpc_error
+            finally:
+                call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+            await asyncio.sleep(pause)
 
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
-        try:
-            return await method(request, timeout=self._timeout)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
+        budget = RetryBudget(self._retry, self._timeout)
+        while True:
+            try:
+                return await method(request, timeout=budget.attempt_timeout())
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                pause = budget.next_pause(error)
+                if pause is None:
+                    raise error from rpc_error
+            await asyncio.sleep(pause)

@@ -15,9 +15,18 @@ from protos.pagedserve.v1 import generate_pb2
 # was still starting could sit out minutes after the server came up. Capping it at 0.5 s costs two cheap
 # connect attempts a second against a server that is down, and `wait_ready` notices a new server within
 # about 0.6 s (the backoff with its jitter) plus one poll pause.
+#
+# Keepalive: a server that dies with its connection open (a frozen process, a host gone, a dropped network
+# path) sends no FIN, so a stream without a deadline would wait forever. A ping every 20 s that is not
+# answered within 10 s ends the call with UNAVAILABLE instead, also while the server sends nothing (no limit
+# on pings without data); the scheduler accepts pings that often (scheduler_svc/service.py).
 CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # what gRPC 1.85 waits for the ping's answer (default 60 s)
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 # The server turns this name SERVING once its workers are loaded and it can generate ("" tells only that the

@@ -17,13 +17,15 @@ from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, Readi
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
+from client.retry import RetryBudget, RetryPolicy
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
 
 class Client:
-    """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream included; None
-    means no deadline.
+    """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream and its retries
+    included; None means no deadline. A call that fails UNAVAILABLE or RESOURCE_EXHAUSTED (before any chunk,
+    for a stream) is retried up to `max_retries` times with jittered exponential backoff (client/retry.py).
 
         with Client("127.0.0.1:50051") as client:
             client.wait_ready()
@@ -31,9 +33,10 @@ class Client:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, max_retries: int = 3) -> None:
         self.target = target
         self._timeout = timeout
+        self._retry = RetryPolicy(max_retries=max_retries)
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -102,17 +105,32 @@ class Client:
         self.close()
 
     def _stream(self, request: generate_pb2.GenerateRequest) -> Generator[GenerateChunk, None, None]:
-        call = self._generation.Generate(request, timeout=self._timeout)
-        try:
-            for response in call:
-                yield GenerateChunk.from_response(response)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
-        finally:
-            call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+        budget = RetryBudget(self._retry, self._timeout)
+        while True:
+            call = self._generation.Generate(request, timeout=budget.attempt_timeout())
+            received = False
+            try:
+                for response in call:
+                    received = True
+                    yield GenerateChunk.from_response(response)
+                return
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                pause = None if received else budget.next_pause(error)
+                if pause is None:
+                    raise error from rpc_error
+            finally:
+                call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
+            time.sleep(pause)
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request):
-        try:
-            return method(request, timeout=self._timeout)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error) from error
+        budget = RetryBudget(self._retry, self._timeout)
+        while True:
+            try:
+                return method(request, timeout=budget.attempt_timeout())
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                pause = budget.next_pause(error)
+                if pause is None:
+                    raise error from rpc_error
+            time.sleep(pause)

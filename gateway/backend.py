@@ -23,7 +23,9 @@ class Backend:
         self._client: AsyncClient | None = None
 
     async def open(self) -> None:
-        self._client = AsyncClient(self._config.grpc_target)
+        # No SDK retries: the gateway answers 503/429 at once and OpenAI clients retry those themselves
+        # (retrying here too would multiply the attempts).
+        self._client = AsyncClient(self._config.grpc_target, max_retries=0)
 
     async def close(self) -> None:
         if self._client is not None:

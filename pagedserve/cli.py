@@ -13,7 +13,7 @@ import logging
 import sys
 
 from gateway.config import add_gateway_access_arguments, add_gateway_arguments, gateway_config_from_args
-from scheduler_svc.config import add_scheduler_arguments, scheduler_config_from_args
+from scheduler_svc.config import add_heartbeat_argument, add_scheduler_arguments, scheduler_config_from_args
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5557"
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(worker)
     worker.add_argument("--rank", type=int, default=0)
     worker.add_argument("--world-size", type=int, default=1)
+    add_heartbeat_argument(worker)
     worker.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
 
     gateway = commands.add_parser("gateway", help="start the OpenAI-compatible HTTP gateway alone")

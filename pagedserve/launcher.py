@@ -3,8 +3,9 @@ processes and supervises them.
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
-drains, then tells the worker to exit), and if either child dies on its own, stops the other and exits 1 so a
-restart policy can bring the stack back. Children die with the launcher (see process_guard.py).
+drains, then tells the worker to exit), and if any child dies on its own (the scheduler exits 1 when it
+loses its worker), stops the others and exits 1 so a restart policy can bring the stack back. Children die
+with the launcher (see process_guard.py); a child still running 10 s after its SIGTERM is killed.
 
 The gateway is a gRPC client of the scheduler like any other; it is ready when its /health says the
 scheduler is SERVING. On SIGTERM it is signalled together with the scheduler, so HTTP streams in flight
@@ -98,17 +99,20 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
     for child in children.values():
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
-    for child in children.values():
+            child.send_signal(signal.SIGCONT)  # a stopped child (SIGSTOP) handles SIGTERM only once resumed
+    for name, child in children.items():
         if _wait(child, timeout=min(timeout, 10.0)) is None:
             child.kill()
             child.wait()
+        print(f"pagedserve: {name} exit code {child.returncode}", file=sys.stderr, flush=True)
 
 
 def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv = [*model_argv, "--host", args.host, "--port", str(args.port), "--worker-address", address,
             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout)]
+            "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
+            "--heartbeat-interval", str(args.heartbeat_interval)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if not args.enable_prefix_caching:
@@ -126,11 +130,14 @@ def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv = [*model_argv, "--scheduler-address", address, "--device", args.device, "--dtype", args.dtype,
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space),
-            "--load-format", args.load_format, "--attention-backend", args.attention_backend]
+            "--load-format", args.load_format, "--attention-backend", args.attention_backend,
+            "--heartbeat-interval", str(args.heartbeat_interval)]
     if not args.cuda_graphs:
         argv.append("--no-cuda-graphs")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
+    if args.fail_at_step is not None:
+        argv += ["--fail-at-step", str(args.fail_at_step)]
     return argv
 
 

@@ -35,6 +35,8 @@ class SchedulerConfig:
     shutdown_timeout: float = 30.0
     # Plan step N+1 while the worker runs step N (see scheduler.py); off: plan, wait, apply, plan.
     async_scheduling: bool = True
+    # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
+    heartbeat_interval: float = 2.0
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +58,14 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step's result before planning the next (default: plan step N+1 "
                              "while the worker runs step N)")
+    add_heartbeat_argument(parser)
+
+
+def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
+    """--heartbeat-interval, shared by the scheduler, the worker and `pagedserve serve` (which gives both the
+    same value)."""
+    parser.add_argument("--heartbeat-interval", type=float, default=2.0,
+                        help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -64,6 +74,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise SystemExit("--max-model-len must be at least 2")
+    if args.heartbeat_interval <= 0:
+        raise SystemExit("--heartbeat-interval must be > 0")
     return SchedulerConfig(
         model=args.model,
         host=args.host,
@@ -80,4 +92,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         plan_log=args.plan_log,
         async_scheduling=args.async_scheduling,
+        heartbeat_interval=args.heartbeat_interval,
     )

@@ -171,7 +171,7 @@ class Engine:
         except asyncio.CancelledError:
             raise
         except BaseException as failure:
-            self._fail_all(failure)
+            self.fail_all(failure)
             raise
 
     async def _send(self, output: SchedulerOutput) -> None:
@@ -249,7 +249,8 @@ class Engine:
             self._num_finished += 1
             self._metrics.on_request_end(group.request_id, completed)  # metrics
 
-    def _fail_all(self, failure: BaseException) -> None:
+    def fail_all(self, failure: BaseException) -> None:
+        """Ends every request in flight with `failure` (gRPC: UNAVAILABLE) and refuses new ones."""
         self._failure = failure
         logger.error("engine stopped: %s", failure)
         for group in self._groups.values():

@@ -2,14 +2,17 @@
 
 Start-up: the gRPC server answers at once (health NOT_SERVING, Generate UNAVAILABLE) while the workers load;
 once every worker reported its KV pool the block manager is sized from it and health turns SERVING.
-SIGTERM/SIGINT: stop admitting, give in-flight requests `shutdown_timeout` seconds, abort the rest, tell the
-workers to exit, return 0. A worker failure ends every stream with UNAVAILABLE and returns 1, so a
-supervisor (pagedserve serve, docker compose) restarts the stack.
+SIGTERM/SIGINT: stop admitting (Generate UNAVAILABLE, health NOT_SERVING), give in-flight requests
+`shutdown_timeout` seconds, abort the rest (finish_reason "abort"), tell the workers to exit, return 0.
+A worker failure (its WorkerError, its connection closing, 3 missed heartbeats; see worker_link.py) at any
+time, draining included, ends every stream with UNAVAILABLE saying why, turns health NOT_SERVING and
+returns 1, so a supervisor (pagedserve serve, docker compose) restarts the stack.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -27,10 +30,13 @@ from scheduler_svc.grpc_server import GenerationServicer, ServedModel
 from scheduler_svc.request_validation import ServingLimits
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.worker_link import WorkerFailure, WorkerLink
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# The SDK pings every 20 s to notice a server that froze (client/channel.py); gRPC's default would answer
+# pings more often than every 5 minutes on a quiet stream with GOAWAY.
+SERVER_OPTIONS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),)
 
 
 async def run_scheduler_service(config: SchedulerConfig) -> int:
@@ -41,7 +47,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = GenerationServicer(tokenizer)
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     server.add_insecure_port(f"{config.host}:{config.port}")
@@ -54,7 +60,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    link = WorkerLink(config.worker_address, config.num_workers)
+    link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval)
     try:
         connecting = asyncio.ensure_future(
             link.connect_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
@@ -62,9 +68,16 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
             connecting.cancel()
+            await link.shutdown_workers()
             return 0
         stopping.cancel()
-        pool = connecting.result()
+        try:
+            pool = connecting.result()
+        except (WorkerFailure, TimeoutError) as failure:
+            reason = failure or f"not ready in {config.worker_ready_timeout:g} s"
+            logger.error("the workers did not come up: %s", reason)
+            await link.shutdown_workers()
+            return 1
         max_model_len = _max_model_len(config, pool.max_position_embeddings)
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
         scheduler = Scheduler(
@@ -85,35 +98,59 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         return await _serve_until_stopped(config, engine, servicer, health, link, stop)
     finally:
         await server.stop(grace=1.0)
-        link.close()
+        await link.close()
 
 
 async def _serve_until_stopped(config, engine: Engine, servicer, health, link: WorkerLink, stop) -> int:
     engine_task = asyncio.ensure_future(engine.run())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([engine_task, stopping], return_when=asyncio.FIRST_COMPLETED)
-    servicer.stop_accepting("the server is shutting down")
-    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if engine_task.done():
-        stopping.cancel()
-        servicer.stop_accepting(f"the engine stopped: {engine_task.exception()}")
-        logger.error("engine failed: %s", engine_task.exception())
-        return 1
-    deadline = loop_time() + config.shutdown_timeout
-    while engine.stats().num_running + engine.stats().num_waiting + engine.stats().num_swapped > 0:
-        if loop_time() >= deadline or engine_task.done():
-            break
-        await asyncio.sleep(0.05)
-    engine.abort_all()
-    await asyncio.sleep(0.05)  # let the handlers flush their final messages
-    engine_task.cancel()
+    link_failed = asyncio.ensure_future(link.wait_failed())
+
+    def failed() -> bool:
+        return engine_task.done() or link_failed.done()
+
     try:
-        await engine_task
-    except (asyncio.CancelledError, Exception):
-        pass
-    await link.shutdown_workers()
-    logger.info(engine.step_timer.summary())
-    return 0
+        await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
+        if not failed():
+            servicer.stop_accepting("the server is shutting down")
+            await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+            deadline = loop_time() + config.shutdown_timeout
+            while _has_work(engine) and loop_time() < deadline and not failed():
+                await asyncio.sleep(0.05)
+        if failed():
+            return await _fail(engine, engine_task, link_failed, servicer, health, link)
+        engine.abort_all()
+        await asyncio.sleep(0.05)  # let the handlers flush their final messages
+        engine_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await engine_task
+        await link.shutdown_workers()
+        logger.info(engine.step_timer.summary())
+        return 0
+    finally:
+        stopping.cancel()
+        link_failed.cancel()
+
+
+async def _fail(engine: Engine, engine_task, link_failed, servicer, health, link: WorkerLink) -> int:
+    """A worker failed or went away (or the engine itself raised): new requests are refused and every request
+    in flight ends with UNAVAILABLE saying why, health turns NOT_SERVING, and the process exits 1 for its
+    supervisor to restart."""
+    failure = link_failed.result() if link_failed.done() else engine_task.exception()
+    servicer.stop_accepting(f"the engine stopped: {failure}")
+    if not engine_task.done():  # idle, or waiting for a result that will never come
+        engine_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await engine_task
+    engine.fail_all(failure)
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await link.shutdown_workers()  # ranks still alive exit now rather than when our heartbeats stop
+    return 1
+
+
+def _has_work(engine: Engine) -> bool:
+    stats = engine.stats()
+    return stats.num_running + stats.num_waiting + stats.num_swapped > 0
 
 
 def loop_time() -> float:

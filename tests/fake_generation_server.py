@@ -26,9 +26,10 @@ STATS = generate_pb2.GetStatsResponse(**{
 
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):
-    """Prompt text -> behaviour: "invalid" / "overloaded" fail; "endless" streams until cancelled and then
-    sets `cancelled`; "gated" sends one chunk, waits for `gate`, then finishes; anything else streams
-    NORMAL_CHUNKS and finishes with "stop"."""
+    """Prompt text -> behaviour: "invalid" / "overloaded" / "unavailable" fail; "unavailable twice" fails
+    UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
+    fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
+    waits for `gate`, then finishes; anything else streams NORMAL_CHUNKS and finishes with "stop"."""
 
     def __init__(self) -> None:
         self.reset()
@@ -45,6 +46,12 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")
         if request.text == "overloaded":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
+        attempt = sum(earlier.text == request.text for earlier in self.requests)
+        if request.text == "unavailable" or (request.text == "unavailable twice" and attempt <= 2):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
+        if request.text == "dies after a chunk":
+            yield generate_pb2.GenerateResponse(request_id=request_id, text="once", token_ids=[1])
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine stopped: worker rank 0 disconnected")
         if request.text == "endless":
             try:
                 for token_id in range(10**9):
@@ -76,12 +83,12 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
 class FakeServer:
     """A grpc.aio server on its own event-loop thread, so blocking clients and tests can drive it."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, options: tuple = ()) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self.generation = FakeGeneration()
-        self.port = self._run(self._start(port))
+        self.port = self._run(self._start(port, options))
         self.target = f"127.0.0.1:{self.port}"
 
     def reset(self) -> FakeGeneration:
@@ -101,8 +108,8 @@ class FakeServer:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(10)
 
-    async def _start(self, port: int) -> int:
-        self._server = grpc.aio.server()
+    async def _start(self, port: int, options: tuple) -> int:
+        self._server = grpc.aio.server(options=options)
         self._health = health.aio.HealthServicer()
         generate_pb2_grpc.add_GenerationServicer_to_server(self.generation, self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -42,6 +42,7 @@ class ServerProcess:
         self.http_port = http_port
         # The gateway's root URL (OpenAI clients take base_url = this + "/v1"); None without a gateway.
         self.http_url = None if http_port is None else f"http://127.0.0.1:{http_port}"
+        self.children: list[int] = []  # pids of every process it started, once SERVING
 
     def client(self) -> Client:
         return Client(self.target)
@@ -84,7 +85,7 @@ def _http_ready(server: ServerProcess) -> bool:
     return server.http_url is None or http_ok(f"{server.http_url}/health")
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     children = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -96,13 +97,25 @@ def _descendants(pid: int) -> list[int]:
             continue
         if int(fields[1]) == pid:
             children.append(int(entry))
-    return children + [d for child in children for d in _descendants(child)]
+    return children + [d for child in children for d in descendants(child)]
 
 
 @contextlib.contextmanager
 def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
     """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after.
     `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too."""
+    with launched_server(tmp_dir, *args, http=http, ready_timeout=ready_timeout) as server:
+        yield server
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=60)
+        assert code == 0, f"serve exited with {code}:\n{server.log()[-4000:]}"
+        assert_all_gone(server.children)
+
+
+@contextlib.contextmanager
+def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
+    """Runs `pagedserve serve ARGS` and yields a SERVING ServerProcess (whose `children` are its child pids),
+    asserting nothing about how it ends; kills it if it still runs after."""
     port = free_port()
     http_port = free_port() if http else None
     http_args = ["--http-port", str(http_port)] if http else ["--no-http"]
@@ -115,21 +128,23 @@ def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout:
     server = ServerProcess(process, port, log_path, http_port)
     try:
         _wait_serving(server, ready_timeout)
-        children = _descendants(process.pid)
+        server.children = descendants(process.pid)
         yield server
-        process.send_signal(signal.SIGTERM)
-        code = process.wait(timeout=60)
-        assert code == 0, f"serve exited with {code}:\n{server.log()[-4000:]}"
-        time.sleep(0.2)
-        left = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _is_alive(pid)]
-        assert not left, f"child processes left running: {left}"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
 
 
-def _is_alive(pid: int) -> bool:
+def assert_all_gone(pids: list[int], timeout: float = 1.0) -> None:
+    """Every process of `pids` has exited (zombies count as gone), within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := [pid for pid in pids if is_alive(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes left running: {left}"
+
+
+def is_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -29,6 +29,10 @@ class WorkerConfig:
     attention_backend: str = "auto"
     # Decode steps replay CUDA graphs (GPU only).
     cuda_graphs: bool = True
+    # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
+    heartbeat_interval: float = 2.0
+    # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
+    fail_at_step: int | None = None
 
     @property
     def torch_dtype_name(self) -> str:
@@ -52,6 +56,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: triton on a GPU, the torch reference on the CPU")
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                         help="run decode steps eagerly on a GPU")
+    # Hidden: fault injection for the reliability tests, never for serving.
+    parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -61,6 +67,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
     if args.swap_space < 0 or args.cpu_kv_cache_space <= 0:
         raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
+    if args.heartbeat_interval <= 0:
+        raise SystemExit("--heartbeat-interval must be > 0")
     return WorkerConfig(
         scheduler_address=args.scheduler_address,
         model=args.model,
@@ -75,4 +83,6 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,
+        heartbeat_interval=args.heartbeat_interval,
+        fail_at_step=args.fail_at_step,
     )

@@ -2,8 +2,8 @@
 
 It never decides anything: each `StepPlan` says which rows to drop, which blocks to move, which tokens to
 compute; the worker executes it and answers with the sampled tokens. Its state is a pure function of the
-plans received, so a plan log replays a bug. The link is a ZeroMQ DEALER connected to the scheduler's ROUTER;
-every frame is a protobuf envelope.
+plans received, so a plan log replays a bug. The link (scheduler_link.py) is a ZeroMQ DEALER connected to the
+scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every frame is a protobuf envelope.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import logging
 
 import numpy as np
 import torch
-import zmq
 
 from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
@@ -26,9 +25,14 @@ from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PersistentBatch
+from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 from worker_svc.sampler import SamplingTensors, gumbel_noise, sample
 
 logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """The failure `--fail-at-step` asks for: tests prove what a forward pass that raises does to the service."""
 
 
 class Worker:
@@ -46,6 +50,7 @@ class Worker:
         self.batch: PersistentBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
+        self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
         self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
 
@@ -110,6 +115,9 @@ class Worker:
     def _forward(self, inputs) -> torch.Tensor | None:
         """Runs the model over every scheduled token; returns the logits of the rows that sample, or None."""
         device, batch = self.device, self.batch
+        self.num_forward_passes += 1
+        if self.num_forward_passes == self.config.fail_at_step:
+            raise InjectedFault(f"forward pass {self.num_forward_passes} failed on purpose (--fail-at-step)")
         bucket = self.decode_graphs.bucket_for(inputs) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(inputs, bucket)
@@ -168,13 +176,10 @@ def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> t
 
 
 def run_worker(config: WorkerConfig) -> int:
-    """Connects, loads, answers plans until told to shut down. Returns the process exit code."""
+    """Connects, loads, answers plans until told to shut down. Returns the process exit code: 0 when told
+    to shut down, 1 when a step failed (the scheduler was told why) or the scheduler went silent."""
     worker = Worker(config)
-    context = zmq.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, f"rank-{config.rank}".encode())
-    socket.setsockopt(zmq.LINGER, 1000)
-    socket.connect(config.scheduler_address)
+    link = SchedulerLink(config.scheduler_address, f"rank-{config.rank}".encode(), config.heartbeat_interval)
     hello = worker_pb2.WorkerHello(
         rank=config.rank,
         world_size=config.world_size,
@@ -182,35 +187,27 @@ def run_worker(config: WorkerConfig) -> int:
         vocab_size=worker.model_config.vocab_size,
         max_position_embeddings=worker.model_config.max_position_embeddings,
     )
-    _send(socket, worker_pb2.WorkerToScheduler(hello=hello))
+    link.send(worker_pb2.WorkerToScheduler(hello=hello))
     step_id = 0
     try:
         while True:
-            message = worker_pb2.SchedulerToWorker()
-            frame = socket.recv()
-            try:
-                message.ParseFromString(frame)
-            except Exception:
-                logger.warning("dropped a malformed plan frame (%d bytes)", len(frame))
-                continue
+            message = link.receive()
             kind = message.WhichOneof("kind")
             if kind == "setup":
-                _send(socket, worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
+                link.send(worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
             elif kind == "plan":
                 step_id = message.plan.step_id
-                _send(socket, worker_pb2.WorkerToScheduler(result=worker.execute(message.plan)))
+                link.send(worker_pb2.WorkerToScheduler(result=worker.execute(message.plan)))
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s", config.rank, worker.step_timer.summary())
                 return 0
+    except SchedulerLost as lost:
+        logger.error("rank %d: %s; exiting", config.rank, lost)
+        return 1
     except Exception as error:
         logger.exception("rank %d failed at step %d", config.rank, step_id)
         failure = worker_pb2.WorkerError(rank=config.rank, step_id=step_id, message=f"{type(error).__name__}: {error}")
-        _send(socket, worker_pb2.WorkerToScheduler(error=failure))
+        link.send(worker_pb2.WorkerToScheduler(error=failure))
         return 1
     finally:
-        socket.close(linger=1000)
-        context.term()
-
-
-def _send(socket: zmq.Socket, message: worker_pb2.WorkerToScheduler) -> None:
-    socket.send(message.SerializeToString())
+        link.close()

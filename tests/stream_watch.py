@@ -1,0 +1,96 @@
+"""Observers for fault and shutdown tests: generation streams and a health watch, each on its own thread,
+recording how and when they ended, so a test can kill or signal processes and then check every stream."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client, PagedServeError
+
+
+class StreamWatch:
+    """One `generate_stream` call on its own thread: its chunks, the typed error that ended it (if any) and
+    when it ended (time.monotonic)."""
+
+    def __init__(self, target: str, prompt, **sampling) -> None:
+        self.chunks: list = []
+        self.error: PagedServeError | None = None
+        self.ended_at: float | None = None
+        self.first_chunk = threading.Event()  # also set when the stream ends without any chunk
+        self._thread = threading.Thread(target=self._run, args=(target, prompt, sampling), daemon=True)
+        self._thread.start()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.chunks[-1].finish_reason if self.chunks else None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for chunk in self.chunks)
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"a stream still runs {timeout} s later"
+
+    def _run(self, target: str, prompt, sampling: dict) -> None:
+        try:
+            with Client(target, max_retries=0) as client:
+                for chunk in client.generate_stream(prompt, **sampling):
+                    self.chunks.append(chunk)
+                    self.first_chunk.set()
+        except PagedServeError as error:
+            self.error = error
+        finally:
+            self.ended_at = time.monotonic()
+            self.first_chunk.set()
+
+
+def start_streams(target: str, count: int, max_tokens: int, timeout: float = 120.0) -> list[StreamWatch]:
+    """`count` streams of distinct prompts, returned once each has had its first chunk (or ended)."""
+    streams = [StreamWatch(target, [1, 2, 3, 4 + i], max_tokens=max_tokens, ignore_eos=True) for i in range(count)]
+    for stream in streams:
+        assert stream.first_chunk.wait(timeout), "a stream got no first chunk"
+    return streams
+
+
+class HealthWatch:
+    """The gRPC health Watch stream of the Generation service: every status it reported, until it ended."""
+
+    def __init__(self, target: str) -> None:
+        self.statuses: list[str] = []
+        self._channel = grpc.insecure_channel(target)
+        self._call = health_pb2_grpc.HealthStub(self._channel).Watch(
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"))
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def wait_for(self, status: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while status not in self.statuses and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return status in self.statuses
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._channel.close()
+
+    def _run(self) -> None:
+        try:
+            for response in self._call:
+                self.statuses.append(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        except grpc.RpcError:
+            pass
+
+
+def process_with_role(pids: list[int], role: str) -> int:
+    """The pid among `pids` running `python -m pagedserve ROLE ...`."""
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"pagedserve" in argv and argv[argv.index(b"pagedserve") + 1] == role.encode():
+            return pid
+    raise LookupError(f"no {role} among {pids}")
