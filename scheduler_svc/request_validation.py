@@ -212,9 +212,9 @@ def _penalties_and_masks(
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
                 raise InvalidRequestError(f"sampling.{name}", "not supported with beam search")
-        if presence or frequency or repetition != 1.0 or logit_bias or bad_words or min_p:
+        if presence or frequency or repetition != 1.0 or logit_bias or bad_words or min_p or min_tokens:
             raise InvalidRequestError("sampling.beam_width", "beam search takes no penalties, logit_bias, "
-                                      "bad_words or min_p (its candidates are the raw logprobs)")
+                                      "bad_words, min_p or min_tokens (its candidates are the raw logprobs)")
     return dict(
         min_p=min_p,
         presence_penalty=presence,
