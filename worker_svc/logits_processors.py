@@ -91,6 +91,6 @@ def token_counts(
     ones = torch.ones_like(token_ids, dtype=torch.int32)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=token_ids.device)
     counts.scatter_add_(1, torch.where(in_output, token_ids, overflow), ones)
-    prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=token_ids.device)
-    prompt.scatter_add_(1, torch.where(in_prompt, token_ids, overflow), ones)
-    return counts[:, :vocab_size], prompt[:, :vocab_size] > 0
+    prompt = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=token_ids.device)
+    prompt.scatter_(1, torch.where(in_prompt, token_ids, overflow), True)
+    return counts[:, :vocab_size], prompt[:, :vocab_size]
