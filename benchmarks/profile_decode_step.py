@@ -23,6 +23,38 @@ from worker_svc.config import WorkerConfig  # noqa: E402
 from worker_svc.worker import Worker  # noqa: E402
 
 
+def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
+                     spread: bool = False):
+    """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
+    tokens, prefilled; returns a function that runs one decode step over all of them."""
+    model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
+                                 load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
+                                 cuda_graphs=cuda_graphs))
+    worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
+                                        max_model_len=1024))
+    blocks_per_request = 48
+    plan = worker_pb2.StepPlan(step_id=1)
+    for i in range(batch):
+        plan.new_requests.append(worker_pb2.NewRequest(
+            request_id=f"r{i}", token_ids=[(i * 7 + j) % 1000 + 3 for j in range(prompt)],
+            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i),
+            block_ids=[(b * batch + i) if spread else i * blocks_per_request + b for b in range(blocks_per_request)],
+            num_computed_tokens=0, num_scheduled_tokens=prompt))
+    worker.execute(plan)  # prefill all at once
+    step = 1
+
+    def decode_step():
+        nonlocal step
+        step += 1
+        decode = worker_pb2.StepPlan(step_id=step)
+        for i in range(batch):
+            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1))
+        worker.execute(decode)
+
+    return decode_step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -32,32 +64,8 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: 48 per request")
     parser.add_argument("--spread", action="store_true", help="spread each request's blocks over the pool")
     args = parser.parse_args()
-    model_dir = write_config_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
-    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
-                                 load_format="dummy", swap_space=0.1, num_kv_blocks=args.num_kv_blocks or args.batch * 48,
-                                 cuda_graphs=not args.no_cuda_graphs))
-    worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=args.batch, max_num_batched_tokens=16384,
-                                        max_model_len=1024))
-    blocks_per_request = 48
-    plan = worker_pb2.StepPlan(step_id=1)
-    for i in range(args.batch):
-        plan.new_requests.append(worker_pb2.NewRequest(
-            request_id=f"r{i}", token_ids=[(i * 7 + j) % 1000 + 3 for j in range(args.prompt)],
-            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i),
-            block_ids=[(b * args.batch + i) if args.spread else i * blocks_per_request + b
-                       for b in range(blocks_per_request)],
-            num_computed_tokens=0, num_scheduled_tokens=args.prompt))
-    worker.execute(plan)  # prefill all at once
-    step = 1
-
-    def decode_step():
-        nonlocal step
-        step += 1
-        decode = worker_pb2.StepPlan(step_id=step)
-        for i in range(args.batch):
-            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1))
-        worker.execute(decode)
-
+    decode_step = prefilled_worker(args.shape, args.batch, args.prompt, cuda_graphs=not args.no_cuda_graphs,
+                                   num_kv_blocks=args.num_kv_blocks, spread=args.spread)
     for _ in range(5):
         decode_step()
     torch.cuda.synchronize()

@@ -31,12 +31,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "top_k": args.top_k,
         "seed": args.seed,
         "stop": args.stop,
+        "min_p": args.min_p,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "repetition_penalty": args.repetition_penalty,
+        "logit_bias": dict(args.logit_bias) if args.logit_bias else None,
+        "bad_words": args.bad_words,
+        "min_tokens": args.min_tokens,
+        "stop_token_ids": args.stop_token_ids,
+        "ignore_eos": args.ignore_eos or None,
+        "include_stop_str_in_output": args.include_stop_str_in_output or None,
+        "logprobs": args.logprobs,
+        "prompt_logprobs": args.prompt_logprobs,
+        "skip_special_tokens": False if args.keep_special_tokens else None,
+        "spaces_between_special_tokens": False if args.no_spaces_between_special_tokens else None,
     }
     with Client(args.target) as client:
         try:
             if args.wait is not None:
                 client.wait_ready(timeout=args.wait)
-            return _print_stream(client.generate_stream(**prompt, **sampling))
+            return _print_stream(client.generate_stream(**prompt, **sampling), show_logprobs=args.logprobs is not None or args.prompt_logprobs is not None)
         except (InvalidRequestError, TypeError, ValueError) as error:
             return _fail(f"invalid request: {_first_line(error)}", EXIT_INVALID_REQUEST)
         except PagedServeError as error:
@@ -52,9 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_FAILED
 
 
-def _print_stream(stream: Generator[GenerateChunk, None, None]) -> int:
+def _print_stream(stream: Generator[GenerateChunk, None, None], show_logprobs: bool = False) -> int:
     """Writes each text delta as it arrives; the final newline and the summary come after the last chunk.
-    If the stream fails half way, the text so far is ended with a newline before the error propagates."""
+    If the stream fails half way, the text so far is ended with a newline before the error propagates.
+    With `show_logprobs`, each token's logprobs go to stderr, one line per token."""
     last: GenerateChunk | None = None
     wrote_text = False
     try:
@@ -63,6 +78,12 @@ def _print_stream(stream: Generator[GenerateChunk, None, None]) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 wrote_text = True
+            if show_logprobs:
+                for kind, entries in (("prompt", chunk.prompt_logprobs), ("token", chunk.token_logprobs)):
+                    for entry in entries:
+                        top = " ".join(f"{t.decoded_token!r}:{t.logprob:.4f}" for t in entry.top)
+                        print(f"{kind} {entry.token.decoded_token!r} logprob={entry.token.logprob:.4f} "
+                              f"rank={entry.token.rank} top=[{top}]", file=sys.stderr)
             last = chunk
     except BaseException:
         if wrote_text:
@@ -81,6 +102,14 @@ def _print_stream(stream: Generator[GenerateChunk, None, None]) -> int:
     else:
         print("the server ended the stream without a finish reason", file=sys.stderr)
     return 0
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+    token_id, _, bias = text.partition("=")
+    try:
+        return int(token_id), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS, got {text!r}") from None
 
 
 def _fail(message: str, status: int) -> int:
@@ -110,6 +139,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stop", nargs="+", action="extend", metavar="STR", help="stop strings (put the prompt before them)"
     )
+    parser.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the best one's probability")
+    parser.add_argument("--presence-penalty", type=float, metavar="X")
+    parser.add_argument("--frequency-penalty", type=float, metavar="X")
+    parser.add_argument("--repetition-penalty", type=float, metavar="X", help="1 = off (transformers' definition)")
+    parser.add_argument("--logit-bias", nargs="+", action="extend", type=_token_bias, metavar="ID=BIAS",
+                        help="add BIAS to token ID's logit")
+    parser.add_argument("--bad-words", nargs="+", action="extend", metavar="WORD", help="words never generated")
+    parser.add_argument("--min-tokens", type=int, metavar="N", help="no EOS or stop before N tokens")
+    parser.add_argument("--stop-token-ids", nargs="+", action="extend", type=int, metavar="ID")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--include-stop-str-in-output", action="store_true")
+    parser.add_argument("--logprobs", type=int, metavar="K",
+                        help="print each token's logprob, rank and top K alternatives to stderr")
+    parser.add_argument("--prompt-logprobs", type=int, metavar="K",
+                        help="print each prompt token's logprob, rank and top K alternatives to stderr")
+    parser.add_argument("--keep-special-tokens", action="store_true", help="skip_special_tokens=False")
+    parser.add_argument("--no-spaces-between-special-tokens", action="store_true")
     parser.add_argument(
         "--wait", type=float, metavar="SECONDS", help="first wait up to SECONDS for the server to be ready"
     )

@@ -14,8 +14,10 @@ from protos.pagedserve.v1 import generate_pb2
 
 # Keywords named as vLLM's SamplingParams (each a SamplingParams field), plus the request's own id.
 SAMPLING_KEYWORDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-     "best_of", "beam_width", "length_penalty", "early_stopping", "request_id", "priority"}
+    {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+     "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
+     "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
+     "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority"}
 )
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
@@ -29,10 +31,13 @@ def build_generate_request(
     """Builds the request for exactly one of `prompt` (text, or token ids) and `messages` (a chat, rendered
     by the server's chat template).
 
-    Sampling keywords: max_tokens, temperature, top_p, top_k, seed, stop (a string or a list of them),
-    stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty, early_stopping; and the request's
-    own request_id and priority (lower first). Raises TypeError for any other keyword or a malformed prompt,
-    ValueError for a malformed chat message.
+    Sampling keywords (vLLM's SamplingParams names): max_tokens, temperature, top_p, top_k, min_p, seed, stop
+    (a string or a list of them), stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty,
+    early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
+    bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
+    skip_special_tokens, spaces_between_special_tokens; and the request's own request_id and priority
+    (lower first). Raises TypeError for any other keyword or a malformed prompt, ValueError for a malformed
+    chat message.
     """
     unknown = sorted(set(sampling) - SAMPLING_KEYWORDS)
     if unknown:
@@ -52,6 +57,14 @@ def build_generate_request(
     stop_token_ids = _token_ids(given.pop("stop_token_ids", []), "stop_token_ids")
     if stop_token_ids:
         request.sampling.stop_token_ids.extend(stop_token_ids)
+    logit_bias = given.pop("logit_bias", {})
+    if not isinstance(logit_bias, Mapping):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    for token_id, bias in logit_bias.items():
+        request.sampling.logit_bias[int(token_id)] = bias  # OpenAI clients send the ids as strings
+    bad_words = given.pop("bad_words", [])
+    if bad_words:
+        request.sampling.bad_words.extend([bad_words] if isinstance(bad_words, str) else bad_words)
     for name, value in given.items():
         try:
             setattr(request.sampling, name, value)

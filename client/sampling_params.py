@@ -31,16 +31,33 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # {token id: bias}; kept as sorted (id, bias) pairs so the object stays hashable.
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    bad_words: tuple[str, ...] | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    # Top alternatives per generated / prompt token (0: the token's own logprob and rank only).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted as vLLM's are, and kept as tuples so the object stays hashable and immutable.
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if isinstance(value, list):
                 object.__setattr__(self, name, tuple(value))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(sorted((int(k), v) for k, v in self.logit_bias.items())))
 
     def keywords(self) -> dict[str, Any]:
         """The SDK's sampling keywords (`Client.generate(..., **params.keywords())`), unset ones left out."""
-        return {field.name: (list(value) if isinstance(value, tuple) else value)
+        return {field.name: (dict(value) if field.name == "logit_bias" else
+                             list(value) if isinstance(value, tuple) else value)
                 for field in dataclasses.fields(self)
                 if (value := getattr(self, field.name)) is not None}

@@ -21,6 +21,34 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token's logprob under log_softmax of the raw logits, its rank (1 = best; ties share a rank) and its
+    text decoded alone ("" when the server has no tokenizer)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str
+
+    @classmethod
+    def from_message(cls, message: generate_pb2.Logprob) -> Logprob:
+        return cls(message.token_id, message.logprob, message.rank, message.decoded_token)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One token's logprobs (sampling keyword logprobs / prompt_logprobs): the token itself and the top
+    alternatives, best first."""
+
+    token: Logprob
+    top: tuple[Logprob, ...]
+
+    @classmethod
+    def from_message(cls, message: generate_pb2.TokenLogprobs) -> TokenLogprobs:
+        return cls(Logprob.from_message(message.token), tuple(Logprob.from_message(m) for m in message.top))
+
+
+@dataclass(frozen=True)
 class GenerateChunk:
     """One message of a generation stream: the text and token ids produced since the previous chunk.
 
@@ -43,6 +71,10 @@ class GenerateChunk:
     # The logprob of each of `token_ids` (log_softmax of the raw logits); empty where the server does not
     # track them (beam search results).
     logprobs: tuple[float, ...] = ()
+    # With the logprobs keyword: one per token id (rank and top alternatives). With prompt_logprobs: on a
+    # sequence's first chunk, one per prompt token from the second on.
+    token_logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @classmethod
     def from_response(cls, response: generate_pb2.GenerateResponse) -> GenerateChunk:
@@ -58,6 +90,8 @@ class GenerateChunk:
             index=response.index,
             cumulative_logprob=response.cumulative_logprob if has_usage else None,
             logprobs=tuple(response.logprobs),
+            token_logprobs=tuple(TokenLogprobs.from_message(m) for m in response.token_logprobs),
+            prompt_logprobs=tuple(TokenLogprobs.from_message(m) for m in response.prompt_logprobs),
         )
 
 
@@ -73,6 +107,10 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # One per token id when the server tracked them all, else empty.
     logprobs: tuple[float, ...] = ()
+    # With the logprobs keyword: one per token id. With prompt_logprobs: one per prompt token, the first None
+    # (as vLLM's); empty otherwise.
+    token_logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,12 +136,17 @@ class GenerationResult:
         texts: dict[int, list[str]] = {}
         token_ids: dict[int, list[int]] = {}
         logprobs: dict[int, list[float]] = {}
+        ranked: dict[int, list[TokenLogprobs]] = {}
+        prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         last: dict[int, GenerateChunk] = {}
         request_id, prompt_tokens = "", None
         for chunk in chunks:
             texts.setdefault(chunk.index, []).append(chunk.text)
             token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
             logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
+            ranked.setdefault(chunk.index, []).extend(chunk.token_logprobs)
+            if chunk.prompt_logprobs:
+                prompt_logprobs[chunk.index] = (None, *chunk.prompt_logprobs)
             last[chunk.index] = chunk
             request_id = chunk.request_id
             if chunk.prompt_tokens is not None:
@@ -117,6 +160,8 @@ class GenerationResult:
                 completion_tokens=last[index].completion_tokens,
                 cumulative_logprob=last[index].cumulative_logprob,
                 logprobs=tuple(logprobs[index]) if len(logprobs[index]) == len(token_ids[index]) else (),
+                token_logprobs=tuple(ranked[index]) if len(ranked[index]) == len(token_ids[index]) else (),
+                prompt_logprobs=prompt_logprobs.get(index, ()),
             )
             for index in sorted(texts)
         )

@@ -6,7 +6,8 @@ scheduler samples one token per sequence per step and streams each step's new te
 one token carries exactly the text that token added (possibly "" while a multi-byte character or a possible
 stop string is incomplete; the held text is then attributed to the token that releases it). The token
 strings therefore always concatenate to the choice's text, and `text_offset` is exact. A chunk with several
-tokens (a best_of > n result, sent whole) gives all its text to its first token.
+tokens (a best_of > n result, sent whole) gives all its text to its first token. Alternatives (top
+logprobs) are named by the text the scheduler decoded for each token alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from client.types import GenerateChunk
+
+# A token's alternatives: (text, logprob), best first.
+Alternatives = tuple[tuple[str, float], ...]
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,7 @@ class TokenSpan:
     texts: tuple[str, ...]
     logprobs: tuple[float | None, ...]
     text_offsets: tuple[int, ...]
+    alternatives: tuple[Alternatives, ...]
 
 
 @dataclass
@@ -33,6 +38,7 @@ class ChoiceLog:
     token_texts: list[str] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     text_offsets: list[int] = field(default_factory=list)
+    alternatives: list[Alternatives] = field(default_factory=list)
     finish_reason: str | None = None
     completion_tokens: int = 0
 
@@ -43,8 +49,11 @@ class ChoiceLog:
         if count:
             texts = [chunk.text] + [""] * (count - 1)
             logprobs = list(chunk.logprobs) if len(chunk.logprobs) == count else [None] * count
+            ranked = chunk.token_logprobs if len(chunk.token_logprobs) == count else [None] * count
             offset = len(self.text)
-            for text, logprob in zip(texts, logprobs):
+            for text, logprob, entry in zip(texts, logprobs, ranked):
+                self.alternatives.append(() if entry is None else
+                                         tuple((top.decoded_token, top.logprob) for top in entry.top))
                 self.token_texts.append(text)
                 self.logprobs.append(logprob)
                 self.text_offsets.append(offset)
@@ -55,29 +64,35 @@ class ChoiceLog:
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
             self.completion_tokens = chunk.completion_tokens or 0
-        return TokenSpan(tuple(self.token_texts[first:]), tuple(self.logprobs[first:]),
-                         tuple(self.text_offsets[first:]))
+        return self._span(first)
 
     def whole(self) -> TokenSpan:
-        return TokenSpan(tuple(self.token_texts), tuple(self.logprobs), tuple(self.text_offsets))
+        return self._span(0)
+
+    def _span(self, first: int) -> TokenSpan:
+        return TokenSpan(tuple(self.token_texts[first:]), tuple(self.logprobs[first:]),
+                         tuple(self.text_offsets[first:]), tuple(self.alternatives[first:]))
 
 
 def completion_logprobs(span: TokenSpan) -> dict:
-    """The legacy completions shape. With logprobs=0 each top_logprobs entry holds the sampled token only
-    (as vLLM's does): alternatives are never returned (sampling.py refuses logprobs > 0)."""
+    """The legacy completions shape: each top_logprobs entry holds the sampled token and its alternatives
+    (as vLLM's does; with logprobs=0, the sampled token only)."""
     return {
         "tokens": list(span.texts),
         "token_logprobs": list(span.logprobs),
-        "top_logprobs": [{text: logprob} for text, logprob in zip(span.texts, span.logprobs)],
+        "top_logprobs": [{text: logprob, **dict(alternatives)}
+                         for text, logprob, alternatives in zip(span.texts, span.logprobs, span.alternatives)],
         "text_offset": list(span.text_offsets),
     }
 
 
 def chat_logprobs(span: TokenSpan) -> dict:
-    """The chat shape: one entry per token with its UTF-8 bytes and no alternatives (top_logprobs 0)."""
+    """The chat shape: one entry per token with its UTF-8 bytes and its top_logprobs alternatives."""
     return {"content": [
-        {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-        for text, logprob in zip(span.texts, span.logprobs)
+        {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
+         "top_logprobs": [{"token": alt, "logprob": alt_logprob, "bytes": list(alt.encode("utf-8"))}
+                          for alt, alt_logprob in alternatives]}
+        for text, logprob, alternatives in zip(span.texts, span.logprobs, span.alternatives)
     ]}
 
 

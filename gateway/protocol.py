@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway accepts, as pydantic models (FastAPI validates them on arrival).
 
-Fields follow OpenAI's API reference; a few of vLLM's extra fields are accepted too (top_k, ignore_eos,
-stop_token_ids, priority) because users of vLLM's server send them. Unknown fields are ignored, as OpenAI's
-own server ignores fields it does not know. Fields accepted here but not served (penalties, tools, logit
-bias, ...) are refused in sampling.py with a 400 naming them, never silently dropped.
+Fields follow OpenAI's API reference; vLLM's extra sampling fields are accepted too (top_k, min_p,
+repetition_penalty, min_tokens, bad_words, ignore_eos, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, spaces_between_special_tokens, priority) because users of vLLM's server send them.
+Unknown fields are ignored, as OpenAI's own server ignores fields it does not know. Fields accepted here but
+not served (tools, echo, suffix, ...) are refused in sampling.py with a 400 naming them, never silently
+dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class SamplingFields(_Body):
     user: str | None = None
     # vLLM's extra fields.
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(default=None, ge=0)
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
@@ -49,7 +58,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     best_of: int | None = None
-    # How many top alternatives per token; 0 returns the sampled token's own logprob (see sampling.py).
+    # How many top alternatives per token; 0 returns the sampled token's own logprob only.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None

@@ -1,7 +1,10 @@
 """OpenAI request fields -> the SDK's sampling keywords (vLLM's names), and refusals of what is not served.
 
-Why refuse instead of ignoring: a client that asks for a frequency penalty, tools or top-5 alternatives and
-silently gets none would trust output it did not get. Each refusal is a 400 naming the field.
+Why refuse instead of ignoring: a client that asks for tools, echo or a suffix and silently gets none would
+trust output it did not get. Each refusal is a 400 naming the field.
+
+Logprobs: completions' `logprobs=k` and chat's `logprobs=true, top_logprobs=k` both become the scheduler's
+`logprobs=k` (the sampled token's logprob and rank plus k alternatives per token).
 
 Ranges (temperature >= 0, top_p in (0, 1], n <= 64, prompt length, ...) are the scheduler's to check: it
 refuses with INVALID_ARGUMENT naming the field, which the gateway relays as a 400 (errors.py), so the rules
@@ -16,20 +19,15 @@ from client.types import ModelInfo
 from gateway.errors import invalid_request, unsupported
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
-_ONLY_SAMPLED = ("only the sampled token's logprob is available (the workers return no alternatives); "
-                 "ask for {zero}")
-
-
 def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
     if body.echo:
         raise unsupported("echo", "echoing the prompt is not supported")
     if body.suffix:
         raise unsupported("suffix", "insertion (suffix) is not supported")
-    if body.logprobs:
-        raise unsupported("logprobs", _ONLY_SAMPLED.format(zero="logprobs=0"))
     if body.logprobs is not None and body.best_of is not None and body.best_of > body.n:
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
-    return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of}
+    return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
+            "logprobs": body.logprobs}
 
 
 def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, Any]:
@@ -41,12 +39,11 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
         raise unsupported("response_format", "only text responses are supported")
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
-    if body.top_logprobs:
-        raise unsupported("top_logprobs", _ONLY_SAMPLED.format(zero="logprobs=true without top_logprobs"))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
     # max_model_len with finish_reason "length".
-    return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens}
+    return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens,
+            "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -66,12 +63,24 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 def _common_keywords(body: SamplingFields) -> dict[str, Any]:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise unsupported(name, "penalties are not supported; leave it 0")
+    """Ranges are the scheduler's to check (a 400 naming the field comes back from it)."""
+    logit_bias = None
     if body.logit_bias:
-        raise unsupported("logit_bias", "logit bias is not supported")
+        try:
+            logit_bias = {int(token_id): bias for token_id, bias in body.logit_bias.items()}
+        except ValueError:
+            raise invalid_request("logit_bias: keys must be token ids", "logit_bias") from None
     return {
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "min_p": body.min_p,
+        "logit_bias": logit_bias,
+        "min_tokens": body.min_tokens,
+        "bad_words": body.bad_words,
+        "include_stop_str_in_output": body.include_stop_str_in_output,
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
         "top_k": body.top_k,

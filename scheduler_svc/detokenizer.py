@@ -18,6 +18,12 @@ with vLLM: a byte-fallback decoder (Llama-2 style `<0xE4>` tokens) turns a run o
 UTF-8 into one U+FFFD per byte, ASCII bytes included, so a byte already streamed as "P" may later decode as U+FFFD.
 Only invalid output (never real text) is affected, and only in which replacement characters appear.
 
+`spaces_between_special_tokens` (vLLM's parameter, True by default) acts when special tokens are kept
+(`skip_special_tokens=False`): as transformers' slow tokenizers and vLLM's slow detokenizer do, the text is
+decoded in segments split at special tokens and joined with single spaces ("Hi <|im_end|> there"); False
+joins them with nothing, which is what the plain fast decode gives. (vLLM's fast detokenizer ignores the
+parameter; we honour its documented meaning.) The join is prefix-stable, so the streaming invariant holds.
+
 Owned by one request in the scheduler's engine loop; not thread-safe.
 """
 
@@ -39,10 +45,15 @@ class IncrementalDetokenizer:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._space_special_ids = (
+            frozenset(tokenizer.all_special_ids) if spaces_between_special_tokens and not skip_special_tokens
+            else frozenset()
+        )
         self._window: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         self._read_offset = len(self._window)
         self._prefix_text = self._decode(self._window)  # decode(_window[:_read_offset])
@@ -88,4 +99,18 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        if not self._space_special_ids or not self._space_special_ids.intersection(ids):
+            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        segments: list[str] = []
+        run: list[int] = []
+        for token_id in ids:
+            if token_id in self._space_special_ids:
+                if run:
+                    segments.append(self._tokenizer.decode(run, skip_special_tokens=False))
+                    run = []
+                segments.append(self._tokenizer.decode([token_id], skip_special_tokens=False))
+            else:
+                run.append(token_id)
+        if run:
+            segments.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(segments)

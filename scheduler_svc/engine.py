@@ -235,6 +235,10 @@ class Engine:
     def _publish(self, output: SchedulerOutput, updated: list[Request], outcome) -> None:
         owners = self._context.owners
         self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
+        for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`
+            group = owners.get(member_id)
+            if group is not None:
+                group.on_prompt_logprobs(member_id, chunk)
         for request in updated:
             group = owners.get(request.request_id)
             if group is None:

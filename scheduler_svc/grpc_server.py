@@ -19,6 +19,7 @@ from scheduler_svc.output_stream import OutputDelta
 from scheduler_svc.request import FinishReason
 from scheduler_svc.request_group import StreamEnd
 from scheduler_svc.request_validation import InvalidRequestError, ServingLimits, validate_request
+from scheduler_svc.token_logprobs import TokenLogprob
 from scheduler_svc.tokenizer import Tokenizer
 
 _FINISH_REASONS = {
@@ -83,7 +84,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     ended = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
                 else:
-                    yield _response(request_id, item)
+                    yield _response(request_id, item, self._tokenizer)
         finally:
             if not ended:  # cancelled, disconnected or past its deadline
                 engine.abort(request_id)
@@ -119,7 +120,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return response
 
 
-def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateResponse:
+def _response(request_id: str, delta: OutputDelta, tokenizer: Tokenizer | None) -> generate_pb2.GenerateResponse:
     response = generate_pb2.GenerateResponse(
         request_id=request_id,
         text=delta.text,
@@ -127,9 +128,27 @@ def _response(request_id: str, delta: OutputDelta) -> generate_pb2.GenerateRespo
         finish_reason=_FINISH_REASONS[delta.finish_reason],
         index=delta.index,
         logprobs=delta.logprobs,  # per-token logprobs (OpenAI gateway's logprobs)
+        token_logprobs=[_token_logprobs(entry, tokenizer) for entry in delta.token_logprobs],
+        prompt_logprobs=[_token_logprobs(entry, tokenizer) for entry in delta.prompt_logprobs],
     )
     if delta.finish_reason is not None:
         response.usage.prompt_tokens = delta.prompt_tokens
         response.usage.completion_tokens = delta.completion_tokens
         response.cumulative_logprob = delta.cumulative_logprob
     return response
+
+
+def _token_logprobs(entry: TokenLogprob, tokenizer: Tokenizer | None) -> generate_pb2.TokenLogprobs:
+    """The public message of one token's logprobs; each token's text is decoded alone, as vLLM does."""
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+
+    return generate_pb2.TokenLogprobs(
+        token=generate_pb2.Logprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                                   decoded_token=text(entry.token_id)),
+        # The top list holds every token better than each of its entries: ranks follow from it (ties share one).
+        top=[generate_pb2.Logprob(token_id=token_id, logprob=logprob, decoded_token=text(token_id),
+                                  rank=1 + sum(other > logprob for _, other in entry.top))
+             for token_id, logprob in entry.top],
+    )

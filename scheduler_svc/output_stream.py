@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from scheduler_svc.detokenizer import IncrementalDetokenizer
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.stop_strings import StopStringMatcher
+from scheduler_svc.token_logprobs import TokenLogprob
 from scheduler_svc.tokenizer import Tokenizer
 
 
@@ -27,12 +28,20 @@ class OutputDelta:
     index: int = 0  # which of the request's n sequences
     cumulative_logprob: float = 0.0  # set on a sequence's last message
     logprobs: tuple[float, ...] = ()  # one per token id, when tracked (request_group.py fills it)
+    # sampling.logprobs: rank and alternatives, one per token id; prompt_logprobs: on a sequence's first delta.
+    token_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class OutputStream:
     def __init__(self, request: Request, tokenizer: Tokenizer | None):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids) if tokenizer else None
-        stop = request.sampling_params.stop
+        params = request.sampling_params
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+        ) if tokenizer else None
+        self._min_tokens = params.min_tokens
+        self._include_stop_str = params.include_stop_str_in_output
+        stop = params.stop
         self._stop_matcher = StopStringMatcher(stop) if stop else None
         self._num_sent_tokens = 0
         self._num_sent_chars = 0
@@ -58,12 +67,14 @@ class OutputStream:
                 self._detokenizer.flush()
             self._text = self._detokenizer.output_text
         stopped_by_string = False
-        if self._stop_matcher is not None:
+        # Stop strings count from min_tokens on (text before that is marked checked, as vLLM does).
+        if self._stop_matcher is not None and request.num_output_tokens >= self._min_tokens:
             # Checked even on the step that hit max_tokens: a stop string completed by the last token wins.
             match = self._stop_matcher.check(self._text, self._num_checked_chars)
             if match is not None:
-                self._text = self._text[: match.index]
+                self._text = self._text[: match.index + (len(match.stop) if self._include_stop_str else 0)]
                 stopped_by_string = finished = True
+        if self._stop_matcher is not None:
             self._num_checked_chars = len(self._text)
         if finished:
             end = len(self._text)

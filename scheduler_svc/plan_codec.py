@@ -6,11 +6,13 @@ scheduler's classes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protos.pagedserve.v1 import worker_pb2
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.scheduler import SchedulerOutput
+from scheduler_svc.scheduler_output import NewRequestData
+from scheduler_svc.token_logprobs import PromptLogprobChunk, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,10 @@ class StepOutcome:
     logprobs: dict[str, float]
     # Beam rows: (token id, logprob) candidates, best first.
     beam_candidates: dict[str, list[tuple[int, float]]]
+    # Rows that asked for logprobs: the sampled token's rank and top alternatives.
+    token_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Rows that asked for prompt logprobs and computed prompt tokens this step.
+    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
 
 
 def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
@@ -37,10 +43,11 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
             worker_pb2.NewRequest(
                 request_id=new.request_id,
                 token_ids=new.token_ids,
-                sampling=_worker_sampling(new.sampling_params, new.num_beam_candidates),
+                sampling=_worker_sampling(new),
                 block_ids=new.block_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
+                num_prompt_tokens=new.num_prompt_tokens,
             )
         )
     for cached in output.scheduled_requests:
@@ -56,11 +63,23 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
     return worker_pb2.SchedulerToWorker(plan=plan)
 
 
-def _worker_sampling(params: SamplingParams, num_beam_candidates: int) -> worker_pb2.WorkerSamplingParams:
+def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
+    params: SamplingParams = new.sampling_params
     assert params.seed is not None, "the engine seeds every request at admission"
+    min_tokens_masked = params.stop_token_ids + (() if params.ignore_eos else new.eos_token_ids)
     return worker_pb2.WorkerSamplingParams(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-        num_beam_candidates=num_beam_candidates,
+        num_beam_candidates=new.num_beam_candidates,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        min_tokens=params.min_tokens,
+        min_tokens_masked_ids=sorted(set(min_tokens_masked)) if params.min_tokens else [],
+        bad_words=[worker_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
     )
 
 
@@ -71,4 +90,17 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
         beam_candidates={
             b.request_id: [(c.token_id, c.logprob) for c in b.candidates] for b in result.beam_candidates
         },
+        token_logprobs={
+            s.request_id: TokenLogprob(s.token_id, s.logprob, s.rank, _top(s.top)) for s in result.sampled if s.rank
+        },
+        prompt_logprobs={
+            p.request_id: PromptLogprobChunk(
+                p.first_position, tuple(TokenLogprob(t.token_id, t.logprob, t.rank, _top(t.top)) for t in p.tokens)
+            )
+            for p in result.prompt_logprobs
+        },
     )
+
+
+def _top(candidates) -> tuple[tuple[int, float], ...]:
+    return tuple((c.token_id, c.logprob) for c in candidates)

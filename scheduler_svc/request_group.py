@@ -24,6 +24,7 @@ from scheduler_svc.output_stream import OutputDelta, OutputStream
 from scheduler_svc.plan_codec import StepOutcome
 from scheduler_svc.request import FinishReason, Request
 from scheduler_svc.scheduler import Scheduler
+from scheduler_svc.token_logprobs import PromptLogprobChunk, PromptLogprobs, TokenLogprob
 from scheduler_svc.tokenizer import Tokenizer
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -52,6 +53,9 @@ class RequestGroup(ABC):
         self.context = context
         self.members: set[str] = set()
         self.finished = False
+        # sampling.prompt_logprobs: the root's (a fan-out root computes the prompt; children only its last
+        # token), sent on each sequence's first message.
+        self._prompt_logprobs = PromptLogprobs()
 
     @abstractmethod
     def start(self) -> None:
@@ -60,6 +64,11 @@ class RequestGroup(ABC):
     @abstractmethod
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
         """A member computed tokens this step (it may have finished)."""
+
+    def on_prompt_logprobs(self, member_id: str, chunk: PromptLogprobChunk) -> None:
+        """A member computed prompt tokens this step (maybe a chunk that does not reach its end)."""
+        if member_id == self.root.request_id:
+            self._prompt_logprobs.add(chunk)
 
     def abort(self, notify: bool) -> None:
         """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence."""
@@ -104,11 +113,15 @@ class SingleSequence(RequestGroup):
     def start(self) -> None:
         self._stream = OutputStream(self.root, self.context.tokenizer)
         self._cumulative_logprob = 0.0
+        self._sent_first = False
         self._add(self.root)
 
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
         self._cumulative_logprob += outcome.logprobs.get(request.request_id, 0.0)
         delta = _advance(self._stream, request, self.context.scheduler, outcome)
+        if delta.token_ids and not self._sent_first:
+            self._sent_first = True
+            delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
         if delta.finish_reason is not None:
             delta = dataclasses.replace(delta, cumulative_logprob=self._cumulative_logprob)
         if delta.text or delta.token_ids or delta.finish_reason is not None:
@@ -128,6 +141,8 @@ class ParallelSampling(RequestGroup):
         self._logprob: dict[str, float] = {}
         self._token_logprobs: dict[str, list[float]] = {}  # best_of > n: sent with each child's whole output
         self._finals: dict[str, OutputDelta] = {}  # best_of > n: each child's whole output, sent at the end
+        self._token_ranks: dict[str, list[TokenLogprob]] = {}  # best_of > n, with sampling.logprobs
+        self._sent_first: set[str] = set()
         if self.root.num_prompt_tokens == 1:
             self._fork_children(parent_id=None)
         else:
@@ -148,6 +163,10 @@ class ParallelSampling(RequestGroup):
         self._logprob[child_id] += outcome.logprobs.get(child_id, 0.0)
         delta = _advance(self._streams[child_id], request, self.context.scheduler, outcome)
         self._token_logprobs[child_id].extend(delta.logprobs)
+        self._token_ranks[child_id].extend(delta.token_logprobs)
+        if delta.token_ids and child_id not in self._sent_first:
+            self._sent_first.add(child_id)
+            delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
         streaming = self._best_of == self._n
         if delta.finish_reason is not None:
             self._drop(child_id)
@@ -176,6 +195,7 @@ class ParallelSampling(RequestGroup):
             self._index[child.request_id] = i
             self._logprob[child.request_id] = 0.0
             self._token_logprobs[child.request_id] = []
+            self._token_ranks[child.request_id] = []
             self._add(child, parent_id, num_shared_tokens=self.root.num_prompt_tokens - 1 if parent_id else 0)
 
     def _send_best(self) -> None:
@@ -191,6 +211,8 @@ class ParallelSampling(RequestGroup):
                 index=index,
                 cumulative_logprob=self._logprob[child.request_id],
                 logprobs=_whole_logprobs(self._token_logprobs[child.request_id], child),
+                token_logprobs=_whole_logprobs(self._token_ranks[child.request_id], child),
+                prompt_logprobs=self._prompt_logprobs.tokens,
             ))
 
 
@@ -201,9 +223,12 @@ def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outco
     logprob = outcome.logprobs.get(request.request_id)
     if len(delta.token_ids) == 1 and logprob is not None:  # a step samples one token per sequence
         delta = dataclasses.replace(delta, logprobs=(logprob,))
+    ranked = outcome.token_logprobs.get(request.request_id)
+    if len(delta.token_ids) == 1 and ranked is not None:
+        delta = dataclasses.replace(delta, token_logprobs=(ranked,))
     return delta
 
 
-def _whole_logprobs(token_logprobs: list[float], request: Request) -> tuple[float, ...]:
+def _whole_logprobs(token_logprobs: list, request: Request) -> tuple:
     """Per-token logprobs of a whole output, or none if any token's is unknown (they would not line up)."""
     return tuple(token_logprobs) if len(token_logprobs) == request.num_output_tokens else ()

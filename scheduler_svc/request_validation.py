@@ -10,12 +10,18 @@ import math
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.bad_words import bad_words_token_ids
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
 
 # Most sequences one request may fan out to (n, best_of, beam_width).
 MAX_SEQUENCES = 64
+# Most alternatives per token for logprobs and prompt_logprobs (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI's range)
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
 
 
 class InvalidRequestError(ValueError):
@@ -145,6 +151,7 @@ def _sampling_params(
         if stop:
             raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
         temperature, top_p, top_k = 0.0, 1.0, -1
+    extra = _penalties_and_masks(wire, tokenizer, limits, max_tokens, beam_width)
     return SamplingParams(
         n=n,
         best_of=best_of,
@@ -159,4 +166,64 @@ def _sampling_params(
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=wire.ignore_eos,
+        include_stop_str_in_output=wire.include_stop_str_in_output,
+        skip_special_tokens=wire.skip_special_tokens if wire.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(wire.spaces_between_special_tokens
+                                       if wire.HasField("spaces_between_special_tokens") else True),
+        **extra,
+    )
+
+
+def _penalties_and_masks(
+    wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, limits: ServingLimits, max_tokens: int,
+    beam_width: int,
+) -> dict:
+    """The SamplingParams fields of min_p, the penalties, logit_bias, bad_words, min_tokens and logprobs."""
+    min_p = wire.min_p if wire.HasField("min_p") else 0.0
+    if not 0.0 <= min_p <= 1.0:  # also false for NaN
+        raise InvalidRequestError("sampling.min_p", "must lie in [0, 1]")
+    presence = wire.presence_penalty if wire.HasField("presence_penalty") else 0.0
+    frequency = wire.frequency_penalty if wire.HasField("frequency_penalty") else 0.0
+    repetition = wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            raise InvalidRequestError(f"sampling.{name}", f"must lie in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]")
+    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError("sampling.repetition_penalty", f"must lie in (0, {MAX_REPETITION_PENALTY:g}]")
+    logit_bias = tuple(sorted(wire.logit_bias.items()))
+    if any(not 0 <= token_id < limits.vocab_size for token_id, _ in logit_bias):
+        raise InvalidRequestError("sampling.logit_bias", f"token ids must lie in [0, {limits.vocab_size})")
+    if any(not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS for _, bias in logit_bias):
+        raise InvalidRequestError("sampling.logit_bias", f"biases must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+    bad_words = tuple(wire.bad_words)
+    if bad_words and tokenizer is None:
+        raise InvalidRequestError("sampling.bad_words", "bad words need a tokenizer; use logit_bias with -100")
+    if any(not word.strip() for word in bad_words):
+        raise InvalidRequestError("sampling.bad_words", "words must not be empty")
+    min_tokens = wire.min_tokens if wire.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"must lie in [0, max_tokens] (max_tokens = {max_tokens})")
+    logprobs = wire.logprobs if wire.HasField("logprobs") else None
+    prompt_logprobs = wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > MAX_LOGPROBS:
+            raise InvalidRequestError(f"sampling.{name}", f"must lie in [0, {MAX_LOGPROBS}]")
+    if beam_width > 1:
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None:
+                raise InvalidRequestError(f"sampling.{name}", "not supported with beam search")
+        if presence or frequency or repetition != 1.0 or logit_bias or bad_words or min_p or min_tokens:
+            raise InvalidRequestError("sampling.beam_width", "beam search takes no penalties, logit_bias, "
+                                      "bad_words, min_p or min_tokens (its candidates are the raw logprobs)")
+    return dict(
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        logit_bias=logit_bias,
+        bad_words=bad_words,
+        bad_words_token_ids=bad_words_token_ids(bad_words, tokenizer) if bad_words else (),
+        min_tokens=min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

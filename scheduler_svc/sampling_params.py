@@ -29,6 +29,20 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool = False
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # over output tokens; 0 = off
+    repetition_penalty: float = 1.0  # over prompt and output tokens; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    bad_words: tuple[str, ...] = ()
+    # The bad words as token-id sequences (`bad_words.py`), resolved at the edge where the tokenizer is.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0  # EOS / stop ids masked and stop strings unchecked until this many tokens
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top alternatives per generated token; None = none
+    prompt_logprobs: int | None = None  # the same for prompt tokens; None = none
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def is_greedy(self) -> bool:

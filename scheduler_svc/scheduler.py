@@ -333,7 +333,10 @@ class Scheduler:
 
     def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids):
+        # Before min_tokens the worker masks stop ids; they would not stop the request either.
+        stop_allowed = request.num_output_tokens >= params.min_tokens
+        is_stop_id = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
+        if stop_allowed and is_stop_id:
             return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
             return FinishReason.LENGTH

@@ -35,6 +35,8 @@ class NewRequestData:
     num_computed_tokens: int  # > 0 after a prefix-cache hit, a fork or a swap-in
     num_scheduled_tokens: int
     num_beam_candidates: int = 0  # > 0: a beam row (return this many candidates, do not sample)
+    num_prompt_tokens: int = 0  # the first num_prompt_tokens of token_ids are the prompt
+    eos_token_ids: tuple[int, ...] = ()  # masked (with the stop ids) until min_tokens are generated
 
 
 @dataclass(frozen=True)

@@ -257,7 +257,9 @@ class StepPlanner:
     def _admit(self, request: Request, draft: _StepDraft) -> bool:
         assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
         num_to_compute = self._state.num_tokens_to_compute(request)
-        prefix = self._blocks.find_cached_prefix(request, num_to_compute - 1)
+        # Prompt logprobs need the logits of every prompt position: such a request computes them all.
+        needs_all_logits = request.sampling_params.prompt_logprobs is not None
+        prefix = self._blocks.find_cached_prefix(request, 0 if needs_all_logits else num_to_compute - 1)
         num_new_tokens = self._chunk(num_to_compute - prefix.num_tokens, draft.token_budget)
         if num_new_tokens == 0:
             return False
@@ -338,5 +340,7 @@ class StepPlanner:
                 num_computed_tokens=request.num_computed_tokens,
                 num_scheduled_tokens=num_new_tokens,
                 num_beam_candidates=request.num_beam_candidates,
+                num_prompt_tokens=request.num_prompt_tokens,
+                eos_token_ids=request.eos_token_ids,
             )
         )

@@ -102,8 +102,8 @@ def test_sampling_keywords_map_to_their_fields_and_unset_ones_stay_unset(client,
 
 
 def test_unknown_or_conflicting_arguments_raise_type_error_before_any_call(client, fake):
-    with pytest.raises(TypeError, match="frequency_penalty.*presence_penalty"):
-        client.generate_stream("x", presence_penalty=1.0, frequency_penalty=2.0, best_of=2)
+    with pytest.raises(TypeError, match="guided_json.*use_beam_search"):
+        client.generate_stream("x", use_beam_search=True, guided_json={}, best_of=2)
     with pytest.raises(TypeError, match="exactly one"):
         client.generate("x", messages=[{"role": "user", "content": "y"}])
     with pytest.raises(TypeError, match="exactly one"):
@@ -215,8 +215,8 @@ def test_async_client_raises_typed_errors(server, fake):
         async with AsyncClient(server.target) as client:
             with pytest.raises(InvalidRequestError, match="sampling.temperature"):
                 await client.generate("invalid")
-            with pytest.raises(TypeError, match="logprobs"):
-                client.generate_stream("x", logprobs=5)
+            with pytest.raises(TypeError, match="use_beam_search"):
+                client.generate_stream("x", use_beam_search=True)
 
     asyncio.run(scenario())
     with pytest.raises(RuntimeError, match="running event loop"):

@@ -72,8 +72,18 @@ def test_split_character_is_held_until_complete(tokenizer):
 
 def test_special_tokens_kept_when_not_skipped(tokenizer, prompt_ids):
     ids = tokenizer.encode("hi<|im_end|>", add_special_tokens=False)
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False,
+                                         spaces_between_special_tokens=False)
     assert "".join(stream(detokenizer, ids, [1] * len(ids))) == "hi<|im_end|>"
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 7])
+def test_spaces_between_special_tokens_joins_kept_special_tokens_with_spaces(tokenizer, prompt_ids, chunk):
+    ids = tokenizer.encode("hi<|im_end|>there<|im_end|><|im_end|>", add_special_tokens=False)
+    spaced = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False)
+    assert "".join(stream(spaced, ids, [chunk] * len(ids))) == "hi <|im_end|> there <|im_end|> <|im_end|>"
+    skipped = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=True)
+    assert "".join(stream(skipped, ids, [chunk] * len(ids))) == "hithere"
 
 
 @settings(max_examples=150, deadline=None)
@@ -88,7 +98,8 @@ def test_random_ids_any_chunking_equal_decode(tokenizer, data, skip_special_toke
     ids = data.draw(st.lists(token_id, max_size=40))
     prompt = data.draw(st.lists(st.integers(17, tokenizer.vocab_size - 1), max_size=8))
     chunks = data.draw(st.lists(st.integers(1, 5), max_size=40))
-    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(tokenizer.decode(prompt)), skip_special_tokens)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode(tokenizer.decode(prompt)), skip_special_tokens,
+                                         spaces_between_special_tokens=False)
     deltas = stream(detokenizer, ids, chunks)
     assert "".join(deltas) == detokenizer.output_text == tokenizer.decode(ids, skip_special_tokens)
 

@@ -50,6 +50,14 @@ BAD_REQUESTS = [
     (dict(prompt=[-1, 2]), "token_ids"),
     (dict(prompt="text needs a tokenizer"), "prompt.text"),
     (dict(prompt=[1, 2], stop=["x"]), "stop"),
+    (dict(prompt=[1, 2], min_p=1.5), "sampling.min_p: must lie in [0, 1]"),
+    (dict(prompt=[1, 2], presence_penalty=3.0), "sampling.presence_penalty: must lie in [-2, 2]"),
+    (dict(prompt=[1, 2], repetition_penalty=0.0), "sampling.repetition_penalty: must lie in (0, 2]"),
+    (dict(prompt=[1, 2], logit_bias={512: 1.0}), "sampling.logit_bias: token ids must lie in [0, 512)"),
+    (dict(prompt=[1, 2], logprobs=21), "sampling.logprobs: must lie in [0, 20]"),
+    (dict(prompt=[1, 2], max_tokens=2, min_tokens=3), "sampling.min_tokens"),
+    (dict(prompt=[1, 2], n=3, best_of=2), "sampling.best_of"),
+    (dict(prompt=[1, 2], bad_words=["x"]), "sampling.bad_words"),
 ]
 
 

@@ -92,12 +92,12 @@ def test_a_streamed_request_refused_by_the_scheduler_gets_the_status_not_a_strea
     ("/v1/completions", {"max_tokens": 3}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      "top_logprobs"),
 ])
 def test_bad_bodies_are_400s_naming_the_field_and_never_reach_the_scheduler(fake, gateway_url, path, body, param):

@@ -103,6 +103,28 @@ def test_chat_completion_uses_the_chat_template_and_equals_grpc_streamed_and_not
     assert roles == {(0, "assistant"), (1, "assistant")}
 
 
+def test_top_logprobs_penalties_and_logit_bias_reach_the_scheduler(server, api):
+    with server.client() as client:
+        expected = client.generate(PROMPT, max_tokens=8, temperature=0.0, logprobs=3, frequency_penalty=1.0,
+                                   presence_penalty=0.5)
+        paris = client.generate(PROMPT, max_tokens=1, temperature=0.0).token_ids[0]
+    completion = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                        frequency_penalty=1.0, presence_penalty=0.5)
+    choice = completion.choices[0]
+    assert choice.text == expected.text
+    entries = expected.outputs[0].token_logprobs
+    for top, entry in zip(choice.logprobs.top_logprobs, entries):
+        assert {text: round(lp, 4) for text, lp in top.items()}.items() >= {
+            alt.decoded_token: round(alt.logprob, 4) for alt in entry.top}.items()
+    chat = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    assert all(len(token.top_logprobs) == 2 for token in chat.choices[0].logprobs.content)
+    banned = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                    logit_bias={str(paris): -100})
+    with server.client() as client:
+        assert banned.choices[0].text != client.generate(PROMPT, max_tokens=1, temperature=0.0).text
+
+
 def test_sampling_fields_reach_the_scheduler(server, api):
     with server.client() as client:
         expected = client.generate(PROMPT, max_tokens=16, temperature=0.8, top_p=0.9, seed=7, stop=[" and"])

@@ -15,6 +15,8 @@ import numpy as np
 
 from protos.pagedserve.v1 import worker_pb2
 
+_NO_BIAS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+_NO_IDS = np.zeros(0, dtype=np.int64)
 # A token the previous step samples that has not come back to the host yet: the next step may be built
 # before it does (see `begin_step`), and its input is then taken from that step's sampled ids on the device.
 PENDING_TOKEN = -1
@@ -71,6 +73,20 @@ class PersistentBatch:
         self.generation = np.zeros(max_num_seqs, dtype=np.int64)
         # For a row whose newest token is PENDING_TOKEN: its index in the in-flight step's sampled ids.
         self.pending_source = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_seqs, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_seqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_seqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_seqs, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
+        # Sparse per-row parameters (few rows have them): a row's logit_bias (ids, biases), the ids masked
+        # until min_tokens, its bad words as id sequences. `has_sparse` says which rows have any.
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * max_num_seqs
+        self.min_tokens_masked_ids: list[np.ndarray] = [_NO_IDS] * max_num_seqs
+        self.bad_words: list[tuple[np.ndarray, ...]] = [()] * max_num_seqs
+        self.has_sparse = np.zeros(max_num_seqs, dtype=bool)
         self._row_of: dict[str, int] = {}
         self._request_of_row: list[str | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -88,6 +104,7 @@ class PersistentBatch:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._request_of_row[row] = None
+            self.has_sparse[row] = False
             self._free_rows.append(row)
 
     def add(self, new: worker_pb2.NewRequest) -> int:
@@ -113,6 +130,20 @@ class PersistentBatch:
         seed = sampling.seed
         self.seed[row] = seed - _UINT64_WRAP if seed > _INT64_MAX else seed
         self.num_beam_candidates[row] = sampling.num_beam_candidates
+        self.num_prompt_tokens[row] = new.num_prompt_tokens or len(tokens)
+        self.min_p[row] = sampling.min_p
+        self.presence_penalty[row] = sampling.presence_penalty
+        self.frequency_penalty[row] = sampling.frequency_penalty
+        self.repetition_penalty[row] = sampling.repetition_penalty or 1.0
+        self.min_tokens[row] = sampling.min_tokens
+        self.num_logprobs[row] = sampling.num_logprobs
+        self.num_prompt_logprobs[row] = sampling.num_prompt_logprobs
+        self.logit_bias[row] = (np.asarray([b.token_id for b in sampling.logit_bias], dtype=np.int64),
+                                np.asarray([b.bias for b in sampling.logit_bias], dtype=np.float32))
+        self.min_tokens_masked_ids[row] = np.asarray(sampling.min_tokens_masked_ids, dtype=np.int64)
+        self.bad_words[row] = tuple(np.asarray(w.token_ids, dtype=np.int64) for w in sampling.bad_words if w.token_ids)
+        self.has_sparse[row] = bool(len(sampling.logit_bias) or self.bad_words[row]
+                                    or (sampling.min_tokens and len(sampling.min_tokens_masked_ids)))
         return row
 
     def update(self, scheduled: worker_pb2.ScheduledRequest) -> int:

@@ -1,4 +1,5 @@
-"""Token sampling for one step of the persistent batch: greedy, temperature, top-k, top-p.
+"""Token sampling for one step of the persistent batch: logits processors (penalties, logit_bias, masks;
+`logits_processors.py`), then greedy, or temperature, min_p, top-k, top-p and a seeded draw; and logprobs.
 
 Who owns what: the worker's input builder owns the per-request sampling rows and hands this module a
 `SamplingTensors` each step; this module owns nothing between steps (no generator, no cache). Everything
@@ -17,6 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from worker_svc.logits_processors import LogitsAdjustments, apply_adjustments
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them would overflow.
 GREEDY_TEMPERATURE = 1e-5
@@ -48,8 +51,13 @@ class SamplingTensors:
       `seed_to_int64`). Unseeded requests get a random seed when they are admitted.
     - position int64 [N]: index, in the request's sequence, of the token being sampled (the prompt length
       for the first generated token).
+    - min_p float32 [N]: in [0, 1]; 0 keeps the whole vocabulary.
     - all_greedy: every row is greedy; `sample` then takes the argmax and builds no noise.
     - uses_top_k_top_p: some row restricts its top-k or top-p; when False the vocabulary sort is skipped.
+    - uses_min_p: some row has min_p > 0.
+    - adjustments: penalties, logit_bias and masks (None: no row uses any).
+    - num_top_logprobs: the most top alternatives any row asked for; -1 when no row asked for logprobs,
+      and then no rank or top-k is computed.
     """
 
     temperature: torch.Tensor
@@ -59,6 +67,10 @@ class SamplingTensors:
     position: torch.Tensor
     all_greedy: bool
     uses_top_k_top_p: bool
+    min_p: torch.Tensor | None = None
+    uses_min_p: bool = False
+    adjustments: LogitsAdjustments | None = None
+    num_top_logprobs: int = -1
 
     def __post_init__(self) -> None:
         num_rows = self.temperature.shape[0]
@@ -84,15 +96,24 @@ class SamplingTensors:
         seed: Sequence[int] | torch.Tensor,
         position: Sequence[int] | torch.Tensor,
         device: torch.device | str,
+        min_p: Sequence[float] | torch.Tensor | None = None,
+        adjustments: LogitsAdjustments | None = None,
+        num_top_logprobs: int = -1,
     ) -> SamplingTensors:
         """Builds the tensors from host columns (lists, numpy arrays or CPU tensors) and derives the fast-path
         flags on the host, where reading them costs no device sync."""
         host_temperature = torch.as_tensor(temperature, dtype=torch.float32)
         host_top_p = torch.as_tensor(top_p, dtype=torch.float32)
         host_top_k = torch.as_tensor(top_k, dtype=torch.int64)
+        host_min_p = None if min_p is None else torch.as_tensor(min_p, dtype=torch.float32)
         all_greedy = bool((host_temperature < GREEDY_TEMPERATURE).all())
         uses_top_k_top_p = bool(((host_top_k > 0) | (host_top_p < 1.0)).any())
+        uses_min_p = host_min_p is not None and bool((host_min_p > 0).any())
         return cls(
+            min_p=host_min_p.to(device) if uses_min_p else None,
+            uses_min_p=uses_min_p,
+            adjustments=adjustments,
+            num_top_logprobs=num_top_logprobs,
             temperature=host_temperature.to(device),
             top_p=host_top_p.to(device),
             top_k=host_top_k.to(device),
@@ -108,12 +129,18 @@ class SamplerOutput:
     """What one step samples, on the logits' device: the caller copies both to the host in one transfer.
 
     - token_ids int64 [N]: the sampled token of each row.
-    - logprobs float32 [N]: log_softmax of the raw logits (before temperature, top-k and top-p) at that
-      token, as vLLM reports by default.
+    - logprobs float32 [N]: log_softmax of the raw logits (before penalties, temperature, top-k and top-p)
+      at that token, as vLLM reports by default.
+    - ranks int64 [N], top_ids int64 [N, K], top_logprobs float32 [N, K] (K = num_top_logprobs), only when
+      some row asked for logprobs: 1 + the number of tokens with a strictly higher logprob, and the K best
+      tokens of the raw distribution, best first (each row keeps the first k it asked for).
     """
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
+    ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
 
 
 def seed_to_int64(seed: int) -> int:
@@ -126,9 +153,10 @@ def seed_to_int64(seed: int) -> int:
 def sample(logits: torch.Tensor, tensors: SamplingTensors, *, noise_fn: NoiseFn | None = None) -> SamplerOutput:
     """Samples one token per row of `logits` (float32 [N, V]).
 
-    Greedy rows take the argmax of the raw logits. Other rows: logits / temperature, then top-k, then top-p
-    on the top-k-renormalized distribution (vLLM's order), then the argmax of the kept logits plus Gumbel
-    noise, which draws exactly from softmax over the kept tokens.
+    First the logits processors (`tensors.adjustments`). Greedy rows then take the argmax. Other rows:
+    logits / temperature, then min_p, then top-k, then top-p on the top-k-renormalized distribution (vLLM's
+    order), then the argmax of the kept logits plus Gumbel noise, which draws exactly from softmax over the
+    kept tokens. Logprobs are of the raw logits.
 
     `noise_fn` defaults to `gumbel_noise`, which runs as ~45 eager elementwise passes over [N, V] int64: fine
     on the CPU, but about 8 ms at N=256, V=152k on an H200. On a GPU the worker should pass
@@ -137,16 +165,38 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, *, noise_fn: NoiseFn 
     """
     if logits.dim() != 2 or logits.shape[0] != tensors.num_rows:
         raise ValueError(f"logits must be [{tensors.num_rows}, V], got {list(logits.shape)}")
-    greedy_ids = logits.argmax(dim=-1)
+    processed = apply_adjustments(logits, tensors.adjustments)
+    greedy_ids = processed.argmax(dim=-1)
     if tensors.all_greedy:
         token_ids = greedy_ids
     else:
         is_greedy = tensors.temperature < GREEDY_TEMPERATURE
-        sampled_ids = _sample_random(logits, tensors, is_greedy, noise_fn or gumbel_noise)
+        sampled_ids = _sample_random(processed, tensors, is_greedy, noise_fn or gumbel_noise)
         token_ids = torch.where(is_greedy, greedy_ids, sampled_ids)
     chosen_logits = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
-    logprobs = chosen_logits - torch.logsumexp(logits, dim=-1)
-    return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    logprobs = chosen_logits - log_normalizer
+    if tensors.num_top_logprobs < 0:
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+    ranks, top_ids, top_logprobs = rank_and_top(logits, chosen_logits, log_normalizer, tensors.num_top_logprobs)
+    return SamplerOutput(token_ids, logprobs, ranks, top_ids, top_logprobs)
+
+
+def rank_and_top(
+    logits: torch.Tensor, chosen_logits: torch.Tensor, log_normalizer: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rank [N], top ids [N, k], top logprobs [N, k]) of the tokens whose raw logits are `chosen_logits`:
+    rank = 1 + the number of tokens with a strictly higher logit (so a strictly higher logprob)."""
+    ranks = 1 + (logits > chosen_logits.unsqueeze(-1)).sum(dim=-1)
+    top = torch.topk(logits, k=min(k, logits.shape[-1]), dim=-1)
+    return ranks, top.indices, top.values - log_normalizer.unsqueeze(-1)
+
+
+def min_p_mask(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf the tokens whose probability is below min_p times the best token's (vLLM's min_p),
+    compared in log space: logit < max logit + log(min_p). min_p 0 keeps every token."""
+    threshold = scaled.max(dim=-1, keepdim=True).values + torch.log(min_p).unsqueeze(-1)
+    return scaled.masked_fill(scaled < threshold, float("-inf"))
 
 
 def _sample_random(
@@ -155,6 +205,8 @@ def _sample_random(
     """Gumbel-max draw for every row (greedy rows get temperature 1 here and are overridden by the caller)."""
     temperature = torch.where(is_greedy, torch.ones_like(tensors.temperature), tensors.temperature)
     scaled = logits / temperature.unsqueeze(-1)
+    if tensors.uses_min_p:
+        scaled = min_p_mask(scaled, tensors.min_p)
     noise = noise_fn(tensors.seed, tensors.position, logits.shape[-1])
     if not tensors.uses_top_k_top_p:
         return (scaled + noise).argmax(dim=-1)

@@ -25,8 +25,10 @@ from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PersistentBatch
+from worker_svc.prompt_logprobs import prompt_logprobs
+from worker_svc.sampler import SamplerOutput, gumbel_noise, sample
+from worker_svc.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
-from worker_svc.sampler import SamplingTensors, gumbel_noise, sample
 
 logger = logging.getLogger(__name__)
 
@@ -95,25 +97,25 @@ class Worker:
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         timer.mark("prepare")
-        logits = self._forward(inputs)
+        hidden = self._forward(inputs)
+        logits = self._logits(hidden, inputs)
         timer.mark("forward_launch")
+        if (batch.num_prompt_logprobs[inputs.rows] >= 0).any():
+            result.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden, batch, inputs))
         is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
         sampled_rows = inputs.sample_rows[~is_beam]
-        token_ids, logprobs = self._sample(logits, np.flatnonzero(~is_beam), sampled_rows)
+        sampled = self._sample(logits, np.flatnonzero(~is_beam), sampled_rows)
         timer.mark("sample_and_copy")
-        batch.commit(inputs, sampled_rows, token_ids)
-        for row, token_id, logprob in zip(sampled_rows.tolist(), token_ids.tolist(), logprobs.tolist()):
-            result.sampled.append(
-                worker_pb2.SampledToken(request_id=batch.request_id_of(row), token_id=token_id, logprob=logprob)
-            )
+        batch.commit(inputs, sampled_rows, sampled[:, 0].astype(np.int64))
+        result.sampled.extend(self._sampled_tokens(sampled_rows, sampled))
         if is_beam.any():
             result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
                                                                 inputs.sample_rows[is_beam]))
         timer.mark("result")
         return result
 
-    def _forward(self, inputs) -> torch.Tensor | None:
-        """Runs the model over every scheduled token; returns the logits of the rows that sample, or None."""
+    def _forward(self, inputs) -> torch.Tensor:
+        """Runs the model over every scheduled token; returns the hidden states, one row per token."""
         device, batch = self.device, self.batch
         self.num_forward_passes += 1
         if self.num_forward_passes == self.config.fail_at_step:
@@ -132,28 +134,38 @@ class Worker:
             )
             hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
                                 _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
+        return hidden
+
+    def _logits(self, hidden: torch.Tensor, inputs) -> torch.Tensor | None:
+        """The logits of the rows that sample (or return beam candidates), or None."""
         if len(inputs.sample_rows) == 0:
             return None
-        return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, device)])
+        return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, self.device)])
 
-    def _sample(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Samples `rows`; returns float64 [S, 3 + 2K] host rows (see `pack_sampler_output`)."""
         if len(rows) == 0:
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32)
-        batch = self.batch
+            return np.zeros((0, 3), dtype=np.float64)
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
-        tensors = SamplingTensors.from_host(
-            temperature=batch.temperature[rows],
-            top_p=batch.top_p[rows],
-            top_k=batch.top_k[rows],
-            seed=batch.seed[rows],
-            position=batch.num_tokens[rows],
-            device=self.device,
-        )
-        out = sample(logits, tensors, noise_fn=self.noise_fn)
-        # One device-to-host copy per step: ids and logprobs travel together.
-        packed = torch.stack([out.token_ids.to(torch.float64), out.logprobs.to(torch.float64)]).cpu().numpy()
-        return packed[0].astype(np.int64), packed[1].astype(np.float32)
+        tensors = build_sampling_tensors(self.batch, rows, logits.shape[-1], self.device)
+        # One device-to-host copy per step: ids, logprobs and any ranks and top-k travel together.
+        return pack_sampler_output(sample(logits, tensors, noise_fn=self.noise_fn)).cpu().numpy()
+
+    def _sampled_tokens(self, rows: np.ndarray, sampled: np.ndarray) -> list[worker_pb2.SampledToken]:
+        batch = self.batch
+        k = (sampled.shape[1] - 3) // 2
+        tokens = []
+        for row, line in zip(rows.tolist(), sampled):
+            token = worker_pb2.SampledToken(request_id=batch.request_id_of(row), token_id=int(line[0]),
+                                            logprob=line[1])
+            row_k = int(batch.num_logprobs[row])
+            if row_k >= 0:
+                token.rank = int(line[2])
+                token.top.extend(worker_pb2.TokenCandidate(token_id=int(t), logprob=v)
+                                 for t, v in zip(line[3 : 3 + row_k], line[3 + k : 3 + k + row_k]))
+            tokens.append(token)
+        return tokens
 
     def _beam_candidates(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> list[worker_pb2.BeamCandidates]:
         """Top log_softmax candidates of each beam row (Hugging Face beam search scores raw logprobs)."""
@@ -169,6 +181,18 @@ class Worker:
             )
             for row, k, ids, vals in zip(rows.tolist(), counts.tolist(), indices, values)
         ]
+
+
+def pack_sampler_output(out: SamplerOutput) -> torch.Tensor:
+    """float64 [S, 3 + 2K] on the device: token id, logprob, rank (0 when not computed), K top ids, K top
+    logprobs. Ids below 2**53 are exact in float64."""
+    columns = [out.token_ids.to(torch.float64).unsqueeze(-1), out.logprobs.to(torch.float64).unsqueeze(-1)]
+    if out.ranks is None:
+        columns.append(torch.zeros_like(columns[0]))
+    else:
+        columns += [out.ranks.to(torch.float64).unsqueeze(-1), out.top_ids.to(torch.float64),
+                    out.top_logprobs.to(torch.float64)]
+    return torch.cat(columns, dim=-1)
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

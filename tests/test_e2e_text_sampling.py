@@ -1,0 +1,97 @@
+"""Sampling parameters that act on text, end to end on the embedded SmolLM2 (it has a tokenizer): bad_words
+(one-token and multi-token) never appear, stop strings cut exactly with and without
+include_stop_str_in_output, min_tokens delays a stop string, skip_special_tokens keeps or drops special
+tokens, and logprobs carry each token's decoded text."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server_harness import running_server
+
+PROMPT = "The capital of France is"
+GREEDY = dict(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("logs"), "--max-model-len", "1024", "--cpu-kv-cache-space", "0.25",
+                        "--swap-space", "0.05") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def greedy(server):
+    with server.client() as client:
+        return client.generate(PROMPT, **GREEDY)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from pagedserve.model_source import resolve_model
+    from scheduler_svc.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(None).path)
+
+
+pytestmark = pytest.mark.usefixtures("no_block_leaks")
+
+
+def test_bad_words_never_appear_one_token_and_multi_token(server, greedy, tokenizer):
+    assert "Paris" in greedy.text
+    words = greedy.text.split()
+    multi = next(w for w in words if len(tokenizer.encode(" " + w, add_special_tokens=False)) > 1)
+    with server.client() as client:
+        without_paris = client.generate(PROMPT, bad_words=["Paris"], **GREEDY)
+        without_multi = client.generate(PROMPT, bad_words=[multi], **GREEDY)
+        sampled = [client.generate(PROMPT, bad_words=["Paris", multi], temperature=1.0, seed=s, max_tokens=24)
+                   for s in range(6)]
+    assert "Paris" not in without_paris.text and without_paris.text != greedy.text
+    assert multi not in without_multi.text.split()
+    assert all("Paris" not in r.text and multi not in r.text.split() for r in sampled)
+
+
+def test_stop_strings_cut_exactly_with_and_without_the_stop_string(server, greedy):
+    stop = " Paris"
+    cut = greedy.text.index(stop)
+    with server.client() as client:
+        excluded = client.generate(PROMPT, stop=[stop], **GREEDY)
+        included = client.generate(PROMPT, stop=[stop], include_stop_str_in_output=True, **GREEDY)
+    assert excluded.text == greedy.text[:cut] and excluded.finish_reason == "stop"
+    assert included.text == greedy.text[: cut + len(stop)] and included.finish_reason == "stop"
+
+
+def test_min_tokens_delays_a_stop_string_past_its_first_occurrence(server, greedy, tokenizer):
+    stop = " Paris"
+    tokens_before_stop = len(tokenizer.encode(greedy.text[: greedy.text.index(stop)], add_special_tokens=False))
+    with server.client() as client:
+        early = client.generate(PROMPT, stop=[stop], **GREEDY)
+        delayed = client.generate(PROMPT, stop=[stop], min_tokens=tokens_before_stop + 3, **GREEDY)
+    assert len(delayed.text) > len(early.text) + len(stop)
+    assert delayed.text.startswith(early.text + stop)
+    assert delayed.completion_tokens >= tokens_before_stop + 3
+
+
+def test_skip_special_tokens_and_spaces_between_them(server, tokenizer):
+    end = "<|im_end|>"
+    end_id = tokenizer.encode(end, add_special_tokens=False)[0]
+    common = dict(temperature=0.0, max_tokens=4, logit_bias={end_id: 100.0}, ignore_eos=True)
+    with server.client() as client:
+        skipped = client.generate(PROMPT, **common)
+        kept = client.generate(PROMPT, skip_special_tokens=False, spaces_between_special_tokens=False, **common)
+        spaced = client.generate(PROMPT, skip_special_tokens=False, **common)
+    assert skipped.token_ids == (end_id,) * 4
+    assert skipped.text == ""
+    assert kept.text == end * 4
+    # Joined with spaces, to the prompt's last word too (as vLLM's slow detokenizer does).
+    assert spaced.text == " " + " ".join([end] * 4)
+
+
+def test_logprobs_carry_each_tokens_decoded_text(server, greedy, tokenizer):
+    with server.client() as client:
+        result = client.generate(PROMPT, logprobs=3, **GREEDY)
+    entries = result.outputs[0].token_logprobs
+    assert [e.token.token_id for e in entries] == list(greedy.token_ids)
+    assert [e.token.decoded_token for e in entries] == [tokenizer.decode([t], skip_special_tokens=False)
+                                                        for t in greedy.token_ids]
+    assert all(len(e.top) == 3 and e.top[0].rank == 1 for e in entries)

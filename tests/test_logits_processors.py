@@ -1,0 +1,199 @@
+"""The worker's logits processors and the sampler's min_p and top logprobs, through the persistent batch's
+host path (`sampling_inputs.build_sampling_tensors`): penalties equal transformers' processors (repetition)
+and OpenAI's definition (frequency, presence) on the same logits, logit_bias adds, bad_words and min_tokens
+mask, min_p never samples below its threshold, and ranks / top-k equal log_softmax of the raw logits."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+)
+
+from protos.pagedserve.v1 import worker_pb2
+from worker_svc.logits_processors import apply_adjustments
+from worker_svc.persistent_batch import PersistentBatch
+from worker_svc.sampler import sample
+from worker_svc.sampling_inputs import build_sampling_tensors
+
+VOCAB = 64
+
+
+def _batch(rows: list[dict]) -> tuple[PersistentBatch, np.ndarray]:
+    """A persistent batch holding one row per dict: prompt, output (generated tokens) and sampling fields."""
+    batch = PersistentBatch(max_num_seqs=len(rows), max_model_len=256, block_size=16)
+    indices = []
+    for i, row in enumerate(rows):
+        prompt, output = row.get("prompt", [1, 2, 3]), row.get("output", [])
+        sampling = worker_pb2.WorkerSamplingParams(
+            temperature=row.get("temperature", 0.0), top_p=1.0, top_k=-1, seed=row.get("seed", i),
+            repetition_penalty=row.get("repetition_penalty", 1.0),
+            presence_penalty=row.get("presence_penalty", 0.0), frequency_penalty=row.get("frequency_penalty", 0.0),
+            min_p=row.get("min_p", 0.0), min_tokens=row.get("min_tokens", 0),
+            min_tokens_masked_ids=row.get("min_tokens_masked_ids", []),
+            logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in row.get("logit_bias", {}).items()],
+            bad_words=[worker_pb2.BadWord(token_ids=w) for w in row.get("bad_words", [])],
+            num_logprobs=row.get("logprobs", -1), num_prompt_logprobs=-1,
+        )
+        indices.append(batch.add(worker_pb2.NewRequest(
+            request_id=f"r{i}", token_ids=prompt + output, sampling=sampling, num_prompt_tokens=len(prompt))))
+    return batch, np.asarray(indices, dtype=np.int64)
+
+
+def _processed(rows: list[dict], logits: torch.Tensor) -> torch.Tensor:
+    batch, indices = _batch(rows)
+    tensors = build_sampling_tensors(batch, indices, logits.shape[-1], "cpu")
+    return apply_adjustments(logits, tensors.adjustments)
+
+
+def _random_tokens(generator: torch.Generator, length: int) -> list[int]:
+    return torch.randint(0, VOCAB, (length,), generator=generator).tolist()
+
+
+def test_repetition_penalty_equals_transformers_over_prompt_and_output():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, VOCAB, generator=generator) * 3
+    rows = [dict(prompt=_random_tokens(generator, 10), output=_random_tokens(generator, n), repetition_penalty=p)
+            for n, p in [(0, 1.3), (5, 1.3), (12, 0.7), (3, 2.0), (1, 1.05), (7, 1.0)]]
+    processed = _processed(rows, logits)
+    for i, row in enumerate(rows):
+        input_ids = torch.tensor([row["prompt"] + row["output"]])
+        expected = RepetitionPenaltyLogitsProcessor(row["repetition_penalty"])(input_ids, logits[i : i + 1].clone())
+        torch.testing.assert_close(processed[i], expected[0], rtol=0, atol=1e-6)
+    assert not torch.equal(processed[:5], logits[:5]), "the penalty changed the logits"
+
+
+def test_frequency_and_presence_penalties_follow_openai_over_output_tokens_only():
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, VOCAB, generator=generator)
+    rows = [dict(prompt=_random_tokens(generator, 8), output=_random_tokens(generator, 20), frequency_penalty=f,
+                 presence_penalty=p) for f, p in [(0.5, 0.0), (0.0, 1.5), (-0.4, 0.8), (2.0, -2.0)]]
+    processed = _processed(rows, logits)
+    for i, row in enumerate(rows):
+        expected = logits[i].clone()
+        for token, count in Counter(row["output"]).items():  # prompt tokens are not penalized
+            expected[token] -= row["frequency_penalty"] * count + row["presence_penalty"]
+        torch.testing.assert_close(processed[i], expected, rtol=0, atol=1e-5)
+
+
+def test_all_three_penalties_together_equal_transformers_then_openai():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, VOCAB, generator=generator) * 2
+    row = dict(prompt=_random_tokens(generator, 6), output=_random_tokens(generator, 9), repetition_penalty=1.5,
+               frequency_penalty=0.3, presence_penalty=0.2)
+    expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([row["prompt"] + row["output"]]), logits.clone())[0]
+    for token, count in Counter(row["output"]).items():
+        expected[token] -= 0.3 * count + 0.2
+    torch.testing.assert_close(_processed([row], logits)[0], expected, rtol=0, atol=1e-5)
+
+
+def test_logit_bias_adds_to_its_tokens_and_moves_the_greedy_choice():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 10] = 5.0
+    rows = [dict(logit_bias={3: 6.0, 10: -1.0}), dict()]
+    processed = _processed(rows, logits)
+    expected = logits.clone()
+    expected[0, 3] += 6.0
+    expected[0, 10] -= 1.0
+    torch.testing.assert_close(processed, expected)
+    batch, indices = _batch(rows)
+    assert sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids.tolist() == [3, 10]
+
+
+def test_min_tokens_masks_stop_ids_until_reached_then_frees_them():
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 7] = 30.0  # the "EOS" would win every draw
+    logits[:, 8] = 29.0  # a stop token id too
+    common = dict(min_tokens=3, min_tokens_masked_ids=[7, 8], temperature=1.0)
+    rows = [dict(output=[], **common), dict(output=[4, 5], **common), dict(output=[4, 5, 6], **common)]
+    processed = _processed(rows, logits)
+    assert torch.isinf(processed[:2, [7, 8]]).all() and (processed[:2, [7, 8]] < 0).all()
+    assert torch.equal(processed[2], logits[2]), "min_tokens reached: nothing masked"
+    batch, indices = _batch(rows)
+    token_ids = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids.tolist()
+    assert token_ids[0] not in (7, 8) and token_ids[1] not in (7, 8) and token_ids[2] == 7
+
+
+def test_bad_words_equal_transformers_no_bad_words_over_the_output():
+    generator = torch.Generator().manual_seed(3)
+    bad_words = [[5], [9, 11], [20, 21, 22], [30, 31]]
+    outputs = [[], [9], [1, 20, 21], [20, 21, 4], [30], [2, 9, 30]]
+    logits = torch.randn(len(outputs), VOCAB, generator=generator)
+    rows = [dict(output=output, bad_words=bad_words) for output in outputs]
+    processed = _processed(rows, logits)
+    for i, output in enumerate(outputs):
+        # transformers looks at the whole sequence; vLLM (and we) at the output only: give it the output.
+        processor = NoBadWordsLogitsProcessor(bad_words, eos_token_id=None)
+        expected = processor(torch.tensor([[0] + output]), logits[i : i + 1].clone())[0]
+        assert torch.equal(torch.isinf(processed[i]), torch.isinf(expected)), f"row {i}"
+        assert torch.equal(processed[i][~torch.isinf(expected)], logits[i][~torch.isinf(expected)])
+    assert torch.isinf(processed[1, 11]) and not torch.isinf(processed[0, 11])
+
+
+def test_min_p_never_samples_below_its_threshold_and_keeps_the_rest_in_proportion():
+    num_draws = 6000
+    logits = torch.linspace(4.0, -4.0, VOCAB).unsqueeze(0).expand(num_draws, VOCAB).contiguous()
+    min_p, temperature = 0.1, 1.5
+    rows = [dict(temperature=temperature, min_p=min_p, seed=1000 + i) for i in range(num_draws)]
+    batch, indices = _batch(rows)
+    drawn = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids
+    probs = torch.softmax(logits[0] / temperature, dim=-1)
+    kept = probs >= min_p * probs.max()
+    assert kept.sum() < VOCAB // 2, "the threshold really cuts"
+    assert kept[drawn].all(), "no draw below min_p x the best probability"
+    # The kept tokens keep their relative probabilities, as transformers' MinPLogitsWarper computes them.
+    warped = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), (logits[:1] / temperature).clone())
+    expected = torch.softmax(warped[0], dim=-1)
+    frequencies = torch.bincount(drawn, minlength=VOCAB).float() / num_draws
+    assert (frequencies - expected).abs().max() < 0.025
+    unmasked = sample(logits, build_sampling_tensors(*_batch([dict(r, min_p=0.0) for r in rows]), VOCAB, "cpu"))
+    assert not kept[unmasked.token_ids].all(), "without min_p some draws fall below the threshold"
+
+
+def test_ranks_and_top_logprobs_equal_log_softmax_of_the_raw_logits():
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, VOCAB, generator=generator) * 2
+    logits[4, 10] = logits[4, 11] = logits[4].max() + 1  # a tie at the top
+    rows = [dict(logprobs=k, temperature=t, seed=i, presence_penalty=0.5, output=[int(logits[i].argmax())])
+            for i, (k, t) in enumerate([(0, 0.0), (3, 1.0), (5, 0.7), (1, 1.0), (2, 0.0)])]
+    batch, indices = _batch(rows)
+    out = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu"))
+    reference = torch.log_softmax(logits, dim=-1)
+    chosen = reference.gather(-1, out.token_ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, chosen)
+    assert out.ranks.tolist() == (1 + (reference > chosen.unsqueeze(-1)).sum(-1)).tolist()
+    assert out.top_ids.shape == (5, 5)
+    top = torch.topk(reference, 5, dim=-1)
+    torch.testing.assert_close(out.top_logprobs, top.values)
+    assert set(out.top_ids[4, :2].tolist()) == {10, 11}
+    # The penalty moved greedy row 0 off the raw argmax; its rank is still that of the raw logits.
+    assert out.ranks[0] > 1 or out.token_ids[0] == logits[0].argmax()
+
+
+def test_no_adjustments_and_no_top_logprobs_when_no_row_asks():
+    batch, indices = _batch([dict(), dict(temperature=1.0)])
+    tensors = build_sampling_tensors(batch, indices, VOCAB, "cpu")
+    assert tensors.adjustments is None and tensors.num_top_logprobs == -1 and not tensors.uses_min_p
+    out = sample(torch.randn(2, VOCAB), tensors)
+    assert out.ranks is None and out.top_ids is None
+
+
+@pytest.mark.parametrize("penalty", [dict(frequency_penalty=1.0), dict(repetition_penalty=1.2)])
+def test_a_penalized_seeded_row_draws_the_same_token_whatever_rows_surround_it(penalty):
+    generator = torch.Generator().manual_seed(5)
+    probe = dict(prompt=[4, 5, 6], output=[7, 7, 8], temperature=1.0, seed=99, **penalty)
+    probe_logits = torch.randn(1, VOCAB, generator=generator)
+    alone = sample(probe_logits, build_sampling_tensors(*_batch([probe]), VOCAB, "cpu")).token_ids[0]
+    fillers = [dict(output=_random_tokens(generator, 30), temperature=1.0, seed=i, presence_penalty=0.5)
+               for i in range(7)]
+    rows = fillers[:3] + [probe] + fillers[3:]
+    logits = torch.randn(8, VOCAB, generator=generator)
+    logits[3] = probe_logits[0]
+    batch, indices = _batch(rows)
+    assert sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids[3] == alone
