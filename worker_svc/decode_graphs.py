@@ -107,6 +107,6 @@ def take_pending_tokens(input_ids: torch.Tensor, inputs: StepInputs, previous_sa
     if previous_sampled is None:
         raise RuntimeError("a step has pending input tokens but no step is in flight")
     device = input_ids.device
-    indices = to_device(inputs.pending_input_indices, torch.long, device)
-    sources = to_device(inputs.pending_sources, torch.long, device)
+    indices = to_device(inputs.pending_input_indices, device, torch.long)
+    sources = to_device(inputs.pending_sources, device, torch.long)
     input_ids[indices] = previous_sampled[sources].to(input_ids.dtype)

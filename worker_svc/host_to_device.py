@@ -13,11 +13,14 @@ import numpy as np
 import torch
 
 
-def to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+def to_device(host: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array or CPU tensor on `device` (as `dtype`), without waiting for the GPU."""
+    tensor = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    if dtype is not None:
+        tensor = tensor.to(dtype)
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def copy_into(target: torch.Tensor, array: np.ndarray) -> None:

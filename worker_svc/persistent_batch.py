@@ -100,6 +100,11 @@ class PersistentBatch:
     def request_id_of(self, row: int) -> str:
         return self._request_of_row[row]
 
+    def reads_history(self, row: int) -> bool:
+        """Whether sampling this row reads its earlier tokens on the host (penalties, sparse masks)."""
+        return bool(self.has_sparse[row] or self.presence_penalty[row] or self.frequency_penalty[row]
+                    or self.repetition_penalty[row] != 1.0)
+
     def remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_svc.host_to_device import to_device
 from worker_svc.logits_processors import LogitsAdjustments, apply_adjustments
 
 # Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): dividing by them would overflow.
@@ -109,16 +110,17 @@ class SamplingTensors:
         all_greedy = bool((host_temperature < GREEDY_TEMPERATURE).all())
         uses_top_k_top_p = bool(((host_top_k > 0) | (host_top_p < 1.0)).any())
         uses_min_p = host_min_p is not None and bool((host_min_p > 0).any())
+        device = torch.device(device)
         return cls(
-            min_p=host_min_p.to(device) if uses_min_p else None,
+            min_p=to_device(host_min_p, device) if uses_min_p else None,
             uses_min_p=uses_min_p,
             adjustments=adjustments,
             num_top_logprobs=num_top_logprobs,
-            temperature=host_temperature.to(device),
-            top_p=host_top_p.to(device),
-            top_k=host_top_k.to(device),
-            seed=torch.as_tensor(seed, dtype=torch.int64).to(device),
-            position=torch.as_tensor(position, dtype=torch.int64).to(device),
+            temperature=to_device(host_temperature, device),
+            top_p=to_device(host_top_p, device),
+            top_k=to_device(host_top_k, device),
+            seed=to_device(torch.as_tensor(seed, dtype=torch.int64), device),
+            position=to_device(torch.as_tensor(position, dtype=torch.int64), device),
             all_greedy=all_greedy,
             uses_top_k_top_p=uses_top_k_top_p,
         )
@@ -165,6 +167,13 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, *, noise_fn: NoiseFn 
     """
     if logits.dim() != 2 or logits.shape[0] != tensors.num_rows:
         raise ValueError(f"logits must be [{tensors.num_rows}, V], got {list(logits.shape)}")
+    if tensors.all_greedy and tensors.adjustments is None and tensors.num_top_logprobs < 0 and logits.is_cuda:
+        # One pass over the logits for argmax and logprob (kernels/triton_greedy_sample.py), instead of a
+        # cast, an argmax and a multi-pass logsumexp: about 0.06 ms instead of 0.5 at [256, 152k] on an H200.
+        from kernels.triton_greedy_sample import greedy_sample
+
+        token_ids, logprobs = greedy_sample(logits)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
     processed = apply_adjustments(logits, tensors.adjustments)
     greedy_ids = processed.argmax(dim=-1)
     if tensors.all_greedy:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker_svc.host_to_device import to_device
 from worker_svc.logits_processors import LogitsAdjustments, PenaltyTensors, SparseLogits, token_counts
 from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.sampler import SamplingTensors
@@ -103,4 +104,4 @@ def _banned_last_tokens(batch: PersistentBatch, row: int) -> np.ndarray:
 
 
 def _to(array: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
+    return to_device(array, torch.device(device), dtype)

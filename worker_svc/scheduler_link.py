@@ -58,6 +58,16 @@ class SchedulerLink:
             raise item
         return item
 
+    def poll(self, timeout: float) -> worker_pb2.SchedulerToWorker | None:
+        """The next scheduler message if one arrives within `timeout` seconds, else None."""
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, SchedulerLost):
+            raise item
+        return item
+
     def close(self) -> None:
         """Flushes what was sent (up to a second) and stops the IO thread."""
         self._pipe.send(_STOP)

@@ -9,6 +9,7 @@ scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,18 +20,22 @@ from pagedserve.step_timer import StepTimer
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
 from worker_svc.config import GIB, WorkerConfig
-from worker_svc.decode_graphs import DecodeGraphs
+from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
-from worker_svc.persistent_batch import PersistentBatch
+from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.prompt_logprobs import prompt_logprobs
 from worker_svc.sampler import SamplerOutput, gumbel_noise, sample
 from worker_svc.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
 logger = logging.getLogger(__name__)
+
+# How often the worker looks for the next plan while a step runs on the GPU.
+_POLL_S = 0.0002
 
 
 class InjectedFault(RuntimeError):
@@ -76,6 +81,18 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        """Runs one step and returns its result (`launch`, then `finish`)."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: worker_pb2.StepPlan, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Applies a plan to the rows and queues the step's work on the device without waiting for it.
+
+        `previous`, a step launched and not finished yet: the GPU runs the two back to back, and this step's
+        inputs that are tokens `previous` samples are taken from its sampled ids on the device (the rows hold
+        them as PENDING_TOKEN until `finish(previous)`). The caller finishes `previous` first when
+        `can_overlap(plan)` is False.
+        """
         batch, kv_cache, timer = self.batch, self.kv_cache, self.step_timer
         timer.start_step()
         for request_id in plan.finished_request_ids:
@@ -87,9 +104,9 @@ class Worker:
         kv_cache.copy([(m.src, m.dst) for m in plan.copy])
         rows = [batch.add(new) for new in plan.new_requests]
         rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
-        result = worker_pb2.StepResult(step_id=plan.step_id)
+        step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id))
         if not rows:
-            return result
+            return step
         num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
         num_scheduled += [s.num_scheduled_tokens for s in plan.scheduled_requests]
         rows_array, scheduled_array = np.asarray(rows, dtype=np.int64), np.asarray(num_scheduled, dtype=np.int64)
@@ -97,24 +114,53 @@ class Worker:
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         timer.mark("prepare")
-        hidden = self._forward(inputs)
+        hidden = self._forward(inputs, previous.sampled_ids if previous is not None else None)
         logits = self._logits(hidden, inputs)
         timer.mark("forward_launch")
         if (batch.num_prompt_logprobs[inputs.rows] >= 0).any():
-            result.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden, batch, inputs))
+            step.result.prompt_logprobs.extend(prompt_logprobs(self.model.compute_logits, hidden, batch, inputs))
         is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
-        sampled_rows = inputs.sample_rows[~is_beam]
-        sampled = self._sample(logits, np.flatnonzero(~is_beam), sampled_rows)
-        timer.mark("sample_and_copy")
-        batch.commit(inputs, sampled_rows, sampled[:, 0].astype(np.int64))
-        result.sampled.extend(self._sampled_tokens(sampled_rows, sampled))
+        step.sampled_rows = inputs.sample_rows[~is_beam]
+        if len(step.sampled_rows):
+            # Who sampled, as of now: a row may be handed to another request before the step finishes.
+            step.request_ids = [batch.request_id_of(row) for row in step.sampled_rows.tolist()]
+            step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
+            self._sample(logits, np.flatnonzero(~is_beam), step)
+            step.pending = batch.begin_step(inputs, step.sampled_rows)
+        else:
+            batch.begin_step(inputs, step.sampled_rows)
         if is_beam.any():
-            result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
-                                                                inputs.sample_rows[is_beam]))
-        timer.mark("result")
-        return result
+            step.result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
+                                                                     inputs.sample_rows[is_beam]))
+        timer.mark("sample_launch")
+        return step
 
-    def _forward(self, inputs) -> torch.Tensor:
+    def finish(self, step: LaunchedStep) -> worker_pb2.StepResult:
+        """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
+        timer = self.step_timer
+        timer.resume()
+        if step.pending is not None:
+            if step.copied is not None:
+                step.copied.synchronize()
+            sampled = step.host_sampled.numpy()
+            self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
+            timer.mark("wait_for_gpu")
+            step.result.sampled.extend(self._sampled_tokens(step, sampled))
+        timer.mark("result")
+        return step.result
+
+    def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
+        """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
+        its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
+        token in flight is not there yet."""
+        batch = self.batch
+        for scheduled in plan.scheduled_requests:
+            row = batch.row_of(scheduled.request_id)
+            if batch.reads_history(row):
+                return False
+        return True
+
+    def _forward(self, inputs, previous_sampled: torch.Tensor | None) -> torch.Tensor:
         """Runs the model over every scheduled token; returns the hidden states, one row per token."""
         device, batch = self.device, self.batch
         self.num_forward_passes += 1
@@ -122,7 +168,7 @@ class Worker:
             raise InjectedFault(f"forward pass {self.num_forward_passes} failed on purpose (--fail-at-step)")
         bucket = self.decode_graphs.bucket_for(inputs) if self.decode_graphs is not None else None
         if bucket is not None:
-            hidden = self.decode_graphs.run(inputs, bucket)
+            hidden = self.decode_graphs.run(inputs, bucket, previous_sampled)
         else:
             metadata = AttentionMetadata(
                 slot_mapping=_to_device(inputs.slot_mapping, torch.long, device),
@@ -132,8 +178,11 @@ class Worker:
                 block_size=batch.block_size,
                 num_decode_seqs=inputs.num_decode_seqs,
             )
-            hidden = self.model(_to_device(inputs.input_ids, torch.long, device),
-                                _to_device(inputs.positions, torch.long, device), self.kv_cache.layers, metadata)
+            input_ids = _to_device(inputs.input_ids, torch.long, device)
+            if len(inputs.pending_input_indices):
+                take_pending_tokens(input_ids, inputs, previous_sampled)
+            hidden = self.model(input_ids, _to_device(inputs.positions, torch.long, device), self.kv_cache.layers,
+                                metadata)
         return hidden
 
     def _logits(self, hidden: torch.Tensor, inputs) -> torch.Tensor | None:
@@ -142,24 +191,29 @@ class Worker:
             return None
         return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, self.device)])
 
-    def _sample(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Samples `rows`; returns float64 [S, 3 + 2K] host rows (see `pack_sampler_output`)."""
-        if len(rows) == 0:
-            return np.zeros((0, 3), dtype=np.float64)
+    def _sample(self, logits, logits_rows: np.ndarray, step: LaunchedStep) -> None:
+        """Samples the step's sampled rows on the device and starts the step's one device-to-host copy: ids,
+        logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
-        tensors = build_sampling_tensors(self.batch, rows, logits.shape[-1], self.device)
-        # One device-to-host copy per step: ids, logprobs and any ranks and top-k travel together.
-        return pack_sampler_output(sample(logits, tensors, noise_fn=self.noise_fn)).cpu().numpy()
+        tensors = build_sampling_tensors(self.batch, step.sampled_rows, logits.shape[-1], self.device)
+        out = sample(logits, tensors, noise_fn=self.noise_fn)
+        step.sampled_ids = out.token_ids
+        packed = pack_sampler_output(out)
+        if self.device.type == "cuda":
+            step.host_sampled = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            step.host_sampled.copy_(packed, non_blocking=True)
+            step.copied = torch.cuda.Event()
+            step.copied.record()
+        else:
+            step.host_sampled = packed
 
-    def _sampled_tokens(self, rows: np.ndarray, sampled: np.ndarray) -> list[worker_pb2.SampledToken]:
-        batch = self.batch
+    @staticmethod
+    def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> list[worker_pb2.SampledToken]:
         k = (sampled.shape[1] - 3) // 2
         tokens = []
-        for row, line in zip(rows.tolist(), sampled):
-            token = worker_pb2.SampledToken(request_id=batch.request_id_of(row), token_id=int(line[0]),
-                                            logprob=line[1])
-            row_k = int(batch.num_logprobs[row])
+        for request_id, row_k, line in zip(step.request_ids, step.num_logprobs.tolist(), sampled):
+            token = worker_pb2.SampledToken(request_id=request_id, token_id=int(line[0]), logprob=line[1])
             if row_k >= 0:
                 token.rank = int(line[2])
                 token.top.extend(worker_pb2.TokenCandidate(token_id=int(t), logprob=v)
@@ -196,7 +250,27 @@ def pack_sampler_output(out: SamplerOutput) -> torch.Tensor:
 
 
 def _to_device(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
+    return to_device(array, device, dtype)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens have not been read back (see `Worker.launch`).
+
+    Why a record rather than a blocking call: the worker launches step N+1 before it waits for step N, so
+    the GPU always has the next step queued while the host reads results and builds inputs. It holds what
+    `finish` needs: the result built so far, the rows that sample, their pending tokens in the batch, the
+    sampled ids on the device (inputs of the next step), and the pinned host copy with its event.
+    """
+
+    result: worker_pb2.StepResult
+    sampled_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    request_ids: list[str] = field(default_factory=list)  # of sampled_rows, at launch
+    num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    pending: PendingTokens | None = None
+    sampled_ids: torch.Tensor | None = None
+    host_sampled: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 def run_worker(config: WorkerConfig) -> int:
@@ -213,15 +287,28 @@ def run_worker(config: WorkerConfig) -> int:
     )
     link.send(worker_pb2.WorkerToScheduler(hello=hello))
     step_id = 0
+    in_flight: LaunchedStep | None = None  # launched, result not sent yet
     try:
         while True:
-            message = link.receive()
+            message = link.receive() if in_flight is None else _next_plan_or_done(link, in_flight)
+            if message is None:  # the step in flight is done and no plan is waiting
+                link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                in_flight = None
+                continue
             kind = message.WhichOneof("kind")
+            if in_flight is not None and (kind != "plan" or not worker.can_overlap(message.plan)):
+                link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                in_flight = None
             if kind == "setup":
                 link.send(worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
             elif kind == "plan":
+                # With the scheduler planning ahead, the next plan usually waits here while the GPU still
+                # runs the previous step: launch it behind that step, then send the previous result.
                 step_id = message.plan.step_id
-                link.send(worker_pb2.WorkerToScheduler(result=worker.execute(message.plan)))
+                launched = worker.launch(message.plan, previous=in_flight)
+                if in_flight is not None:
+                    link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                in_flight = launched
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s", config.rank, worker.step_timer.summary())
                 return 0
@@ -235,3 +322,13 @@ def run_worker(config: WorkerConfig) -> int:
         return 1
     finally:
         link.close()
+
+
+def _next_plan_or_done(link: SchedulerLink, step: LaunchedStep) -> worker_pb2.SchedulerToWorker | None:
+    """The next scheduler message, or None once `step`'s results are on the host with none waiting."""
+    while True:
+        message = link.poll(_POLL_S)
+        if message is not None:
+            return message
+        if step.copied is None or step.copied.query():
+            return None
