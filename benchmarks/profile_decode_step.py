@@ -24,9 +24,11 @@ from worker_svc.worker import Worker  # noqa: E402
 
 
 def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
-                     spread: bool = False):
+                     spread: bool = False, overlap: bool = False):
     """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
-    tokens, prefilled; returns a function that runs one decode step over all of them."""
+    tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
+    call launches a step and then finishes the previous one, as the serving loop does with the scheduler
+    planning ahead (call `torch.cuda.synchronize()` after the last)."""
     model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
     worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
                                  load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
@@ -38,19 +40,27 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
     for i in range(batch):
         plan.new_requests.append(worker_pb2.NewRequest(
             request_id=f"r{i}", token_ids=[(i * 7 + j) % 1000 + 3 for j in range(prompt)],
-            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i),
+            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i, num_logprobs=-1,
+                                                     num_prompt_logprobs=-1),
             block_ids=[(b * batch + i) if spread else i * blocks_per_request + b for b in range(blocks_per_request)],
             num_computed_tokens=0, num_scheduled_tokens=prompt))
     worker.execute(plan)  # prefill all at once
     step = 1
+    in_flight = None
 
     def decode_step():
-        nonlocal step
+        nonlocal step, in_flight
         step += 1
         decode = worker_pb2.StepPlan(step_id=step)
         for i in range(batch):
             decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1))
-        worker.execute(decode)
+        if not overlap:
+            worker.execute(decode)
+            return
+        launched = worker.launch(decode, previous=in_flight)
+        if in_flight is not None:
+            worker.finish(in_flight)
+        in_flight = launched
 
     return decode_step
 
@@ -63,9 +73,10 @@ def main() -> int:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: 48 per request")
     parser.add_argument("--spread", action="store_true", help="spread each request's blocks over the pool")
+    parser.add_argument("--overlap", action="store_true", help="launch each step before finishing the previous")
     args = parser.parse_args()
     decode_step = prefilled_worker(args.shape, args.batch, args.prompt, cuda_graphs=not args.no_cuda_graphs,
-                                   num_kv_blocks=args.num_kv_blocks, spread=args.spread)
+                                   num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap)
     for _ in range(5):
         decode_step()
     torch.cuda.synchronize()
@@ -73,7 +84,8 @@ def main() -> int:
     for _ in range(20):
         decode_step()
     torch.cuda.synchronize()
-    print(f"decode step wall: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms at batch {args.batch}")
+    print(f"decode step wall: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms at batch {args.batch}"
+          f"{' (overlapped)' if args.overlap else ''}")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(5):
