@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
@@ -30,14 +31,26 @@ class AsyncClient:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | str | None = None,
+    ) -> None:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError("create an AsyncClient inside a running event loop (in an async function)") from None
         self.target = target
         self._timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key)
+        credentials = channel_credentials(root_certificates)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -106,7 +119,7 @@ class AsyncClient:
         await self.close()
 
     async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
-        call = self._generation.Generate(request, timeout=self._timeout)
+        call = self._generation.Generate(request, timeout=self._timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield GenerateChunk.from_response(response)
@@ -117,6 +130,6 @@ class AsyncClient:
 
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
         try:
-            return await method(request, timeout=self._timeout)
+            return await method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error

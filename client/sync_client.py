@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
@@ -23,7 +24,8 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
 class Client:
     """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream included; None
-    means no deadline.
+    means no deadline. `api_key`: the server's --api-key, sent as `authorization: Bearer` metadata.
+    `root_certificates`: PEM bytes or a PEM file path to trust; set, the channel uses TLS.
 
         with Client("127.0.0.1:50051") as client:
             client.wait_ready()
@@ -31,10 +33,22 @@ class Client:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float | None = None,
+        api_key: str | None = None,
+        root_certificates: bytes | str | None = None,
+    ) -> None:
         self.target = target
         self._timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key)
+        credentials = channel_credentials(root_certificates)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -102,7 +116,7 @@ class Client:
         self.close()
 
     def _stream(self, request: generate_pb2.GenerateRequest) -> Generator[GenerateChunk, None, None]:
-        call = self._generation.Generate(request, timeout=self._timeout)
+        call = self._generation.Generate(request, timeout=self._timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield GenerateChunk.from_response(response)
@@ -113,6 +127,6 @@ class Client:
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request):
         try:
-            return method(request, timeout=self._timeout)
+            return method(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error) from error

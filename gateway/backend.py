@@ -23,7 +23,8 @@ class Backend:
         self._client: AsyncClient | None = None
 
     async def open(self) -> None:
-        self._client = AsyncClient(self._config.grpc_target)
+        config = self._config
+        self._client = AsyncClient(config.grpc_target, api_key=config.grpc_api_key, root_certificates=config.grpc_root_cert)
 
     async def close(self) -> None:
         if self._client is not None:
