@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
+from client.channel import channel_credentials
 from pagedserve.health_probe import http_ok
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +35,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, http_port: int | None = None):
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, http_port: int | None = None,
+                 client_options: dict | None = None):
         self.process = process
+        # Client keywords the server's access flags need (api_key, root_certificates).
+        self.client_options = client_options or {}
         self.port = port
         self.target = f"127.0.0.1:{port}"
         self.log_path = log_path
@@ -43,8 +47,8 @@ class ServerProcess:
         # The gateway's root URL (OpenAI clients take base_url = this + "/v1"); None without a gateway.
         self.http_url = None if http_port is None else f"http://127.0.0.1:{http_port}"
 
-    def client(self) -> Client:
-        return Client(self.target)
+    def client(self, **options) -> Client:
+        return Client(self.target, **{**self.client_options, **options})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -65,7 +69,9 @@ class ServerProcess:
 
 def _wait_serving(server: ServerProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(server.target) as channel:
+    credentials = channel_credentials(server.client_options.get("root_certificates"))
+    channel = grpc.insecure_channel(server.target) if credentials is None else grpc.secure_channel(server.target, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
@@ -100,9 +106,11 @@ def _descendants(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
+def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0,
+                   client_options: dict | None = None):
     """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after.
-    `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too."""
+    `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too.
+    `client_options`: what a Client needs to get in (api_key, root_certificates) when ARGS guard the server."""
     port = free_port()
     http_port = free_port() if http else None
     http_args = ["--http-port", str(http_port)] if http else ["--no-http"]
@@ -112,7 +120,7 @@ def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout:
             [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *http_args, *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(process, port, log_path, http_port)
+    server = ServerProcess(process, port, log_path, http_port, client_options)
     try:
         _wait_serving(server, ready_timeout)
         children = _descendants(process.pid)
