@@ -60,7 +60,13 @@ def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimi
             "(--max-stop-string-length)")
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise RequestLimitError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
-    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):  # the fields some API versions carry
+    check_logprobs(sampling, limits)
+
+
+def check_logprobs(sampling, limits: RequestLimits) -> None:
+    """Bounds the logprobs counts a request asks for, in whichever of these fields its API version carries
+    (the v1 wire has none yet: every returned token carries its own logprob only)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         requested = getattr(sampling, name, 0)
         if isinstance(requested, int) and requested > limits.max_logprobs:
             raise RequestLimitError(f"sampling.{name}", f"at most {limits.max_logprobs} (--max-logprobs)")
