@@ -1,11 +1,12 @@
 """The public gRPC API (pagedserve.v1.Generation) of the scheduler service.
 
-Handlers are thin: validate (refusing bad input with INVALID_ARGUMENT naming the field), refuse with
-RESOURCE_EXHAUSTED when `max_queued_requests` requests already wait for a first step (before any token, so
-the client may retry elsewhere or later), submit to the engine, and relay the engine's deltas as stream
-messages. Request bytes that do not parse (not protobuf, or a string field that is not UTF-8) get
-INVALID_ARGUMENT from the handler, not INTERNAL from gRPC's deserializer (`add_generation_service`). A stream that ends early for any reason (client
-cancel, disconnect, deadline) aborts its request in the engine, which frees its blocks.
+Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
+step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
+(refusing bad input with INVALID_ARGUMENT naming the field), submit to the engine, and relay the engine's
+deltas as stream messages. Request bytes that do not parse (not protobuf, or a string field that is not
+UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
+A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
+engine, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
-SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Serv
     """Registers the Generation service like the generated `add_GenerationServicer_to_server`, but with
     request decoders that never raise: a malformed request reaches its handler as a `MalformedRequest`."""
     handlers = {}
-    for method in generate_pb2.DESCRIPTOR.services_by_name["Generation"].methods:
+    for method in _SERVICE.methods:
         request_class = getattr(generate_pb2, method.input_type.name)
         response_class = getattr(generate_pb2, method.output_type.name)
-        make_handler = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                        else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = make_handler(getattr(servicer, method.name), request_deserializer=_decoder(request_class),
                                              response_serializer=response_class.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -101,6 +104,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal)
         if len(request.request_id) > _MAX_REQUEST_ID_LENGTH:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {_MAX_REQUEST_ID_LENGTH} characters")
+        if model.max_queued_requests is not None and engine.num_queued() >= model.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{model.max_queued_requests} sequences are already queued; retry later")
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
@@ -108,9 +114,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if model.max_queued_requests is not None and engine.num_queued() >= model.max_queued_requests:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{model.max_queued_requests} requests are already queued; retry later")
         queue = engine.submit(request_id, validated, request.priority)
         ended = False
         try:

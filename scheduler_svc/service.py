@@ -19,11 +19,11 @@ from grpc_health.v1._async import HealthServicer
 
 from pagedserve.model_source import resolve_model
 from protos.pagedserve.v1 import worker_pb2
+from scheduler_svc.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.plan_log import PlanLogWriter
-from scheduler_svc.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
 from scheduler_svc.request_limits import RequestLimits
 from scheduler_svc.request_validation import ServingLimits
@@ -54,8 +54,9 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     else:
         server.add_insecure_port(address)
     await server.start()
-    logger.info("gRPC listening on %s%s%s; waiting for %d worker(s) on %s", address, " (TLS)" if config.tls_cert_file else "",
-                " (API key required)" if config.api_key else "", config.num_workers, config.worker_address)
+    logger.info("gRPC listening on %s%s%s; waiting for %d worker(s) on %s", address,
+                " (TLS)" if config.tls_cert_file else "", " (API key required)" if config.api_key else "",
+                config.num_workers, config.worker_address)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

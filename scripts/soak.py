@@ -160,9 +160,12 @@ def own_server(args: argparse.Namespace):
             [sys.executable, "-m", "pagedserve", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
              "--no-http", "--max-model-len", "256", "--num-kv-blocks", str(args.num_kv_blocks), "--swap-space", "0.01",
              "--preemption-mode", args.preemption_mode],
-            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+            stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+            start_new_session=True)  # a Ctrl-C meant for the soak reaches the server through `finally` only
         try:
             yield f"127.0.0.1:{port}"
+            if server.poll() is not None:
+                raise SystemExit(f"the server exited during the soak with code {server.returncode}")
         finally:
             server.terminate()
             try:
