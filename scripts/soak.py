@@ -164,16 +164,17 @@ def own_server(args: argparse.Namespace):
             start_new_session=True)  # a Ctrl-C meant for the soak reaches the server through `finally` only
         try:
             yield f"127.0.0.1:{port}"
-            if server.poll() is not None:
-                raise SystemExit(f"the server exited during the soak with code {server.returncode}")
         finally:
+            exited_early = server.poll() is not None
             server.terminate()
             try:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 server.kill()
             log.close()
-            if server.returncode not in (0, None):
+            if exited_early or server.returncode not in (0, None):
+                sys.stderr.write(f"the server exited {'during the soak ' if exited_early else ''}with code "
+                                 f"{server.returncode}; its log ends:\n")
                 sys.stderr.write((Path(scratch) / "server.log").read_text(errors="replace")[-4000:])
 
 
