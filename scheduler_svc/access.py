@@ -34,8 +34,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def _authorized(self, metadata) -> bool:
         presented = b""
         for key, value in metadata:
-            if key == "authorization" and value.startswith("Bearer "):
-                presented = value.removeprefix("Bearer ").encode()
+            if key == "authorization" and value[:7].lower() == "bearer ":  # the scheme is case-insensitive
+                presented = value[7:].encode()
             elif key == "x-api-key":
                 presented = value.encode() if isinstance(value, str) else value
         return hmac.compare_digest(presented, self._expected)

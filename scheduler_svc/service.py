@@ -44,7 +44,9 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     servicer = GenerationServicer(tokenizer)
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
-        options=[("grpc.max_receive_message_length", config.max_message_bytes)],
+        # so_reuseport off: a second server started on a port in use fails to bind instead of silently
+        # sharing it (the kernel would then hand this server's clients to the other one).
+        options=[("grpc.max_receive_message_length", config.max_message_bytes), ("grpc.so_reuseport", 0)],
     )
     add_generation_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 import subprocess
+import sys
 
 import grpc
 import pytest
@@ -16,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from client import Client, PagedServeError
 from client.channel import channel_credentials
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
-from tests.server_harness import http_json, running_server
+from tests.server_harness import REPO_ROOT, http_json, running_server
 from tests.tiny_models import make_tiny_model
 
 API_KEY = "s3cret-key"
@@ -39,9 +40,13 @@ def certificate(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, certificate):
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, certificate, model):
     cert, key = certificate
-    model = make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=5)
     with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-model-len", "128",
                         "--api-key", API_KEY, "--tls-cert-file", cert, "--tls-key-file", key, http=True,
                         client_options=dict(api_key=API_KEY, root_certificates=cert)) as running:
@@ -120,3 +125,13 @@ def test_a_default_start_listens_on_loopback_only(server):
     for port in (server.port, server.http_port):
         addresses = _listening_addresses(port)
         assert addresses and all(_is_loopback(address) for address in addresses), (port, addresses)
+
+
+def test_a_second_scheduler_on_a_port_in_use_fails_instead_of_sharing_it(server, model, tmp_path):
+    second = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "scheduler", "--model", str(model), "--port", str(server.port),
+         "--worker-address", f"ipc://{tmp_path}/workers.sock"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert second.returncode != 0
+    assert "bind" in (second.stdout + second.stderr).lower()
