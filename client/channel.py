@@ -22,7 +22,6 @@ CHANNEL_OPTIONS = (
 )
 
 
-
 def channel_credentials(root_certificates: bytes | str | None) -> grpc.ChannelCredentials | None:
     """TLS credentials trusting `root_certificates` (PEM bytes, or a path to a PEM file); None: plaintext."""
     if root_certificates is None:

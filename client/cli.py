@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     parser.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
     parser.add_argument("--api-key", default=None, help="the server's API key (sent as a bearer token)")
-    parser.add_argument("--tls-root-cert", default=None, metavar="PEM", help="connect over TLS, trusting this certificate")
+    parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
+                        help="connect over TLS, trusting this certificate")
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
     parser.add_argument("--max-tokens", type=int, metavar="N")
     parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")

@@ -64,7 +64,8 @@ class LLM:
         )
         self._finalizer = weakref.finalize(self, _stop_server, self._process, self._log, self.log_path)
         # The server's own key and certificate (a self-signed one is its own root) let this object's clients in.
-        self._access = dict(api_key=server_options.get("api_key"), root_certificates=server_options.get("tls_cert_file"))
+        self._access = dict(api_key=server_options.get("api_key"),
+                            root_certificates=server_options.get("tls_cert_file"))
         self._client = Client(self.target, **self._access)
         try:
             self._wait_ready(ready_timeout)

@@ -24,7 +24,8 @@ class Backend:
 
     async def open(self) -> None:
         config = self._config
-        self._client = AsyncClient(config.grpc_target, api_key=config.grpc_api_key, root_certificates=config.grpc_root_cert)
+        self._client = AsyncClient(config.grpc_target, api_key=config.grpc_api_key,
+                                   root_certificates=config.grpc_root_cert)
 
     async def close(self) -> None:
         if self._client is not None:

@@ -45,7 +45,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 def add_gateway_access_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `pagedserve serve` shares with `pagedserve gateway` (it forwards them to its gateway)."""
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key); `serve` also requires it on gRPC calls")
+                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key); "
+                             "`serve` also requires it on gRPC calls")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name the HTTP API lists and accepts (default: the served model's)")
 

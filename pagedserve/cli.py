@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "health":
         from pagedserve.health_probe import grpc_serving, http_ok
 
-        ready = grpc_serving(args.grpc_target, args.timeout, args.tls_root_cert) if args.grpc_target else http_ok(args.http_url, args.timeout)
+        if args.grpc_target:
+            ready = grpc_serving(args.grpc_target, args.timeout, args.tls_root_cert)
+        else:
+            ready = http_ok(args.http_url, args.timeout)
         return 0 if ready else 1
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
     if getattr(args, "exit_with_parent", False):

@@ -67,7 +67,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 print(f"pagedserve: the {name} exited with code {child.returncode}", file=sys.stderr, flush=True)
                 return 1
         if not ready:
-            ready = grpc_serving(target, root_certificates=args.tls_cert_file) and (http_health is None or http_ok(http_health))
+            ready = (grpc_serving(target, root_certificates=args.tls_cert_file)
+                     and (http_health is None or http_ok(http_health)))
             if ready:
                 http = f"; OpenAI API on {http_health.removesuffix('/health')}/v1" if http_health else ""
                 print(f"pagedserve: serving {model_name} on {target}{http}", file=sys.stderr, flush=True)

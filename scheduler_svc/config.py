@@ -67,7 +67,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan-log", default=None, help="append every step plan to this file (replay, tests)")
     parser.add_argument("--max-queued-requests", type=int, default=1024,
                         help="most requests waiting for a first step; more are refused with RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt (default: max model len - 1)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="longest prompt (default: max model len - 1)")
     parser.add_argument("--max-n", type=int, default=64, help="largest n, best_of and beam_width")
     parser.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: any)")
     parser.add_argument("--max-stop-strings", type=int, default=32, help="most stop strings in one request")
@@ -82,7 +83,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
     """`--api-key` of `pagedserve scheduler` (`pagedserve serve` has its own, which guards gRPC and HTTP)."""
     parser.add_argument("--api-key", default=None,
-                        help="require `authorization: Bearer KEY` (or `x-api-key: KEY`) metadata on every RPC but health")
+                        help="require `authorization: Bearer KEY` (or `x-api-key: KEY`) metadata on every RPC "
+                             "but health")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:

@@ -63,7 +63,8 @@ def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Serv
         response_class = getattr(generate_pb2, method.output_type.name)
         make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
                         else grpc.unary_unary_rpc_method_handler)
-        handlers[method.name] = make_handler(getattr(servicer, method.name), request_deserializer=_decoder(request_class),
+        handlers[method.name] = make_handler(getattr(servicer, method.name),
+                                             request_deserializer=_decoder(request_class),
                                              response_serializer=response_class.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 

@@ -134,7 +134,8 @@ def wait_all_free(target: str, timeout: float = 30.0) -> dict:
         while True:
             stats = client.stats()
             idle = stats.num_running + stats.num_waiting + stats.num_swapped == 0
-            free = stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_swap_blocks == stats.num_swap_blocks
+            free = (stats.num_free_kv_blocks == stats.num_kv_blocks
+                    and stats.num_free_swap_blocks == stats.num_swap_blocks)
             if (idle and free) or time.monotonic() > end:
                 return dict(num_kv_blocks=stats.num_kv_blocks, num_free_kv_blocks=stats.num_free_kv_blocks,
                             num_swap_blocks=stats.num_swap_blocks, num_free_swap_blocks=stats.num_free_swap_blocks,

@@ -70,7 +70,10 @@ class ServerProcess:
 def _wait_serving(server: ServerProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     credentials = channel_credentials(server.client_options.get("root_certificates"))
-    channel = grpc.insecure_channel(server.target) if credentials is None else grpc.secure_channel(server.target, credentials)
+    if credentials is None:
+        channel = grpc.insecure_channel(server.target)
+    else:
+        channel = grpc.secure_channel(server.target, credentials)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
