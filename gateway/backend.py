@@ -45,7 +45,7 @@ class Backend:
         """The served model's name and info if `requested` names it (None: whatever is served), else a 404."""
         name, info = await self.served_model()
         if requested is not None and requested not in (name, info.model_name):
-            raise model_not_found(requested, name)
+            raise model_not_found(name)
         return name, info
 
     async def is_ready(self) -> bool:
