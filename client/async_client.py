@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
@@ -32,7 +33,15 @@ class AsyncClient:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, max_retries: int = 3) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        api_key: str | None = None,
+        root_certificates: bytes | str | None = None,
+    ) -> None:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -40,7 +49,12 @@ class AsyncClient:
         self.target = target
         self._timeout = timeout
         self._retry = RetryPolicy(max_retries=max_retries)
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key)
+        credentials = channel_credentials(root_certificates)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -111,7 +125,7 @@ class AsyncClient:
     async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         budget = RetryBudget(self._retry, self._timeout)
         while True:
-            call = self._generation.Generate(request, timeout=budget.attempt_timeout())
+            call = self._generation.Generate(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             received = False
             try:
                 async for response in call:
@@ -131,7 +145,7 @@ class AsyncClient:
         budget = RetryBudget(self._retry, self._timeout)
         while True:
             try:
-                return await method(request, timeout=budget.attempt_timeout())
+                return await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 pause = budget.next_pause(error)

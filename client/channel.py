@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 from grpc_health.v1 import health_pb2
 
 from protos.pagedserve.v1 import generate_pb2
@@ -28,6 +29,22 @@ CHANNEL_OPTIONS = (
     ("grpc.http2.ping_timeout_ms", 10_000),  # what gRPC 1.85 waits for the ping's answer (default 60 s)
     ("grpc.http2.max_pings_without_data", 0),
 )
+
+
+def channel_credentials(root_certificates: bytes | str | None) -> grpc.ChannelCredentials | None:
+    """TLS credentials trusting `root_certificates` (PEM bytes, or a path to a PEM file); None: plaintext."""
+    if root_certificates is None:
+        return None
+    if isinstance(root_certificates, str):
+        with open(root_certificates, "rb") as pem:
+            root_certificates = pem.read()
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+def call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every call but health carries: the server's API key as a bearer token."""
+    return None if api_key is None else (("authorization", f"Bearer {api_key}"),)
+
 
 # The server turns this name SERVING once its workers are loaded and it can generate ("" tells only that the
 # process answers).

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "skip_special_tokens": False if args.keep_special_tokens else None,
         "spaces_between_special_tokens": False if args.no_spaces_between_special_tokens else None,
     }
-    with Client(args.target) as client:
+    with Client(args.target, api_key=args.api_key, root_certificates=args.tls_root_cert) as client:
         try:
             if args.wait is not None:
                 client.wait_ready(timeout=args.wait)
@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     parser.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
+    parser.add_argument("--api-key", default=None, help="the server's API key (sent as a bearer token)")
+    parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
+                        help="connect over TLS, trusting this certificate")
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
     parser.add_argument("--max-tokens", type=int, metavar="N")
     parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")

@@ -63,7 +63,10 @@ class LLM:
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         self._finalizer = weakref.finalize(self, _stop_server, self._process, self._log, self.log_path)
-        self._client = Client(self.target)
+        # The server's own key and certificate (a self-signed one is its own root) let this object's clients in.
+        self._access = dict(api_key=server_options.get("api_key"),
+                            root_certificates=server_options.get("tls_cert_file"))
+        self._client = Client(self.target, **self._access)
         try:
             self._wait_ready(ready_timeout)
             self.model_info = self._client.model_info()
@@ -126,7 +129,7 @@ class LLM:
         from tqdm.auto import tqdm
 
         progress = tqdm(total=len(keyword_sets), desc="Generating", unit="prompt", disable=not use_tqdm)
-        async with AsyncClient(self.target) as client:
+        async with AsyncClient(self.target, **self._access) as client:
 
             async def one(keywords: dict) -> GenerationResult:
                 result = await client.generate(**keywords)

@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
+from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
@@ -26,6 +27,8 @@ class Client:
     """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream and its retries
     included; None means no deadline. A call that fails UNAVAILABLE or RESOURCE_EXHAUSTED (before any chunk,
     for a stream) is retried up to `max_retries` times with jittered exponential backoff (client/retry.py).
+    `api_key`: the server's --api-key, sent as `authorization: Bearer` metadata. `root_certificates`: PEM
+    bytes or a PEM file path to trust; set, the channel uses TLS.
 
         with Client("127.0.0.1:50051") as client:
             client.wait_ready()
@@ -33,11 +36,24 @@ class Client:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = None, max_retries: int = 3) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        timeout: float | None = None,
+        max_retries: int = 3,
+        api_key: str | None = None,
+        root_certificates: bytes | str | None = None,
+    ) -> None:
         self.target = target
         self._timeout = timeout
         self._retry = RetryPolicy(max_retries=max_retries)
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._metadata = call_metadata(api_key)
+        credentials = channel_credentials(root_certificates)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -107,7 +123,7 @@ class Client:
     def _stream(self, request: generate_pb2.GenerateRequest) -> Generator[GenerateChunk, None, None]:
         budget = RetryBudget(self._retry, self._timeout)
         while True:
-            call = self._generation.Generate(request, timeout=budget.attempt_timeout())
+            call = self._generation.Generate(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             received = False
             try:
                 for response in call:
@@ -127,7 +143,7 @@ class Client:
         budget = RetryBudget(self._retry, self._timeout)
         while True:
             try:
-                return method(request, timeout=budget.attempt_timeout())
+                return method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 pause = budget.next_pause(error)

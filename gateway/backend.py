@@ -25,7 +25,9 @@ class Backend:
     async def open(self) -> None:
         # No SDK retries: the gateway answers 503/429 at once and OpenAI clients retry those themselves
         # (retrying here too would multiply the attempts).
-        self._client = AsyncClient(self._config.grpc_target, max_retries=0)
+        config = self._config
+        self._client = AsyncClient(config.grpc_target, max_retries=0, api_key=config.grpc_api_key,
+                                   root_certificates=config.grpc_root_cert)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -45,7 +47,7 @@ class Backend:
         """The served model's name and info if `requested` names it (None: whatever is served), else a 404."""
         name, info = await self.served_model()
         if requested is not None and requested not in (name, info.model_name):
-            raise model_not_found(requested, name)
+            raise model_not_found(name)
         return name, info
 
     async def is_ready(self) -> bool:

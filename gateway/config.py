@@ -1,7 +1,8 @@
 """The gateway's one configuration, parsed from its command line in one place (frozen, no environment).
 
 `pagedserve gateway` parses it directly; `pagedserve serve` starts the gateway as a child process with the
-same flags built from its own (--http-port, --api-key, --served-model-name), and docker compose passes them
+same flags built from its own (--http-port, --api-key, --served-model-name; its --api-key also becomes
+--grpc-api-key, its --tls-cert-file --grpc-root-cert), and docker compose passes them
 on the gateway service's command line.
 """
 
@@ -25,6 +26,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     # Seconds in-flight HTTP requests get to finish on SIGTERM.
     shutdown_timeout: float = 30.0
+    # The scheduler's --api-key (sent on every gRPC call) and, when it serves TLS, the PEM file to trust.
+    grpc_api_key: str | None = None
+    grpc_root_cert: str | None = None
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,12 +38,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_access_arguments(parser)
     parser.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 429 and 503")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    parser.add_argument("--grpc-api-key", default=None, help="the scheduler's --api-key, sent on every gRPC call")
+    parser.add_argument("--grpc-root-cert", default=None, help="the scheduler serves TLS: trust this PEM certificate")
 
 
 def add_gateway_access_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `pagedserve serve` shares with `pagedserve gateway` (it forwards them to its gateway)."""
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key)")
+                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key); "
+                             "`serve` also requires it on gRPC calls")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name the HTTP API lists and accepts (default: the served model's)")
 
@@ -57,4 +64,6 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name or None,
         retry_after_s=args.retry_after,
         shutdown_timeout=args.shutdown_timeout,
+        grpc_api_key=args.grpc_api_key or None,
+        grpc_root_cert=args.grpc_root_cert,
     )

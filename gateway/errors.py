@@ -50,8 +50,9 @@ def invalid_api_key() -> OpenAIError:
                        type="invalid_request_error", code="invalid_api_key")
 
 
-def model_not_found(model: str, served: str) -> OpenAIError:
-    return OpenAIError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+def model_not_found(served: str) -> OpenAIError:
+    # The requested name is not echoed back: error bodies never repeat the input.
+    return OpenAIError(404, f"the requested model does not exist; this server serves {served!r}",
                        type="invalid_request_error", param="model", code="model_not_found")
 
 

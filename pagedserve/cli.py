@@ -13,7 +13,12 @@ import logging
 import sys
 
 from gateway.config import add_gateway_access_arguments, add_gateway_arguments, gateway_config_from_args
-from scheduler_svc.config import add_heartbeat_argument, add_scheduler_arguments, scheduler_config_from_args
+from scheduler_svc.config import (
+    add_api_key_argument,
+    add_heartbeat_argument,
+    add_scheduler_arguments,
+    scheduler_config_from_args,
+)
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5557"
@@ -35,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     scheduler = commands.add_parser("scheduler", help="start the scheduler service alone")
     add_scheduler_arguments(scheduler)
+    add_api_key_argument(scheduler)
     scheduler.add_argument("--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to bind")
     scheduler.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
     scheduler.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -57,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--grpc-target", help="a scheduler's host:port: its gRPC health must be SERVING")
     probe.add_argument("--http-url", help="a gateway's /health URL: it must answer 200")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    health.add_argument("--tls-root-cert", default=None, help="--grpc-target serves TLS: trust this PEM certificate")
     return parser
 
 
@@ -65,7 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "health":
         from pagedserve.health_probe import grpc_serving, http_ok
 
-        ready = grpc_serving(args.grpc_target, args.timeout) if args.grpc_target else http_ok(args.http_url, args.timeout)
+        if args.grpc_target:
+            ready = grpc_serving(args.grpc_target, args.timeout, args.tls_root_cert)
+        else:
+            ready = http_ok(args.http_url, args.timeout)
         return 0 if ready else 1
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
     if getattr(args, "exit_with_parent", False):

@@ -13,11 +13,16 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from client.channel import channel_credentials
 
-def grpc_serving(target: str, timeout: float = 1.0) -> bool:
-    """Whether the gRPC health service at `target` says SERVING (the scheduler's workers are loaded)."""
+
+def grpc_serving(target: str, timeout: float = 1.0, root_certificates: str | None = None) -> bool:
+    """Whether the gRPC health service at `target` says SERVING (the scheduler's workers are loaded);
+    over TLS trusting the PEM file `root_certificates` when given. Health needs no API key."""
+    credentials = channel_credentials(root_certificates)
+    channel = grpc.insecure_channel(target) if credentials is None else grpc.secure_channel(target, credentials)
     try:
-        with grpc.insecure_channel(target) as channel:
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:

@@ -68,7 +68,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 print(f"pagedserve: the {name} exited with code {child.returncode}", file=sys.stderr, flush=True)
                 return 1
         if not ready:
-            ready = grpc_serving(target) and (http_health is None or http_ok(http_health))
+            ready = (grpc_serving(target, root_certificates=args.tls_cert_file)
+                     and (http_health is None or http_ok(http_health)))
             if ready:
                 http = f"; OpenAI API on {http_health.removesuffix('/health')}/v1" if http_health else ""
                 print(f"pagedserve: serving {model_name} on {target}{http}", file=sys.stderr, flush=True)
@@ -123,6 +124,19 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
         argv.append("--no-async-scheduling")
+    return argv + _protection_argv(args)
+
+
+def _protection_argv(args) -> list[str]:
+    """The scheduler's admission limits, size limits and access flags, as `serve` was given them."""
+    argv = []
+    for flag in ("max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_strings",
+                 "max_stop_string_length", "max_logprobs", "max_message_bytes", "tls_cert_file", "tls_key_file"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.api_key:
+        argv += ["--api-key", args.api_key]  # one key guards both the gRPC API and the HTTP gateway
     return argv
 
 
@@ -145,7 +159,9 @@ def _gateway_argv(args) -> list[str]:
     argv = ["--grpc-target", _local_address(args.host, args.port), "--host", args.host, "--port", str(args.http_port),
             "--shutdown-timeout", str(args.shutdown_timeout)]
     if args.api_key:
-        argv += ["--api-key", args.api_key]
+        argv += ["--api-key", args.api_key, "--grpc-api-key", args.api_key]
+    if args.tls_cert_file:
+        argv += ["--grpc-root-cert", args.tls_cert_file]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
     return argv

@@ -37,6 +37,20 @@ class SchedulerConfig:
     async_scheduling: bool = True
     # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
     heartbeat_interval: float = 2.0
+    # Admission and size limits (see request_limits.py): refused requests get RESOURCE_EXHAUSTED (queue full)
+    # or INVALID_ARGUMENT (over a size limit) before any token.
+    max_queued_requests: int = 1024
+    max_prompt_tokens: int | None = None  # None: max_model_len - 1
+    max_n: int = 64
+    max_tokens_limit: int | None = None
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 1024
+    max_logprobs: int = 20
+    max_message_bytes: int = 4 * 1024 * 1024
+    # Access (see access.py): a key every RPC but health must carry; TLS when both files are given.
+    api_key: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +72,19 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step's result before planning the next (default: plan step N+1 "
                              "while the worker runs step N)")
+    parser.add_argument("--max-queued-requests", type=int, default=1024,
+                        help="most requests waiting for a first step; more are refused with RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None,
+                        help="longest prompt (default: max model len - 1)")
+    parser.add_argument("--max-n", type=int, default=64, help="largest n, best_of and beam_width")
+    parser.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens (default: any)")
+    parser.add_argument("--max-stop-strings", type=int, default=32, help="most stop strings in one request")
+    parser.add_argument("--max-stop-string-length", type=int, default=1024, help="longest stop string (characters)")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="most logprobs one request may ask for")
+    parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
+                        help="largest gRPC request message; larger ones get RESOURCE_EXHAUSTED")
+    parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
 
 
@@ -68,6 +95,13 @@ def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
                         help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
 
 
+def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    """`--api-key` of `pagedserve scheduler` (`pagedserve serve` has its own, which guards gRPC and HTTP)."""
+    parser.add_argument("--api-key", default=None,
+                        help="require `authorization: Bearer KEY` (or `x-api-key: KEY`) metadata on every RPC "
+                             "but health")
+
+
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     for flag in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
@@ -76,6 +110,15 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SystemExit("--max-model-len must be at least 2")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
+    for flag in ("max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_string_length",
+                 "max_message_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    for flag in ("max_stop_strings", "max_logprobs"):
+        if getattr(args, flag) < 0:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 0")
+    if (args.tls_cert_file is None) != (args.tls_key_file is None):
+        raise SystemExit("--tls-cert-file and --tls-key-file go together")
     return SchedulerConfig(
         model=args.model,
         host=args.host,
@@ -93,4 +136,15 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         plan_log=args.plan_log,
         async_scheduling=args.async_scheduling,
         heartbeat_interval=args.heartbeat_interval,
+        max_queued_requests=args.max_queued_requests,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_n=args.max_n,
+        max_tokens_limit=args.max_tokens_limit,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        max_logprobs=args.max_logprobs,
+        max_message_bytes=args.max_message_bytes,
+        api_key=getattr(args, "api_key", None) or None,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
     )

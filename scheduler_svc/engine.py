@@ -111,6 +111,11 @@ class Engine:
         self._wake.set()
         return group.queue
 
+    def num_queued(self) -> int:
+        """Sequences waiting for a step: the scheduler's waiting queue (preempted ones included) and the
+        requests submitted since the loop last drained its inbox (the admission bound of grpc_server)."""
+        return self._scheduler.num_waiting + sum(isinstance(command, RequestGroup) for command in self._inbox)
+
     def abort(self, request_id: str, notify: bool = False) -> bool:
         """Ends a request in flight. notify=False: its client went away (nothing more is sent);
         notify=True: an explicit abort (the stream ends with finish_reason abort)."""

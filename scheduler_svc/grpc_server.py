@@ -1,8 +1,12 @@
 """The public gRPC API (pagedserve.v1.Generation) of the scheduler service.
 
-Handlers are thin: validate (refusing bad input with INVALID_ARGUMENT naming the field), submit to the
-engine, and relay the engine's deltas as stream messages. A stream that ends early for any reason (client
-cancel, disconnect, deadline) aborts its request in the engine, which frees its blocks.
+Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
+step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
+(refusing bad input with INVALID_ARGUMENT naming the field), submit to the engine, and relay the engine's
+deltas as stream messages. Request bytes that do not parse (not protobuf, or a string field that is not
+UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
+A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
+engine, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.output_stream import OutputDelta
 from scheduler_svc.request import FinishReason
 from scheduler_svc.request_group import StreamEnd
+from scheduler_svc.request_limits import RequestLimitError
 from scheduler_svc.request_validation import InvalidRequestError, ServingLimits, validate_request
 from scheduler_svc.token_logprobs import TokenLogprob
 from scheduler_svc.tokenizer import Tokenizer
@@ -29,6 +34,8 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
+_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = _SERVICE.full_name
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,41 @@ class ServedModel:
     num_kv_blocks: int
     num_swap_blocks: int
     eos_token_ids: tuple[int, ...]
+    max_queued_requests: int | None = None  # None: no bound
+
+
+class MalformedRequest:
+    """What a request's bytes decode to when they are not a valid message of the method's request type."""
+
+
+def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+    """Registers the Generation service like the generated `add_GenerationServicer_to_server`, but with
+    request decoders that never raise: a malformed request reaches its handler as a `MalformedRequest`."""
+    handlers = {}
+    for method in _SERVICE.methods:
+        request_class = getattr(generate_pb2, method.input_type.name)
+        response_class = getattr(generate_pb2, method.output_type.name)
+        make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                        else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make_handler(getattr(servicer, method.name),
+                                             request_deserializer=_decoder(request_class),
+                                             response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _decoder(request_class):
+    def decode(data: bytes):
+        try:
+            return request_class.FromString(data)
+        except Exception:  # protobuf's DecodeError, or invalid UTF-8 in a string field
+            return MalformedRequest()
+    return decode
+
+
+async def _refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "request: not a valid message (malformed protobuf, or a string field that is not UTF-8)")
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -59,16 +101,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         engine, model = self._engine, self._model
+        await _refuse_malformed(request, context)
         if self._refusal or engine is None or model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal)
         if len(request.request_id) > _MAX_REQUEST_ID_LENGTH:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {_MAX_REQUEST_ID_LENGTH} characters")
+        if model.max_queued_requests is not None and engine.num_queued() >= model.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{model.max_queued_requests} sequences are already queued; retry later")
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
         try:
             validated = validate_request(request, self._tokenizer, model.limits)
-        except InvalidRequestError as error:
+        except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         queue = engine.submit(request_id, validated, request.priority)
         ended = False
@@ -90,11 +136,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 engine.abort(request_id)
 
     async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
         if self._engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
         return generate_pb2.AbortResponse(aborted=self._engine.abort(request.request_id, notify=True))
 
     async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
         model = self._model
         if model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
@@ -112,6 +160,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
     async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
         if self._engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
         stats = self._engine.stats()

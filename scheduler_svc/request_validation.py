@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.bad_words import bad_words_token_ids
+from scheduler_svc.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
 from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
@@ -40,6 +41,8 @@ class ServingLimits:
     vocab_size: int
     # Tokens the whole KV pool holds: a request that cannot fit even alone is refused, not left waiting.
     kv_capacity_tokens: int
+    # Size limits (request_limits.py), checked before the range checks below.
+    request_limits: RequestLimits = RequestLimits()
 
 
 @dataclass(frozen=True)
@@ -51,9 +54,11 @@ class ValidatedRequest:
 def validate_request(
     request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None, limits: ServingLimits
 ) -> ValidatedRequest:
+    check_wire_limits(request, limits.request_limits)
     prompt_token_ids = _prompt_token_ids(request, tokenizer, limits)
     sampling = _sampling_params(request.sampling, tokenizer, limits)
     prompt_len = len(prompt_token_ids)
+    check_prompt_tokens(prompt_len, limits.request_limits)
     if prompt_len >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt", f"{prompt_len} tokens leave no room to generate within max_model_len {limits.max_model_len}"

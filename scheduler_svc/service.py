@@ -21,19 +21,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from pagedserve.model_source import resolve_model
-from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
+from protos.pagedserve.v1 import worker_pb2
+from scheduler_svc.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.block_manager import BlockManager
 from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.engine import Engine
 from scheduler_svc.plan_log import PlanLogWriter
-from scheduler_svc.grpc_server import GenerationServicer, ServedModel
+from scheduler_svc.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
+from scheduler_svc.request_limits import RequestLimits
 from scheduler_svc.request_validation import ServingLimits
 from scheduler_svc.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
 from scheduler_svc.worker_link import WorkerFailure, WorkerLink
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # The SDK pings every 20 s to notice a server that froze (client/channel.py); gRPC's default would answer
 # pings more often than every 5 minutes on a quiet stream with GOAWAY.
 SERVER_OPTIONS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),)
@@ -47,12 +48,23 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = GenerationServicer(tokenizer)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
+        # so_reuseport off: a second server started on a port in use fails to bind instead of silently
+        # sharing it (the kernel would then hand this server's clients to the other one).
+        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes),
+                 ("grpc.so_reuseport", 0)],
+    )
+    add_generation_service(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert_file:
+        server.add_secure_port(address, server_credentials(config.tls_cert_file, config.tls_key_file))
+    else:
+        server.add_insecure_port(address)
     await server.start()
-    logger.info("gRPC listening on %s:%d; waiting for %d worker(s) on %s", config.host, config.port,
+    logger.info("gRPC listening on %s%s%s; waiting for %d worker(s) on %s", address,
+                " (TLS)" if config.tls_cert_file else "", " (API key required)" if config.api_key else "",
                 config.num_workers, config.worker_address)
 
     stop = asyncio.Event()
@@ -79,7 +91,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
             await link.shutdown_workers()
             return 1
         max_model_len = _max_model_len(config, pool.max_position_embeddings)
-        limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size)
+        limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size,
+                               _request_limits(config))
         scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, _token_budget(config, max_model_len), max_model_len, config.preemption_mode,
                             enable_prefix_caching=config.enable_prefix_caching,
@@ -91,7 +104,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log)
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
-                                                   pool.num_swap_blocks, eos_token_ids))
+                                                   pool.num_swap_blocks, eos_token_ids, config.max_queued_requests))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)
@@ -164,6 +177,17 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello) -> wor
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=_token_budget(config, max_model_len),
         max_model_len=max_model_len,
+    )
+
+
+def _request_limits(config: SchedulerConfig) -> RequestLimits:
+    return RequestLimits(
+        max_prompt_tokens=config.max_prompt_tokens,
+        max_n=config.max_n,
+        max_tokens_limit=config.max_tokens_limit,
+        max_stop_strings=config.max_stop_strings,
+        max_stop_string_length=config.max_stop_string_length,
+        max_logprobs=config.max_logprobs,
     )
 
 

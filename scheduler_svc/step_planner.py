@@ -29,6 +29,10 @@ Policy, per step:
    overtaking). An admission first takes every cached full block of its tokens (`find_cached_prefix`), but
    always leaves at least one token to compute. Prompts are chunked to the budget left; with chunked prefill
    off a prompt is scheduled whole or waits.
+   Why no overtaking, even when a long request at the head waits for blocks that shorter ones behind it would
+   fit in: a steady stream of short requests could then hold the blocks forever and starve it. Without
+   overtaking the head waits only until the requests ahead of it drain, and those behind it only until it
+   runs: no head-of-line deadlock, no starvation (tests/test_scheduler_head_of_line.py).
 
 A request is preempted only before it is scheduled in the step (the victims of (1) come after the request
 being scheduled, or are idle): a scheduled step is never undone, which the prefix cache relies on (a block is

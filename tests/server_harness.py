@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
+from client.channel import channel_credentials
 from pagedserve.health_probe import http_ok
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,8 +35,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, http_port: int | None = None):
+    def __init__(self, process: subprocess.Popen, port: int, log_path: Path, http_port: int | None = None,
+                 client_options: dict | None = None):
         self.process = process
+        # Client keywords the server's access flags need (api_key, root_certificates).
+        self.client_options = client_options or {}
         self.port = port
         self.target = f"127.0.0.1:{port}"
         self.log_path = log_path
@@ -44,8 +48,8 @@ class ServerProcess:
         self.http_url = None if http_port is None else f"http://127.0.0.1:{http_port}"
         self.children: list[int] = []  # pids of every process it started, once SERVING
 
-    def client(self) -> Client:
-        return Client(self.target)
+    def client(self, **options) -> Client:
+        return Client(self.target, **{**self.client_options, **options})
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -66,7 +70,12 @@ class ServerProcess:
 
 def _wait_serving(server: ServerProcess, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(server.target) as channel:
+    credentials = channel_credentials(server.client_options.get("root_certificates"))
+    if credentials is None:
+        channel = grpc.insecure_channel(server.target)
+    else:
+        channel = grpc.secure_channel(server.target, credentials)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if server.process.poll() is not None:
@@ -101,10 +110,13 @@ def descendants(pid: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
+def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0,
+                   client_options: dict | None = None):
     """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after.
-    `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too."""
-    with launched_server(tmp_dir, *args, http=http, ready_timeout=ready_timeout) as server:
+    `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too.
+    `client_options`: what a Client needs to get in (api_key, root_certificates) when ARGS guard the server."""
+    with launched_server(tmp_dir, *args, http=http, ready_timeout=ready_timeout,
+                         client_options=client_options) as server:
         yield server
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(timeout=60)
@@ -113,7 +125,8 @@ def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout:
 
 
 @contextlib.contextmanager
-def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0):
+def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0,
+                    client_options: dict | None = None):
     """Runs `pagedserve serve ARGS` and yields a SERVING ServerProcess (whose `children` are its child pids),
     asserting nothing about how it ends; kills it if it still runs after."""
     port = free_port()
@@ -125,7 +138,7 @@ def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout
             [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *http_args, *args],
             cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(process, port, log_path, http_port)
+    server = ServerProcess(process, port, log_path, http_port, client_options)
     try:
         _wait_serving(server, ready_timeout)
         server.children = descendants(process.pid)

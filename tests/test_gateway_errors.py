@@ -116,6 +116,7 @@ def test_malformed_json_is_a_400(fake, gateway_url):
 def test_an_unknown_model_is_a_404(fake, gateway_url, openai_client):
     status, _, reply = post(gateway_url, "/v1/completions", {"model": "gpt-4", "prompt": "hi"})
     assert status == 404 and reply["error"]["code"] == "model_not_found"
+    assert "gpt-4" not in reply["error"]["message"], "error bodies never echo the input"
     with pytest.raises(openai.NotFoundError):
         openai_client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
 

@@ -24,7 +24,8 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("logs"), "--max-model-len", "1024", "--cpu-kv-cache-space", "0.25",
-                        "--swap-space", "0.05", "--api-key", API_KEY, http=True) as running:
+                        "--swap-space", "0.05", "--api-key", API_KEY, http=True,
+                        client_options=dict(api_key=API_KEY)) as running:  # the key guards gRPC too
         yield running
 
 

@@ -1,0 +1,77 @@
+"""Size limits on what one request may ask for, so that no single request can cost the others their answer.
+
+Who owns it: the service builds one `RequestLimits` from its config (the `--max-*` flags) once the model's
+context length is known, and the validator (`request_validation.py`) applies it at the gRPC edge, before the
+request is tokenized or touches the engine. Range checks of each field (top_p in (0, 1], ...) stay in the
+validator; this module only bounds sizes and counts.
+
+Every refusal names the field and the limit (and the flag that sets it), never the offending value: an error
+body must not echo a hostile prompt or stop string back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos.pagedserve.v1 import generate_pb2
+
+
+class RequestLimitError(ValueError):
+    """A request over a size limit; `field` is the wire field, str() is safe to send back."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    # Most prompt tokens (after tokenization or as sent); None: only max_model_len bounds it.
+    max_prompt_tokens: int | None = None
+    # Most sequences one request fans out to (n, best_of and beam_width each).
+    max_n: int = 64
+    # Largest max_tokens accepted; None: any (generation still ends at max_model_len).
+    max_tokens_limit: int | None = None
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 1024  # characters
+    max_stop_token_ids: int = 256
+    # Most logprobs (alternatives per token) a request may ask for, where the wire carries such a field.
+    max_logprobs: int = 20
+    max_chat_messages: int = 1024
+
+
+def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:
+    """Refuses a request whose fields are over a size limit, before anything is tokenized."""
+    sampling = request.sampling
+    if request.WhichOneof("prompt") == "token_ids" and limits.max_prompt_tokens is not None:
+        check_prompt_tokens(len(request.token_ids.ids), limits)
+    if len(request.chat.messages) > limits.max_chat_messages:
+        raise RequestLimitError("prompt.chat.messages", f"at most {limits.max_chat_messages} messages")
+    for name in ("n", "best_of", "beam_width"):
+        if sampling.HasField(name) and getattr(sampling, name) > limits.max_n:
+            raise RequestLimitError(f"sampling.{name}", f"at most {limits.max_n} (--max-n)")
+    if limits.max_tokens_limit is not None and sampling.max_tokens > limits.max_tokens_limit:
+        raise RequestLimitError("sampling.max_tokens", f"at most {limits.max_tokens_limit} (--max-tokens-limit)")
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise RequestLimitError("sampling.stop", f"at most {limits.max_stop_strings} stop strings (--max-stop-strings)")
+    if any(len(stop) > limits.max_stop_string_length for stop in sampling.stop):
+        raise RequestLimitError(
+            "sampling.stop", f"each stop string at most {limits.max_stop_string_length} characters "
+            "(--max-stop-string-length)")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise RequestLimitError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
+    check_logprobs(sampling, limits)
+
+
+def check_logprobs(sampling, limits: RequestLimits) -> None:
+    """Bounds the logprobs counts a request asks for, in whichever of these fields its API version carries
+    (the v1 wire has none yet: every returned token carries its own logprob only)."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        requested = getattr(sampling, name, 0)
+        if isinstance(requested, int) and requested > limits.max_logprobs:
+            raise RequestLimitError(f"sampling.{name}", f"at most {limits.max_logprobs} (--max-logprobs)")
+
+
+def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:
+    if limits.max_prompt_tokens is not None and num_tokens > limits.max_prompt_tokens:
+        raise RequestLimitError("prompt", f"at most {limits.max_prompt_tokens} tokens (--max-prompt-tokens)")

@@ -1,0 +1,96 @@
+"""Overload through the real processes (scheduler, worker and HTTP gateway): past --max-queued-requests a
+request gets RESOURCE_EXHAUSTED before any token and nobody hangs, the gateway turns that into a 429 with
+Retry-After, and a request that could not fit the whole KV pool even alone is refused at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from client import InvalidRequestError, OverloadedError
+from client.request_builder import build_generate_request
+from protos.pagedserve.v1 import generate_pb2_grpc
+from tests.server_harness import http_json, running_server
+from tests.tiny_models import make_tiny_model
+
+NUM_KV_BLOCKS = 20  # 320 tokens of KV: less than max_model_len, so a long request cannot fit
+MAX_MODEL_LEN = 512
+RETRY_AFTER_S = 1  # the gateway's default
+LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)  # ~150 steps: still running when the rest arrive
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=5)
+    with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-model-len", str(MAX_MODEL_LEN),
+                        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", "1", "--max-queued-requests", "2",
+                        http=True) as running:
+        yield running
+
+
+pytestmark = pytest.mark.usefixtures("no_block_leaks")
+
+
+def test_past_the_queue_bound_requests_are_refused_before_any_token_and_none_hangs(server):
+    start = threading.Barrier(10)
+
+    def one(index: int):
+        chunks = []
+        with server.client(timeout=120) as client:
+            start.wait()
+            try:
+                for chunk in client.generate_stream([1, 2, index + 3], **LONG):
+                    chunks.append(chunk)
+            except OverloadedError as refused:
+                return "refused", len(chunks), refused.code
+        return chunks[-1].finish_reason, len(chunks), None
+
+    with ThreadPoolExecutor(10) as pool:
+        outcomes = list(pool.map(one, range(10)))
+    refused = [outcome for outcome in outcomes if outcome[0] == "refused"]
+    completed = [outcome for outcome in outcomes if outcome[0] == "length"]
+    assert len(completed) == 3, "one running and two queued are served in full"
+    assert len(refused) == 7
+    assert all(num_chunks == 0 and code == grpc.StatusCode.RESOURCE_EXHAUSTED for _, num_chunks, code in refused)
+    assert all(num_chunks == 150 for _, num_chunks, _ in completed)
+
+
+def _wait_for(server, predicate, timeout: float = 60.0) -> None:
+    with server.client() as client:
+        deadline = time.monotonic() + timeout
+        while not predicate(client.stats()):
+            assert time.monotonic() < deadline, "the server did not reach the expected state"
+            time.sleep(0.02)
+
+
+def test_the_gateway_answers_a_full_queue_with_429_and_retry_after(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        holders = [stub.Generate(build_generate_request([4, 5, index], **LONG))
+                   for index in range(3)]  # one runs, two wait
+        _wait_for(server, lambda stats: stats.num_running == 1 and stats.num_waiting == 2)
+        status, headers, answer = http_json(f"{server.http_url}/v1/completions", body)
+        for holder in holders:
+            holder.cancel()
+    assert status == 429, answer
+    assert headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert answer["error"]["type"] == "rate_limit_error"
+    server.wait_all_blocks_free()
+    status, _, answer = http_json(f"{server.http_url}/v1/completions", body)
+    assert status == 200, answer
+
+
+def test_a_request_that_cannot_fit_the_whole_pool_is_refused_at_once(server):
+    with server.client(timeout=10) as client:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError) as refused:
+            client.generate([1] * 10, max_tokens=400)
+        assert time.monotonic() - started < 5
+        fits = client.generate([1] * 10, **LONG)
+    assert refused.value.details.startswith("max_tokens:") and "pool" in refused.value.details
+    assert len(fits.token_ids) == 150
