@@ -9,6 +9,7 @@ scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -288,9 +289,12 @@ def run_worker(config: WorkerConfig) -> int:
     link.send(worker_pb2.WorkerToScheduler(hello=hello))
     step_id = 0
     in_flight: LaunchedStep | None = None  # launched, result not sent yet
+    waited = 0.0  # seconds spent waiting for the scheduler's next message (logged at shutdown)
     try:
         while True:
+            started = time.perf_counter()
             message = link.receive() if in_flight is None else _next_plan_or_done(link, in_flight)
+            waited += time.perf_counter() - started
             if message is None:  # the step in flight is done and no plan is waiting
                 link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
                 in_flight = None
@@ -310,7 +314,8 @@ def run_worker(config: WorkerConfig) -> int:
                     link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
                 in_flight = launched
             elif kind == "shutdown":
-                logger.info("rank %d: shutdown requested; %s", config.rank, worker.step_timer.summary())
+                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans", config.rank,
+                            worker.step_timer.summary(), waited)
                 return 0
     except SchedulerLost as lost:
         logger.error("rank %d: %s; exiting", config.rank, lost)
