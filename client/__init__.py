@@ -21,7 +21,16 @@ from client.errors import (
 from client.llm import LLM
 from client.sampling_params import SamplingParams
 from client.sync_client import Client
-from client.types import CompletionOutput, GenerateChunk, GenerationResult, LatencyHistogram, ModelInfo, ServerStats
+from client.types import (
+    CompletionOutput,
+    GenerateChunk,
+    GenerationResult,
+    LatencyHistogram,
+    Logprob,
+    ModelInfo,
+    ServerStats,
+    TokenLogprobs,
+)
 
 __all__ = [
     "AsyncClient",
@@ -33,6 +42,7 @@ __all__ = [
     "InvalidRequestError",
     "LLM",
     "LatencyHistogram",
+    "Logprob",
     "ModelInfo",
     "OverloadedError",
     "PagedServeError",
@@ -40,4 +50,5 @@ __all__ = [
     "SamplingParams",
     "ServerStats",
     "ServerUnavailableError",
+    "TokenLogprobs",
 ]

@@ -60,8 +60,10 @@ class OutputStream:
         self._num_sent_tokens = len(request.output_token_ids)
         finished = request.finish_reason is not None
         if self._detokenizer is not None:
-            # A stop token (EOS or stop_token_ids) ends the request but is not part of the text.
-            text_ids = new_ids[:-1] if finished and request.finish_reason == FinishReason.STOP else new_ids
+            # A stop token (EOS or stop_token_ids) ends the request but is not part of the text, unless
+            # include_stop_str_in_output (as vLLM: a special one still decodes to "" when skipped).
+            stopped_by_token = finished and request.finish_reason == FinishReason.STOP
+            text_ids = new_ids[:-1] if stopped_by_token and not self._include_stop_str else new_ids
             self._detokenizer.step(list(text_ids))
             if finished:  # an unfinished multi-byte character at the very end is released now
                 self._detokenizer.flush()

@@ -28,6 +28,7 @@ from client import (
     LatencyHistogram,
     ModelInfo,
     OverloadedError,
+    SamplingParams,
     ServerStats,
     ServerUnavailableError,
 )
@@ -324,3 +325,31 @@ def test_cli_errors_print_one_line_and_exit_nonzero(server, fake):
     assert unreachable.stderr.startswith(f"error: server at {target} failed: UNAVAILABLE")
     never_ready = run_cli("hello", "--target", target, "--wait", "0.3")
     assert never_ready.returncode == 1 and target in never_ready.stderr
+
+
+def test_cli_flags_for_penalties_masks_and_logprobs_reach_the_request(server, fake):
+    result = run_cli("hello", "--target", server.target, "--min-p", "0.1", "--presence-penalty", "0.5",
+                     "--frequency-penalty", "-0.5", "--repetition-penalty", "1.2", "--logit-bias", "5=2.5", "7=-100",
+                     "--bad-words", "foo", "bar baz", "--min-tokens", "3", "--stop-token-ids", "9", "--ignore-eos",
+                     "--include-stop-str-in-output", "--logprobs", "2", "--prompt-logprobs", "1",
+                     "--keep-special-tokens", "--no-spaces-between-special-tokens")
+    assert result.returncode == 0, result.stderr
+    sampling = fake.requests[0].sampling
+    assert (sampling.min_p, sampling.presence_penalty, sampling.frequency_penalty) == pytest.approx((0.1, 0.5, -0.5))
+    assert sampling.repetition_penalty == pytest.approx(1.2) and dict(sampling.logit_bias) == {5: 2.5, 7: -100.0}
+    assert list(sampling.bad_words) == ["foo", "bar baz"] and list(sampling.stop_token_ids) == [9]
+    assert (sampling.min_tokens, sampling.logprobs, sampling.prompt_logprobs) == (3, 2, 1)
+    assert sampling.ignore_eos and sampling.include_stop_str_in_output
+    assert sampling.HasField("skip_special_tokens") and not sampling.skip_special_tokens
+    assert sampling.HasField("spaces_between_special_tokens") and not sampling.spaces_between_special_tokens
+
+
+def test_sampling_params_object_carries_the_new_fields_as_keywords(client, fake):
+    params = SamplingParams(min_p=0.2, logit_bias={3: 1.0}, bad_words=["x"], logprobs=0, repetition_penalty=1.1)
+    assert hash(params) == hash(SamplingParams(min_p=0.2, logit_bias={3: 1.0}, bad_words=("x",), logprobs=0,
+                                               repetition_penalty=1.1))
+    client.generate("x", **params.keywords())
+    sampling = fake.requests[0].sampling
+    assert dict(sampling.logit_bias) == {3: 1.0} and list(sampling.bad_words) == ["x"]
+    assert sampling.HasField("logprobs") and sampling.logprobs == 0
+    assert not sampling.HasField("prompt_logprobs") and not sampling.HasField("min_tokens")

@@ -171,15 +171,21 @@ def _run_with_others(server, probe_prompt: list[int], probe_priority: int = 0):
     return probe_result.result()
 
 
-def test_a_seeded_request_samples_the_same_tokens_alone_and_among_63_concurrent_requests(server):
+def test_a_seeded_request_samples_the_same_tokens_alone_and_among_63_concurrent_requests(llama, tmp_path):
     prompt = _prompt(20, seed=8)
-    with server.client() as client:
-        alone = client.generate(prompt, **PROBE)
-        other_seed = client.generate(prompt, **dict(PROBE, seed=4321))
+    log = tmp_path / "plans.bin"
+    with running_server(tmp_path, "--model", str(llama), "--max-model-len", "256", "--plan-log", str(log)) as server:
+        with server.client() as client:
+            alone = client.generate(prompt, **PROBE)
+            other_seed = client.generate(prompt, **dict(PROBE, seed=4321))
+        crowded = _run_with_others(server, prompt)
+        server.wait_all_blocks_free()
     assert alone.token_ids != other_seed.token_ids, "the seed decides the draws"
-    crowded = _run_with_others(server, prompt)
     assert crowded.token_ids == alone.token_ids
     assert crowded.outputs[0].logprobs == pytest.approx(alone.outputs[0].logprobs, abs=1e-4)
+    rows_beside_probe = max(len(p.new_requests) + len(p.scheduled_requests) for p in read_plan_log(log)
+                            if "probe" in {r.request_id for r in (*p.new_requests, *p.scheduled_requests)})
+    assert rows_beside_probe >= 32, "the probe shared steps with many other requests"
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -61,6 +61,17 @@ def test_stop_strings_cut_exactly_with_and_without_the_stop_string(server, greed
     assert included.text == greedy.text[: cut + len(stop)] and included.finish_reason == "stop"
 
 
+def test_a_stop_token_id_is_in_the_text_only_with_include_stop_str_in_output(server, greedy, tokenizer):
+    ids = greedy.token_ids
+    end = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tokenizer.decode([ids[i]]).strip())
+    with server.client() as client:
+        excluded = client.generate(PROMPT, stop_token_ids=[ids[end]], **GREEDY)
+        included = client.generate(PROMPT, stop_token_ids=[ids[end]], include_stop_str_in_output=True, **GREEDY)
+    assert excluded.token_ids == included.token_ids == ids[: end + 1]
+    assert excluded.text == tokenizer.decode(list(ids[:end]))
+    assert included.text == tokenizer.decode(list(ids[: end + 1])) != excluded.text
+
+
 def test_min_tokens_delays_a_stop_string_past_its_first_occurrence(server, greedy, tokenizer):
     stop = " Paris"
     tokens_before_stop = len(tokenizer.encode(greedy.text[: greedy.text.index(stop)], add_special_tokens=False))
