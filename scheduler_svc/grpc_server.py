@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_svc.delta_coalescing import coalesce, take_ready
 from scheduler_svc.engine import Engine
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.output_stream import OutputDelta
@@ -120,17 +121,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ended = False
         try:
             while not ended:
-                item = await queue.get()
-                if isinstance(item, StreamEnd):
-                    ended = True
-                elif isinstance(item, InvalidRequestError):
-                    ended = True
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
-                elif isinstance(item, BaseException):
-                    ended = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
-                else:
-                    yield _response(request_id, item, self._tokenizer)
+                for item in coalesce(take_ready(queue, await queue.get())):
+                    if isinstance(item, StreamEnd):
+                        ended = True
+                    elif isinstance(item, InvalidRequestError):
+                        ended = True
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                    elif isinstance(item, BaseException):
+                        ended = True
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
+                    else:
+                        yield _response(request_id, item, self._tokenizer)
         finally:
             if not ended:  # cancelled, disconnected or past its deadline
                 engine.abort(request_id)
