@@ -124,6 +124,7 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
         argv.append("--no-async-scheduling")
+    argv += ["--stream-messages-per-step", str(args.stream_messages_per_step)]
     return argv + _protection_argv(args)
 
 

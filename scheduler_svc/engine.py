@@ -24,6 +24,7 @@ from scheduler_svc.request import Request
 from scheduler_svc.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
 from scheduler_svc.request_validation import InvalidRequestError, ValidatedRequest
 from scheduler_svc.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.stream_pacing import streams_to_flush
 from scheduler_svc.tokenizer import Tokenizer
 from scheduler_svc.worker_link import WorkerLink
 
@@ -62,11 +63,14 @@ class Engine:
         tokenizer: Tokenizer | None,
         eos_token_ids: tuple[int, ...],
         plan_log=None,
+        max_messages_per_step: int = 64,
     ):
         self._scheduler = scheduler
         self._link = link
         self._eos_token_ids = eos_token_ids
         self._plan_log = plan_log
+        self._max_messages_per_step = max_messages_per_step
+        self._num_published = 0
         self._inbox: list[RequestGroup | _Abort] = []
         self._wake = asyncio.Event()
         self._groups: dict[str, RequestGroup] = {}  # client request id -> group
@@ -208,6 +212,8 @@ class Engine:
             self._forget(group)
 
     async def _idle(self, has_work: bool) -> None:
+        for group in self._groups.values():  # nothing runs: nothing held back for pacing may wait longer
+            group.queue.flush()
         self._wake.clear()
         if self._inbox:
             return
@@ -251,6 +257,16 @@ class Engine:
             group.on_step(request, outcome)
             if group.finished:
                 self._forget(group, completed=True)
+        self._flush_streams()
+
+    def _flush_streams(self) -> None:
+        """Hands buffered deltas to the streams' handlers: all of them while few streams run, else a
+        staggered share each step (stream_pacing.py)."""
+        self._num_published += 1
+        k, turn = streams_to_flush(len(self._groups), self._num_published, self._max_messages_per_step)
+        for index, group in enumerate(self._groups.values()):
+            if index % k == turn:
+                group.queue.flush()
 
     def _forget(self, group: RequestGroup, completed: bool = False) -> None:
         if self._groups.get(group.request_id) is group:

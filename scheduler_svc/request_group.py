@@ -15,11 +15,11 @@ its members and decides what the client sees.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from scheduler_svc.stream_pacing import PacedQueue
 from scheduler_svc.output_stream import OutputDelta, OutputStream
 from scheduler_svc.plan_codec import StepOutcome
 from scheduler_svc.request import FinishReason, Request
@@ -49,7 +49,7 @@ class RequestGroup(ABC):
     def __init__(self, request_id: str, root: Request, context: GroupContext):
         self.request_id = request_id
         self.root = root
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = PacedQueue()  # the engine flushes it (stream_pacing.py)
         self.context = context
         self.members: set[str] = set()
         self.finished = False

@@ -102,7 +102,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
             max_steps_in_flight=2 if config.async_scheduling else 1,
         )
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
-        engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log)
+        engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log,
+                        max_messages_per_step=config.stream_messages_per_step)
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids, config.max_queued_requests))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
