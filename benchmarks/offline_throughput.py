@@ -116,7 +116,8 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
         stats = server.wait_all_blocks_free()
     # Where a step's time goes: the scheduler's and the worker's step timers, logged at shutdown (means over
     # every step of the run: both W1 passes and the single-request TPOT phase).
-    step_timers = [line.split(" INFO ", 1)[-1] for line in server.log().splitlines() if "step time over" in line]
+    step_timers = [line.split(" INFO ", 1)[-1] for line in server.log().splitlines()
+                   if "step time over" in line or "slow step launch" in line or "warmed up" in line]
     return {
         "step_timers": step_timers,
         "elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,

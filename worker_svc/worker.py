@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 # How often the worker looks for the next plan while a step runs on the GPU.
 _POLL_S = 0.0002
+# A step whose launch takes longer is logged (its host work, not its GPU time).
+_SLOW_LAUNCH_S = 0.25
 
 
 class InjectedFault(RuntimeError):
@@ -96,6 +98,7 @@ class Worker:
         """
         batch, kv_cache, timer = self.batch, self.kv_cache, self.step_timer
         timer.start_step()
+        started = time.perf_counter()
         for request_id in plan.finished_request_ids:
             batch.remove(request_id)
         for request_id in plan.preempted_request_ids:
@@ -134,6 +137,10 @@ class Worker:
             step.result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
                                                                      inputs.sample_rows[is_beam]))
         timer.mark("sample_launch")
+        elapsed = time.perf_counter() - started
+        if elapsed > _SLOW_LAUNCH_S:  # the host, not the GPU, was slow: a compile (a kernel variant seen first)?
+            logger.info("slow step launch: %.2f s for %d tokens, %d decodes, %d chunks", elapsed,
+                        len(inputs.input_ids), inputs.num_decode_seqs, len(inputs.rows) - inputs.num_decode_seqs)
         return step
 
     def finish(self, step: LaunchedStep) -> worker_pb2.StepResult:
