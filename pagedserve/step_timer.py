@@ -34,3 +34,28 @@ class StepTimer:
         steps = max(self._steps, 1)
         phases = " ".join(f"{phase}={1e3 * total / steps:.3f}ms" for phase, total in self._totals.items())
         return f"{self.name} step time over {self._steps} steps (mean per step): {phases}"
+
+
+class BackToBackClock:
+    """Device time per step, by kind, from the intervals between steps finishing back to back.
+
+    Why: the worker launches step N+1 before it waits for step N, so while plans keep coming the device runs
+    steps back to back and the interval between two finishes is the later step's device time (no events in
+    the kernels' way). Intervals of steps launched with nothing in flight include idle time and are skipped.
+    """
+
+    def __init__(self) -> None:
+        self._last: float | None = None
+        self._totals: dict[str, list[float]] = {}
+
+    def on_finished(self, kind: str, back_to_back: bool) -> None:
+        now = time.perf_counter()
+        if back_to_back and self._last is not None:
+            total = self._totals.setdefault(kind, [0.0, 0])
+            total[0] += now - self._last
+            total[1] += 1
+        self._last = now
+
+    def summary(self) -> str:
+        parts = [f"{kind} {1e3 * total / count:.2f} ms x {count}" for kind, (total, count) in self._totals.items()]
+        return "device time per back-to-back step: " + (", ".join(parts) or "none")

@@ -17,7 +17,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from pagedserve.model_source import resolve_model
-from pagedserve.step_timer import StepTimer
+from pagedserve.step_timer import BackToBackClock, StepTimer
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
 from worker_svc.config import GIB, WorkerConfig
@@ -60,6 +60,7 @@ class Worker:
         self.batch: PersistentBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
+        self.gpu_clock = BackToBackClock()
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
         self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
@@ -108,7 +109,7 @@ class Worker:
         kv_cache.copy([(m.src, m.dst) for m in plan.copy])
         rows = [batch.add(new) for new in plan.new_requests]
         rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
-        step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id))
+        step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None)
         if not rows:
             return step
         num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
@@ -117,6 +118,7 @@ class Worker:
         # Decodes (one token) first: attention backends run them with their own kernel over a leading range.
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
+        step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
         timer.mark("prepare")
         hidden = self._forward(inputs, previous.sampled_ids if previous is not None else None)
         logits = self._logits(hidden, inputs)
@@ -150,6 +152,7 @@ class Worker:
         if step.pending is not None:
             if step.copied is not None:
                 step.copied.synchronize()
+            self.gpu_clock.on_finished(step.kind, step.behind_another)
             sampled = step.host_sampled.numpy()
             self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
             timer.mark("wait_for_gpu")
@@ -272,6 +275,8 @@ class LaunchedStep:
     """
 
     result: worker_pb2.StepResult
+    behind_another: bool = False  # launched while another step was in flight
+    kind: str = "decode"
     sampled_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     request_ids: list[str] = field(default_factory=list)  # of sampled_rows, at launch
     num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -321,8 +326,8 @@ def run_worker(config: WorkerConfig) -> int:
                     link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
                 in_flight = launched
             elif kind == "shutdown":
-                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans", config.rank,
-                            worker.step_timer.summary(), waited)
+                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s", config.rank,
+                            worker.step_timer.summary(), waited, worker.gpu_clock.summary())
                 return 0
     except SchedulerLost as lost:
         logger.error("rank %d: %s; exiting", config.rank, lost)
