@@ -35,7 +35,8 @@ class RequestLimits:
     max_stop_strings: int = 32
     max_stop_string_length: int = 1024  # characters
     max_stop_token_ids: int = 256
-    # Most logprobs (alternatives per token) a request may ask for, where the wire carries such a field.
+    # Most logprobs (alternatives per token) a request may ask for; checked with the other sampling ranges
+    # (request_validation.py).
     max_logprobs: int = 20
     max_chat_messages: int = 1024
 
@@ -60,16 +61,6 @@ def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimi
             "(--max-stop-string-length)")
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise RequestLimitError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
-    check_logprobs(sampling, limits)
-
-
-def check_logprobs(sampling, limits: RequestLimits) -> None:
-    """Bounds the logprobs counts a request asks for, in whichever of these fields its API version carries
-    (the v1 wire has none yet: every returned token carries its own logprob only)."""
-    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
-        requested = getattr(sampling, name, 0)
-        if isinstance(requested, int) and requested > limits.max_logprobs:
-            raise RequestLimitError(f"sampling.{name}", f"at most {limits.max_logprobs} (--max-logprobs)")
 
 
 def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:

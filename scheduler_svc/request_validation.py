@@ -16,10 +16,6 @@ from scheduler_svc.sampling_params import SamplingParams
 from scheduler_svc.tokenizer import Tokenizer
 
 
-# Most sequences one request may fan out to (n, best_of, beam_width).
-MAX_SEQUENCES = 64
-# Most alternatives per token for logprobs and prompt_logprobs (OpenAI's top_logprobs limit).
-MAX_LOGPROBS = 20
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI's range)
 MAX_REPETITION_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
@@ -138,12 +134,13 @@ def _sampling_params(
     best_of = wire.best_of if wire.HasField("best_of") else None
     beam_width = wire.beam_width if wire.HasField("beam_width") else 1
     length_penalty = wire.length_penalty if wire.HasField("length_penalty") else 1.0
-    if not 1 <= n <= MAX_SEQUENCES:
-        raise InvalidRequestError("sampling.n", f"must lie in [1, {MAX_SEQUENCES}]")
-    if best_of is not None and not n <= best_of <= MAX_SEQUENCES:
-        raise InvalidRequestError("sampling.best_of", f"must lie in [n, {MAX_SEQUENCES}] (n = {n})")
-    if not 1 <= beam_width <= MAX_SEQUENCES:
-        raise InvalidRequestError("sampling.beam_width", f"must lie in [1, {MAX_SEQUENCES}]")
+    max_n = limits.request_limits.max_n  # --max-n
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError("sampling.n", f"must lie in [1, {max_n}]")
+    if best_of is not None and not n <= best_of <= max_n:
+        raise InvalidRequestError("sampling.best_of", f"must lie in [n, {max_n}] (n = {n})")
+    if not 1 <= beam_width <= max_n:
+        raise InvalidRequestError("sampling.beam_width", f"must lie in [1, {max_n}]")
     if not math.isfinite(length_penalty):
         raise InvalidRequestError("sampling.length_penalty", "must be a finite number")
     if beam_width > 1:
@@ -210,9 +207,10 @@ def _penalties_and_masks(
         raise InvalidRequestError("sampling.min_tokens", f"must lie in [0, max_tokens] (max_tokens = {max_tokens})")
     logprobs = wire.logprobs if wire.HasField("logprobs") else None
     prompt_logprobs = wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None
+    max_logprobs = limits.request_limits.max_logprobs  # --max-logprobs
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and value > MAX_LOGPROBS:
-            raise InvalidRequestError(f"sampling.{name}", f"must lie in [0, {MAX_LOGPROBS}]")
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(f"sampling.{name}", f"must lie in [0, {max_logprobs}] (--max-logprobs)")
     if beam_width > 1:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:

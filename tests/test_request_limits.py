@@ -3,12 +3,11 @@ inclusive, unset ones do not apply, and the logprobs bound reads whichever logpr
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.request_limits import RequestLimitError, RequestLimits, check_logprobs, check_wire_limits
+from scheduler_svc.request_limits import RequestLimitError, RequestLimits, check_wire_limits
 
 LIMITS = RequestLimits(max_prompt_tokens=4, max_n=2, max_tokens_limit=8, max_stop_strings=1, max_stop_string_length=3,
                        max_logprobs=5, max_chat_messages=2)
@@ -45,8 +44,3 @@ def test_unset_limits_do_not_apply():
                       RequestLimits())
 
 
-def test_logprobs_bound_applies_to_whichever_logprobs_fields_exist():
-    check_logprobs(SimpleNamespace(logprobs=5), LIMITS)
-    check_logprobs(generate_pb2.SamplingParams(), LIMITS)
-    with pytest.raises(RequestLimitError, match="sampling.top_logprobs: at most 5"):
-        check_logprobs(SimpleNamespace(top_logprobs=6), LIMITS)
