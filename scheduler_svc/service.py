@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 
@@ -104,6 +105,9 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log,
                         max_messages_per_step=config.stream_messages_per_step)
+        # Everything built so far (tokenizer, model limits, the scheduler's tables) lives as long as the
+        # service: keep it out of the cyclic collector's full passes, which would scan it on every one.
+        gc.freeze()
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids, config.max_queued_requests))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)

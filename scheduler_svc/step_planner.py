@@ -166,6 +166,7 @@ class StepPlanner:
             if num_new_tokens == 0:
                 index += 1
                 continue
+            num_preempted = draft.num_preempted
             while request.request_id not in state.worker_rows and not state.has_free_worker_row():
                 victim = self._pick_victim(request, draft, needs_row=True)
                 if victim is None:
@@ -183,8 +184,11 @@ class StepPlanner:
                     return  # nobody after it was left
                 num_decodes_after -= self._preempt(victim, draft)
                 allocation = self._blocks.allocate_slots(request, num_new_tokens)
-            self._record_scheduled(request, num_new_tokens, allocation, draft)
-            index = running.index(request) + 1  # an idle victim before it may have shifted it
+            self._record_scheduled(request, num_new_tokens, allocation, draft, num_to_compute)
+            if draft.num_preempted == num_preempted:
+                index += 1
+            else:
+                index = running.index(request) + 1  # an idle victim before it may have shifted it
 
     def _pick_victim(self, request: Request, draft: _StepDraft, needs_row: bool) -> Request | None:
         """Remove from the running queue whom `request` should preempt to get blocks (or a worker row, with
@@ -296,7 +300,8 @@ class StepPlanner:
     # ---- the plan ----------------------------------------------------------------------------------------
 
     def _record_scheduled(
-        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft,
+        num_to_compute: int | None = None,
     ) -> None:
         state = self._state
         request_id = request.request_id
@@ -307,7 +312,9 @@ class StepPlanner:
         # Counts advance now, not when the result is back, so the next step can be planned while this one
         # runs. A request that reaches its end samples a token (pending until the result applies it) or is
         # reported to the engine (a fan-out root, a beam row).
-        completes = state.num_tokens_to_compute(request) == num_new_tokens
+        if num_to_compute is None:
+            num_to_compute = state.num_tokens_to_compute(request)
+        completes = num_to_compute == num_new_tokens
         request.num_computed_tokens += num_new_tokens
         if completes:
             draft.completing_request_ids.append(request_id)

@@ -8,6 +8,7 @@ scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every 
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -317,6 +318,7 @@ def run_worker(config: WorkerConfig) -> int:
                 in_flight = None
             if kind == "setup":
                 link.send(worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
+                gc.freeze()  # the model and pools live as long as the worker: out of the collector's full passes
             elif kind == "plan":
                 # With the scheduler planning ahead, the next plan usually waits here while the GPU still
                 # runs the previous step: launch it behind that step, then send the previous result.
