@@ -155,13 +155,14 @@ def run_hf_generate_batch(model, requests) -> dict:
     return {"elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed}
 
 
-def run_hf(shape: str, requests) -> dict:
+def run_hf(shape: str, requests, peers: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16).eval()
     results = {}
-    for name, runner in (("hf_static_batch64", run_hf_static), ("hf_generate_batch", run_hf_generate_batch)):
+    runners = {"hf_static_batch64": run_hf_static, "hf_generate_batch": run_hf_generate_batch}
+    for name, runner in ((name, runners[name]) for name in peers):
         try:
             results[name] = runner(model, requests)
         except Exception as error:  # a peer that cannot run here is reported, not hidden
@@ -195,6 +196,8 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-peers", default="hf_static_batch64,hf_generate_batch",
+                        help="comma-separated Hugging Face runs (hf_static_batch64, hf_generate_batch)")
     parser.add_argument("--engine-flags", default="", help="extra `pagedserve serve` flags")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "."))
@@ -207,7 +210,7 @@ def main() -> int:
     summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, args.engine_flags.split())
     print("pagedserve", json.dumps(summary["runs"]["pagedserve"]), flush=True)
     if not args.skip_hf:
-        summary["runs"].update(run_hf(args.shape, requests))
+        summary["runs"].update(run_hf(args.shape, requests, args.hf_peers.split(",")))
     engine = summary["runs"]["pagedserve"]["output_tokens_per_s"]
     summary["ratios"] = {
         f"pagedserve_over_{name}": engine / run["output_tokens_per_s"]
