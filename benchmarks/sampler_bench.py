@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from protos.pagedserve.v1 import worker_pb2  # noqa: E402
 from worker_svc.persistent_batch import PersistentBatch  # noqa: E402
-from worker_svc.sampler import gumbel_noise, sample  # noqa: E402
+from worker_svc.sampler import gumbel_noise, sample, temperature_sample  # noqa: E402
 from worker_svc.sampling_inputs import build_sampling_tensors  # noqa: E402
 from worker_svc.worker import pack_sampler_output  # noqa: E402
 
@@ -61,12 +61,12 @@ def filled_batch(batch_size: int, vocab: int, prompt: int, output: int, mix: dic
     return batch, np.arange(batch_size, dtype=np.int64)
 
 
-def time_sampling_step(batch, rows, logits, noise_fn, iters: int, device: torch.device) -> float:
+def time_sampling_step(batch, rows, logits, noise_fn, iters: int, device: torch.device, temperature_fn=None) -> float:
     """Median milliseconds of one sampling step, ending with the host copy (so it includes the device work)."""
 
     def step():
         tensors = build_sampling_tensors(batch, rows, logits.shape[-1], device)
-        pack_sampler_output(sample(logits, tensors, noise_fn=noise_fn)).cpu()
+        pack_sampler_output(sample(logits, tensors, noise_fn=noise_fn, temperature_fn=temperature_fn)).cpu()
 
     for _ in range(3):
         step()
@@ -116,11 +116,13 @@ def main() -> int:
     device = torch.device(args.device)
     # As the worker does: on a GPU the Gumbel noise is one compiled kernel.
     noise_fn = torch.compile(gumbel_noise, dynamic=True) if device.type == "cuda" else None
+    # As the worker does: the temperature-only path as one compiled function.
+    temperature_fn = torch.compile(temperature_sample, dynamic=True) if device.type == "cuda" else None
     logits = torch.randn(args.batch, args.vocab, device=device, generator=None) * 3
     results = {}
     for name in args.mixes:
         batch, rows = filled_batch(args.batch, args.vocab, args.prompt, args.output, MIXES[name])
-        results[name] = time_sampling_step(batch, rows, logits, noise_fn, args.iters, device)
+        results[name] = time_sampling_step(batch, rows, logits, noise_fn, args.iters, device, temperature_fn)
     decode_ms = args.decode_step_ms
     if decode_ms is None and device.type == "cuda":
         del logits

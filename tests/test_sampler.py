@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from worker_svc.sampler import SamplingTensors, gumbel_noise, sample, seed_to_int64
+from worker_svc.sampler import SamplingTensors, gumbel_noise, sample, seed_to_int64, temperature_sample
 
 
 def make_tensors(
@@ -218,3 +218,25 @@ def test_noise_and_draws_are_the_same_on_cpu_and_gpu():
         seed=tensors.seed, position=tensors.position, device="cuda",
     )
     assert torch.equal(sample(logits, tensors).token_ids, sample(logits.cuda(), gpu_tensors).token_ids.cpu())
+    # The compiled temperature-only path (the worker's temperature_fn) draws what the general path draws.
+    plain = make_tensors(64, temperature=0.9, seed=seeds.tolist(), position=positions.tolist())
+    gpu_plain = SamplingTensors.from_host(temperature=plain.temperature, top_p=plain.top_p, top_k=plain.top_k,
+                                          seed=plain.seed, position=plain.position, device="cuda")
+    fused = sample(logits.cuda(), gpu_plain, temperature_fn=torch.compile(temperature_sample, dynamic=True))
+    assert torch.equal(fused.token_ids.cpu(), sample(logits, plain).token_ids)
+
+
+def test_the_fused_temperature_path_draws_exactly_what_the_general_path_draws():
+    """`temperature_sample` (compiled into one kernel on a GPU) is the general path's math for batches with
+    temperature alone: the same ids and logprobs, greedy rows included."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 500, generator=generator) * 3
+    temperature = torch.rand(64, generator=generator) * 1.5
+    temperature[::5] = 0.0
+    tensors = SamplingTensors.from_host(temperature=temperature, top_p=[1.0] * 64, top_k=[-1] * 64,
+                                        seed=list(range(64)), position=[7] * 64, device="cpu")
+    general = sample(logits, tensors)
+    fused = sample(logits, tensors, temperature_fn=temperature_sample)
+    assert torch.equal(general.token_ids, fused.token_ids)
+    torch.testing.assert_close(general.logprobs, fused.logprobs, atol=0, rtol=0)
+    assert not torch.equal(fused.token_ids, logits.argmax(-1))  # it did sample

@@ -30,7 +30,7 @@ from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import SamplerOutput, gumbel_noise, sample
+from worker_svc.sampler import SamplerOutput, gumbel_noise, sample, temperature_sample
 from worker_svc.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
@@ -65,6 +65,7 @@ class Worker:
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
         self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
+        self.temperature_fn = torch.compile(temperature_sample, dynamic=True) if self.device.type == "cuda" else None
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
@@ -74,6 +75,8 @@ class Worker:
                                                                           self.dtype)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        if self.device.type == "cuda":
+            self._warm_up_sampler()
         if self.device.type == "cuda" and kernel_set(self.config) == "triton":
             warm_up_kernels(self.model, self.kv_cache.layers, setup.block_size, self.batch.block_table.shape[1],
                             setup.max_num_seqs, self.device)
@@ -83,6 +86,17 @@ class Worker:
             self.decode_graphs.capture()
         logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
         return worker_pb2.WorkerReady(rank=self.config.rank, num_kv_blocks=blocks, num_swap_blocks=swap_blocks)
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self) -> None:
+        """Compiles the sampler's compiled functions for one row and for several (torch.compile specializes a
+        size of 1) before serving, not at a request's first sampled token."""
+        vocab_size = self.model_config.vocab_size
+        for rows in (1, 2):
+            logits = torch.zeros(rows, vocab_size, device=self.device)
+            seed = torch.zeros(rows, dtype=torch.int64, device=self.device)
+            self.noise_fn(seed, seed, vocab_size)
+            self.temperature_fn(logits, torch.ones(rows, device=self.device), seed, seed)
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
@@ -209,7 +223,7 @@ class Worker:
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
         tensors = build_sampling_tensors(self.batch, step.sampled_rows, logits.shape[-1], self.device)
-        out = sample(logits, tensors, noise_fn=self.noise_fn)
+        out = sample(logits, tensors, noise_fn=self.noise_fn, temperature_fn=self.temperature_fn)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
         if self.device.type == "cuda":
