@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from protos.pagedserve.v1 import worker_pb2  # noqa: E402
 from worker_svc.persistent_batch import PersistentBatch  # noqa: E402
-from worker_svc.sampler import gumbel_noise, sample, temperature_sample  # noqa: E402
+from worker_svc.sampler import cuda_temperature_fn, gumbel_noise, sample  # noqa: E402
 from worker_svc.sampling_inputs import build_sampling_tensors  # noqa: E402
 from worker_svc.worker import pack_sampler_output  # noqa: E402
 
@@ -116,8 +116,8 @@ def main() -> int:
     device = torch.device(args.device)
     # As the worker does: on a GPU the Gumbel noise is one compiled kernel.
     noise_fn = torch.compile(gumbel_noise, dynamic=True) if device.type == "cuda" else None
-    # As the worker does: the temperature-only path as one compiled function.
-    temperature_fn = torch.compile(temperature_sample, dynamic=True) if device.type == "cuda" else None
+    # As the worker does: the temperature-only path as one Triton kernel.
+    temperature_fn = cuda_temperature_fn() if device.type == "cuda" else None
     logits = torch.randn(args.batch, args.vocab, device=device, generator=None) * 3
     results = {}
     for name in args.mixes:

@@ -7,7 +7,14 @@ import math
 import pytest
 import torch
 
-from worker_svc.sampler import SamplingTensors, gumbel_noise, sample, seed_to_int64, temperature_sample
+from worker_svc.sampler import (
+    SamplingTensors,
+    cuda_temperature_fn,
+    gumbel_noise,
+    sample,
+    seed_to_int64,
+    temperature_sample,
+)
 
 
 def make_tensors(
@@ -218,11 +225,13 @@ def test_noise_and_draws_are_the_same_on_cpu_and_gpu():
         seed=tensors.seed, position=tensors.position, device="cuda",
     )
     assert torch.equal(sample(logits, tensors).token_ids, sample(logits.cuda(), gpu_tensors).token_ids.cpu())
-    # The compiled temperature-only path (the worker's temperature_fn) draws what the general path draws.
+    # The temperature-only Triton kernel (the worker's temperature_fn) draws what the general path draws.
     plain = make_tensors(64, temperature=0.9, seed=seeds.tolist(), position=positions.tolist())
     gpu_plain = SamplingTensors.from_host(temperature=plain.temperature, top_p=plain.top_p, top_k=plain.top_k,
                                           seed=plain.seed, position=plain.position, device="cuda")
-    fused = sample(logits.cuda(), gpu_plain, temperature_fn=torch.compile(temperature_sample, dynamic=True))
+    fused = sample(logits.cuda(), gpu_plain, temperature_fn=cuda_temperature_fn())
+    eager = sample(logits.cuda(), gpu_plain, noise_fn=torch.compile(gumbel_noise, dynamic=True))
+    assert torch.equal(fused.token_ids, eager.token_ids)
     assert torch.equal(fused.token_ids.cpu(), sample(logits, plain).token_ids)
 
 

@@ -208,14 +208,22 @@ def temperature_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token ids, logprobs) of rows sampled with temperature alone (greedy below GREEDY_TEMPERATURE): the ops
-    `sample` runs for such a batch, in one function so that a GPU worker can pass
-    `torch.compile(temperature_sample, dynamic=True)` as `temperature_fn` (one fused pass instead of ~8)."""
+    `sample` runs for such a batch, in one function: the reference of the GPU's one-pass kernel
+    (`cuda_temperature_fn`), and what a CPU worker's batches compute through the general path."""
     is_greedy = temperature < GREEDY_TEMPERATURE
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     sampled_ids = (scaled + gumbel_noise(seed, position, logits.shape[-1])).argmax(dim=-1)
     token_ids = torch.where(is_greedy, logits.argmax(dim=-1), sampled_ids)
     logprobs = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     return token_ids, logprobs
+
+
+def cuda_temperature_fn() -> TemperatureFn:
+    """What a GPU worker passes as `temperature_fn`: the one-pass Triton kernel (the same draws as
+    `temperature_sample`; kernels/triton_temperature_sample.py). Triton is imported only here."""
+    from kernels.triton_temperature_sample import temperature_sample as kernel
+
+    return kernel
 
 
 def rank_and_top(
@@ -278,8 +286,10 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) ->
     vocab index is hashed under them with two rounds of murmur3's fmix32 finalizer. All integer arithmetic is
     int64 holding values below 2**32 (products stay below 2**49), so every op is well defined and gives the
     same bits on every device; a fused kernel computing the same uint32 hash would give the same noise.
-    The 32 hash bits become u in (0, 1) in float64, and the noise is -log(-log(1 - u)), which keeps the
-    large-noise tail (small -log(1 - u)) at full precision: draws up to ~23 nats above the mean.
+    The 32 hash bits become u in (0, 1) in float64, and the noise is -log(-log(1 - u)). 1 - u is exact in
+    float64 (u has at most 33 significant bits), so the large-noise tail (small -log(1 - u)) keeps full
+    precision: draws up to ~23 nats above the mean. Only `log` is used (no log1p), so a kernel computing the
+    same float64 ops with the device's log gets the same bits (kernels/triton_temperature_sample.py).
     """
     key_a, key_b = _row_keys(seed, position)
     vocab_ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
@@ -290,7 +300,7 @@ def gumbel_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) ->
     noise = bits.to(torch.float64)
     del bits
     noise.add_(0.5).mul_(2.0**-32)  # u in (0, 1), never 0 or 1
-    noise.neg_().log1p_().neg_()  # exponential: -log(1 - u) > 0
+    noise.neg_().add_(1.0).log_().neg_()  # exponential: -log(1 - u) > 0 (1 - u exact)
     noise.log_().neg_()  # Gumbel: -log(exponential)
     return noise.to(torch.float32)
 

@@ -9,6 +9,7 @@ scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import SamplerOutput, gumbel_noise, sample, temperature_sample
+from worker_svc.sampler import SamplerOutput, SamplingTensors, cuda_temperature_fn, gumbel_noise, sample
 from worker_svc.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
@@ -65,7 +66,7 @@ class Worker:
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
         self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
-        self.temperature_fn = torch.compile(temperature_sample, dynamic=True) if self.device.type == "cuda" else None
+        self.temperature_fn = cuda_temperature_fn() if self.device.type == "cuda" else None
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
@@ -89,14 +90,15 @@ class Worker:
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
-        """Compiles the sampler's compiled functions for one row and for several (torch.compile specializes a
-        size of 1) before serving, not at a request's first sampled token."""
+        """Compiles the sampler's kernels (greedy, temperature, the noise of the general path) for one row and
+        for several before serving, not at a request's first sampled token."""
         vocab_size = self.model_config.vocab_size
-        for rows in (1, 2):
+        for rows, temperature, top_p in itertools.product((1, 2), (0.0, 1.0), (1.0, 0.9)):
+            tensors = SamplingTensors.from_host(temperature=[temperature] * rows, top_p=[top_p] * rows,
+                                                top_k=[-1] * rows, seed=[0] * rows, position=[0] * rows,
+                                                device=self.device)
             logits = torch.zeros(rows, vocab_size, device=self.device)
-            seed = torch.zeros(rows, dtype=torch.int64, device=self.device)
-            self.noise_fn(seed, seed, vocab_size)
-            self.temperature_fn(logits, torch.ones(rows, device=self.device), seed, seed)
+            sample(logits, tensors, noise_fn=self.noise_fn, temperature_fn=self.temperature_fn)
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
