@@ -20,6 +20,18 @@ import triton.language as tl
 
 
 @triton.jit
+def argmax_and_sum_exp(values, index, vocab_size, running_max, best, running_sum):
+    """One block's step of the running argmax (lowest index on ties) and the running sum of exp(x - max)
+    (rescaled when the max grows). Shared with kernels/triton_temperature_sample.py."""
+    block_max = tl.max(values, 0)
+    block_best = tl.min(tl.where(values == block_max, index, vocab_size), 0)
+    best = tl.where(block_max > running_max, block_best, best)
+    new_max = tl.maximum(running_max, block_max)
+    running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(values - new_max), 0)
+    return new_max, best, running_sum
+
+
+@triton.jit
 def _greedy_sample_kernel(
     logits_ptr,
     token_ids_ptr,
@@ -37,12 +49,8 @@ def _greedy_sample_kernel(
     for start in range(0, vocab_size, BLOCK):
         index = start + offsets
         values = tl.load(base + index, mask=index < vocab_size, other=float("-inf")).to(tl.float32)
-        block_max = tl.max(values, 0)
-        block_best = tl.min(tl.where(values == block_max, index, vocab_size), 0)
-        best = tl.where(block_max > running_max, block_best, best)
-        new_max = tl.maximum(running_max, block_max)
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(values - new_max), 0)
-        running_max = new_max
+        running_max, best, running_sum = argmax_and_sum_exp(values, index, vocab_size, running_max, best,
+                                                            running_sum)
     tl.store(token_ids_ptr + row, best.to(tl.int64))
     tl.store(logprobs_ptr + row, -tl.log(running_sum))  # max - (max + log(sum)): the argmax's logprob
 

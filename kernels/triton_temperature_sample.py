@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from worker_svc.sampler import GREEDY_TEMPERATURE
+from kernels.triton_greedy_sample import argmax_and_sum_exp
 
 _KEY_A_START = 0x9E3779B9
 _KEY_B_START = 0x7F4A7C15
@@ -82,12 +82,8 @@ def _temperature_sample_kernel(
         best_index = tl.where(take, block_index, best_index)
         best_logit = tl.where(take, block_logit, best_logit)
         best_score = tl.maximum(best_score, block_best)
-        block_max = tl.max(logits, 0)
-        block_argmax = tl.min(tl.where(logits == block_max, index, vocab_size), 0)
-        argmax_index = tl.where(block_max > max_logit, block_argmax, argmax_index)
-        new_max = tl.maximum(max_logit, block_max)
-        running_sum = running_sum * tl.exp(max_logit - new_max) + tl.sum(tl.exp(logits - new_max), 0)
-        max_logit = new_max
+        max_logit, argmax_index, running_sum = argmax_and_sum_exp(logits, index, vocab_size, max_logit,
+                                                                  argmax_index, running_sum)
     log_normalizer = max_logit + tl.log(running_sum)
     token = tl.where(is_greedy, argmax_index, best_index)
     chosen = tl.where(is_greedy, max_logit, best_logit)
@@ -96,10 +92,12 @@ def _temperature_sample_kernel(
 
 
 def temperature_sample(
-    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, block: int = 2048
+    logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
+    greedy_below: float, block: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as worker_svc.sampler.temperature_sample: (token ids int64 [N], logprobs float32 [N]) of
-    float32 logits [N, V]; temperature float32 [N]; seed and position int64 [N]."""
+    float32 logits [N, V]; temperature float32 [N] (rows below `greedy_below` are greedy); seed and position
+    int64 [N]."""
     num_rows, vocab_size = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
@@ -107,7 +105,7 @@ def temperature_sample(
     if num_rows:
         _temperature_sample_kernel[(num_rows,)](
             logits, temperature, seed, position, token_ids, logprobs,
-            logits.stride(0), vocab_size, GREEDY_TEMPERATURE,
+            logits.stride(0), vocab_size, greedy_below,
             KEY_A_START=_KEY_A_START, KEY_B_START=_KEY_B_START,
             BLOCK=min(block, triton.next_power_of_2(vocab_size)), num_warps=8,
         )

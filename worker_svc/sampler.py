@@ -14,6 +14,7 @@ continuous batching, and what makes a recompute after preemption draw the same t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -223,7 +224,7 @@ def cuda_temperature_fn() -> TemperatureFn:
     `temperature_sample`; kernels/triton_temperature_sample.py). Triton is imported only here."""
     from kernels.triton_temperature_sample import temperature_sample as kernel
 
-    return kernel
+    return functools.partial(kernel, greedy_below=GREEDY_TEMPERATURE)
 
 
 def rank_and_top(
