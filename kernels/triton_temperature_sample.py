@@ -7,8 +7,7 @@ rounded to float32, added to float32 logits / temperature).
 
 Why a kernel: the torch version hashes in int64 with 16-bit partial products (GPUs have no fast 64-bit
 multiply) and makes several passes over the [N, V] logits; at batch 256 and a 152k vocabulary that is about
-0.5 ms of a ~3.5 ms decode step on an H200. Here the logits are read once; the hash and the two float64 logs
-per entry make the kernel compute-bound, so each row's vocabulary is split over several programs.
+0.5 ms of a ~3.5 ms decode step on an H200. One program per row streams its logits once.
 """
 
 from __future__ import annotations
@@ -43,17 +42,14 @@ def _row_key(start, w0, w1, w2, w3):
 
 @triton.jit
 def _temperature_sample_kernel(
-    logits_ptr, temperature_ptr, seed_ptr, position_ptr, partials_ptr,
-    stride_row, vocab_size, split_size, greedy_below,
+    logits_ptr, temperature_ptr, seed_ptr, position_ptr, token_ids_ptr, logprobs_ptr,
+    stride_row, vocab_size, greedy_below,
     KEY_A_START: tl.constexpr, KEY_B_START: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Program (row, split) scans vocab slice [split * split_size, +split_size) and writes 6 float32 partials:
-    best score, its index, its logit, max logit, its index, sum of exp(logit - max) (indices below 2**24 are
-    exact in float32)."""
     row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
     temperature = tl.load(temperature_ptr + row)
-    scale = tl.where(temperature < greedy_below, 1.0, temperature)
+    is_greedy = temperature < greedy_below
+    scale = tl.where(is_greedy, 1.0, temperature)
     seed = tl.load(seed_ptr + row)
     position = tl.load(position_ptr + row)
     w0 = (seed & 0xFFFFFFFF).to(tl.uint32)
@@ -70,11 +66,9 @@ def _temperature_sample_kernel(
     max_logit = tl.full((), float("-inf"), tl.float32)
     argmax_index = tl.full((), 0, tl.int32)
     running_sum = tl.full((), 0.0, tl.float32)
-    first = split * split_size
-    end = tl.minimum(first + split_size, vocab_size)
-    for start in range(first, end, BLOCK):
+    for start in range(0, vocab_size, BLOCK):
         index = start + offsets
-        mask = index < end
+        mask = index < vocab_size
         logits = tl.load(base + index, mask=mask, other=float("-inf")).to(tl.float32)
         bits = _fmix32(key_a ^ index.to(tl.uint32))
         bits = _fmix32(bits ^ key_b)
@@ -90,47 +84,29 @@ def _temperature_sample_kernel(
         best_score = tl.maximum(best_score, block_best)
         max_logit, argmax_index, running_sum = argmax_and_sum_exp(logits, index, vocab_size, max_logit,
                                                                   argmax_index, running_sum)
-    out = partials_ptr + (row * tl.num_programs(1) + split) * 6
-    tl.store(out, best_score)
-    tl.store(out + 1, best_index.to(tl.float32))
-    tl.store(out + 2, best_logit)
-    tl.store(out + 3, max_logit)
-    tl.store(out + 4, argmax_index.to(tl.float32))
-    tl.store(out + 5, running_sum)
+    log_normalizer = max_logit + tl.log(running_sum)
+    token = tl.where(is_greedy, argmax_index, best_index)
+    chosen = tl.where(is_greedy, max_logit, best_logit)
+    tl.store(token_ids_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, chosen - log_normalizer)
 
 
 def temperature_sample(
     logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, position: torch.Tensor,
-    greedy_below: float, block: int = 2048, num_splits: int | None = None,
+    greedy_below: float, block: int = 2048,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as worker_svc.sampler.temperature_sample: (token ids int64 [N], logprobs float32 [N]) of
     float32 logits [N, V]; temperature float32 [N] (rows below `greedy_below` are greedy); seed and position
-    int64 [N].
-
-    Each row's vocabulary is cut in `num_splits` slices (default: enough programs to fill the GPU), each
-    scanned by one program; a few [N, splits] operations combine them. Ties go to the lowest index: slices
-    are in index order and the first best slice wins.
-    """
+    int64 [N]."""
     num_rows, vocab_size = logits.shape
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
-    if num_splits is None:
-        num_splits = max(1, min(triton.cdiv(vocab_size, block), triton.cdiv(2048, max(num_rows, 1))))
-    split_size = triton.cdiv(triton.cdiv(vocab_size, num_splits), block) * block
-    num_splits = triton.cdiv(vocab_size, split_size)
-    partials = torch.empty(num_rows, num_splits, 6, dtype=torch.float32, device=logits.device)
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows:
-        _temperature_sample_kernel[(num_rows, num_splits)](
-            logits, temperature, seed, position, partials,
-            logits.stride(0), vocab_size, split_size, greedy_below,
-            KEY_A_START=_KEY_A_START, KEY_B_START=_KEY_B_START, BLOCK=block, num_warps=8,
+        _temperature_sample_kernel[(num_rows,)](
+            logits, temperature, seed, position, token_ids, logprobs,
+            logits.stride(0), vocab_size, greedy_below,
+            KEY_A_START=_KEY_A_START, KEY_B_START=_KEY_B_START,
+            BLOCK=min(block, triton.next_power_of_2(vocab_size)), num_warps=8,
         )
-    best_score, best_index, best_logit, max_logit, argmax_index, sum_exp = partials.unbind(-1)
-    winner = best_score.argmax(dim=-1, keepdim=True)  # first best slice: lowest index on a tie
-    row_max = max_logit.max(dim=-1, keepdim=True).values
-    top = (max_logit == row_max).to(torch.int8).argmax(dim=-1, keepdim=True)
-    log_normalizer = row_max.squeeze(-1) + (sum_exp * torch.exp(max_logit - row_max)).sum(dim=-1).log()
-    is_greedy = temperature < greedy_below
-    sampled = best_index.gather(-1, winner).squeeze(-1)
-    token_ids = torch.where(is_greedy, argmax_index.gather(-1, top).squeeze(-1), sampled)
-    chosen = torch.where(is_greedy, row_max.squeeze(-1), best_logit.gather(-1, winner).squeeze(-1))
-    return token_ids.to(torch.int64), chosen - log_normalizer
+    return token_ids, logprobs
