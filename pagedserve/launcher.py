@@ -124,7 +124,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
         argv.append("--no-async-scheduling")
-    argv += ["--stream-messages-per-step", str(args.stream_messages_per_step)]
+    argv += ["--stream-messages-per-step", str(args.stream_messages_per_step),
+             "--max-steps-in-flight", str(args.max_steps_in_flight)]
     return argv + _protection_argv(args)
 
 

@@ -35,6 +35,8 @@ class SchedulerConfig:
     shutdown_timeout: float = 30.0
     # Plan step N+1 while the worker runs step N (see scheduler.py); off: plan, wait, apply, plan.
     async_scheduling: bool = True
+    # With async scheduling: how many planned steps may wait for their results (2: one ahead of the worker).
+    max_steps_in_flight: int = 2
     # Beyond this many streams, each stream's tokens are handed to gRPC every k-th step (stream_pacing.py).
     stream_messages_per_step: int = 64
     # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
@@ -74,6 +76,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step's result before planning the next (default: plan step N+1 "
                              "while the worker runs step N)")
+    parser.add_argument("--max-steps-in-flight", type=int, default=2,
+                        help="with async scheduling: planned steps whose results are not back yet (2: plan one "
+                             "step ahead; more absorbs jitter, at up to one more wasted token per stop)")
     parser.add_argument("--stream-messages-per-step", type=int, default=64,
                         help="streams given new tokens per step; with more streams each one gets a few tokens "
                              "per message every few steps (the event loop also runs the engine)")
@@ -115,7 +120,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SystemExit("--max-model-len must be at least 2")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
-    for flag in ("stream_messages_per_step", "max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_string_length",
+    for flag in ("max_steps_in_flight", "stream_messages_per_step", "max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_string_length",
                  "max_message_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
@@ -141,6 +146,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         plan_log=args.plan_log,
         async_scheduling=args.async_scheduling,
         stream_messages_per_step=args.stream_messages_per_step,
+        max_steps_in_flight=args.max_steps_in_flight,
         heartbeat_interval=args.heartbeat_interval,
         max_queued_requests=args.max_queued_requests,
         max_prompt_tokens=args.max_prompt_tokens,

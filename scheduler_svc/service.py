@@ -100,7 +100,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
                          num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching),
-            max_steps_in_flight=2 if config.async_scheduling else 1,
+            max_steps_in_flight=config.max_steps_in_flight if config.async_scheduling else 1,
         )
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log,

@@ -367,12 +367,14 @@ def test_simulation_without_chunked_prefill():
     assert scheduler.num_preemptions > 30 and num_swap_outs > 0
 
 
-@pytest.mark.parametrize(("preemption_mode", "seed"), [("recompute", 15), ("swap", 16)])
-def test_simulation_planning_each_step_while_the_previous_one_runs(preemption_mode, seed):
-    """Async scheduling: step N+1 is planned (and run by the worker) before step N's result applies. Same
-    checks: rows, copy-on-write, cached blocks, every token the seed dictates, nothing starves or leaks."""
-    engine, scheduler, num_swap_outs, num_copies = run_simulation(3000, preemption_mode, True, seed,
-                                                                  max_steps_in_flight=2)
+@pytest.mark.parametrize(("preemption_mode", "seed", "steps_in_flight"), [
+    ("recompute", 15, 2), ("swap", 16, 2), ("recompute", 21, 3), ("swap", 22, 3)])
+def test_simulation_planning_each_step_while_the_previous_one_runs(preemption_mode, seed, steps_in_flight):
+    """Async scheduling: step N+1 (and N+2) are planned (and run by the worker) before step N's result
+    applies. Same checks: rows, copy-on-write, cached blocks, every token the seed dictates, nothing starves
+    or leaks."""
+    engine, scheduler, num_swap_outs, num_copies = run_simulation(2000, preemption_mode, True, seed,
+                                                                  max_steps_in_flight=steps_in_flight)
     assert scheduler.num_preemptions > 50 and num_copies > 50 and engine.num_forks > 500
     assert scheduler.prefix_cache_hit_rate > 0.1
     if preemption_mode == "swap":
