@@ -51,7 +51,8 @@ def _greedy(server, prompts, **kwargs):
     ["--max-num-batched-tokens", "24"],  # prefix caching on, prompts chunked
     ["--no-prefix-caching", "--no-chunked-prefill"],
     ["--no-async-scheduling"],
-], ids=["prefix-cache-and-chunking", "neither", "sync-scheduling"])
+    ["--max-steps-in-flight", "2", "--max-num-batched-tokens", "24"],
+], ids=["prefix-cache-and-chunking", "neither", "sync-scheduling", "one-step-ahead"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_equals_transformers_with_prefix_caching_and_chunking_on_or_off(request, arch, tmp_path, flags):
     model = request.getfixturevalue(arch)
@@ -68,12 +69,15 @@ def test_greedy_equals_transformers_with_prefix_caching_and_chunking_on_or_off(r
         assert stats.prefix_cache_hit_tokens >= 7 * 32 and stats.prefix_cache_hit_rate > 0.3
 
 
-def test_async_scheduling_plans_the_next_step_before_a_stop_is_known(llama, tmp_path):
-    """Step N+1 is planned while step N runs: a request that samples its stop token in step N was already
-    planned in step N+1 (one wasted token, dropped), and its output still ends exactly at the stop token."""
+@pytest.mark.parametrize("steps_in_flight", [2, 3])
+def test_async_scheduling_plans_the_next_step_before_a_stop_is_known(llama, tmp_path, steps_in_flight):
+    """Steps after N are planned while step N runs: a request that samples its stop token in step N was
+    already planned in the steps_in_flight - 1 steps after it (wasted tokens, dropped), and its output still
+    ends exactly at the stop token."""
     prompt = _shared_prefix_prompts(1, prefix_len=10, seed=9)[0]
     log = tmp_path / "plans.bin"
-    with running_server(tmp_path, "--model", str(llama), "--plan-log", str(log)) as server:
+    with running_server(tmp_path, "--model", str(llama), "--plan-log", str(log),
+                        "--max-steps-in-flight", str(steps_in_flight)) as server:
         with server.client() as client:
             free_run = client.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids
             stop_at = next(i for i in range(1, 8) if free_run[i] not in free_run[:i])
@@ -83,7 +87,7 @@ def test_async_scheduling_plans_the_next_step_before_a_stop_is_known(llama, tmp_
     plans = list(read_plan_log(log))
     steps = [p.step_id for p in plans
              if any(r.request_id == "stopper" for r in (*p.new_requests, *p.scheduled_requests))]
-    assert len(steps) == stop_at + 2, "prefill, a decode per later token, and the step planned ahead"
+    assert len(steps) == stop_at + steps_in_flight, "prefill, a decode per later token, the steps planned ahead"
     ended = next(p.step_id for p in plans if "stopper" in p.finished_request_ids)
     assert ended > steps[-1]
 
