@@ -3,8 +3,9 @@
 Why: every gRPC message costs the scheduler's event loop tens of microseconds, and that loop also runs the
 engine. With hundreds of streams each getting a token per step, writing one message per token per stream
 would take longer than a GPU step, and the engine would wait behind the writes. A stream that finds several
-deltas waiting (its writes fell behind the steps) sends them as one message instead: under light load every
-token still goes out alone and at once; under heavy load streams get a few tokens per message, as vLLM's do.
+deltas waiting (its handler ran after the engine had applied more than one step: the engine applies results
+back to back when they are already there) sends them as one message instead; under heavy load streams get a
+few tokens per message, as vLLM's do.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fair: a delta queued for a stream wakes its handler before the engine runs again
 microseconds of Python and gRPC, so with hundreds of streams getting a token every step the handlers take
 longer than a GPU step and the engine (and the GPU behind it) waits. `PacedQueue` therefore holds a
 stream's ordinary deltas until the engine flushes it; the engine flushes every stream every step while at
-most `max_messages_per_step` streams run (so a lone stream's tokens go out at once), and beyond that each
+most `max_messages_per_step` streams run (no stream waits for pacing), and beyond that each
 stream every k-th step, staggered, where k = ceil(streams / max_messages_per_step). A stream's first delta,
 its last one, an error and the end of the stream are never held. The handler then sends what it finds as one
 message per sequence run (delta_coalescing.py): under load streams get a few tokens per message, as with

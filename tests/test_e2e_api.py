@@ -101,13 +101,15 @@ def test_cancelled_stream_frees_its_blocks(server):
     assert stats.num_free_kv_blocks == 64 and stats.num_running == 0
 
 
-def test_stream_has_one_chunk_per_token_and_usage_on_the_last(server):
+def test_stream_delivers_tokens_as_they_come_and_usage_on_the_last(server):
+    """Tokens stream in order, a few per message at most (a handler that fell behind the steps sends what
+    waits as one message), and only the last message ends the stream and carries the usage."""
     with server.client() as client:
         chunks = list(client.generate_stream([9, 8, 7, 6], max_tokens=12, temperature=0.0, ignore_eos=True))
         whole = client.generate([9, 8, 7, 6], max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert len(chunks) == 12
+    assert 1 < len(chunks) <= 12 and all(chunk.token_ids for chunk in chunks)
     assert [t for c in chunks for t in c.token_ids] == list(whole.token_ids)
-    assert [c.finish_reason for c in chunks] == [None] * 11 + ["length"]
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
     assert chunks[-1].prompt_tokens == 4 and chunks[-1].completion_tokens == 12
 
 
