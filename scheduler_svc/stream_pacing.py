@@ -1,8 +1,8 @@
 """Pacing of stream messages under load: how often each stream's buffered deltas are handed to its gRPC
 handler.
 
-Why: the scheduler's one event loop runs both the engine and every stream's gRPC handler, and the loop is
-fair: a delta queued for a stream wakes its handler before the engine runs again. Each message costs tens of
+Why: the scheduler's one event loop runs both the engine and every stream's gRPC handler: a delta queued
+for a stream wakes its handler, which runs as soon as the engine waits (for a step's result). Each message costs tens of
 microseconds of Python and gRPC, so with hundreds of streams getting a token every step the handlers take
 longer than a GPU step and the engine (and the GPU behind it) waits. `PacedQueue` therefore holds a
 stream's ordinary deltas until the engine flushes it; the engine flushes every stream every step while at
