@@ -215,7 +215,3 @@ class PersistentBatch:
         requests."""
         same = self.generation[pending.rows] == pending.generations
         self.token_ids[pending.rows[same], pending.positions[same]] = sampled_token_ids[same]
-
-    def commit(self, inputs: StepInputs, sampled_rows: np.ndarray, sampled_token_ids: np.ndarray) -> None:
-        """`begin_step` and `fill` at once: the step's tokens are back already."""
-        self.fill(self.begin_step(inputs, sampled_rows), sampled_token_ids)

@@ -149,9 +149,8 @@ class Worker:
             step.request_ids = [batch.request_id_of(row) for row in step.sampled_rows.tolist()]
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
             self._sample(logits, np.flatnonzero(~is_beam), step)
-            step.pending = batch.begin_step(inputs, step.sampled_rows)
-        else:
-            batch.begin_step(inputs, step.sampled_rows)
+        pending = batch.begin_step(inputs, step.sampled_rows)
+        step.pending = pending if len(step.sampled_rows) else None
         if is_beam.any():
             step.result.beam_candidates.extend(self._beam_candidates(logits, np.flatnonzero(is_beam),
                                                                      inputs.sample_rows[is_beam]))
