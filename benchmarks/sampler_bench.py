@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from protos.pagedserve.v1 import worker_pb2  # noqa: E402
 from worker_svc.persistent_batch import PersistentBatch  # noqa: E402
-from worker_svc.sampler import cuda_temperature_fn, gumbel_noise, sample  # noqa: E402
+from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops  # noqa: E402
+from worker_svc.sampler import sample  # noqa: E402
 from worker_svc.sampling_inputs import build_sampling_tensors  # noqa: E402
 from worker_svc.worker import pack_sampler_output  # noqa: E402
 
@@ -61,12 +62,12 @@ def filled_batch(batch_size: int, vocab: int, prompt: int, output: int, mix: dic
     return batch, np.arange(batch_size, dtype=np.int64)
 
 
-def time_sampling_step(batch, rows, logits, noise_fn, iters: int, device: torch.device, temperature_fn=None) -> float:
+def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.device) -> float:
     """Median milliseconds of one sampling step, ending with the host copy (so it includes the device work)."""
 
     def step():
         tensors = build_sampling_tensors(batch, rows, logits.shape[-1], device)
-        pack_sampler_output(sample(logits, tensors, noise_fn=noise_fn, temperature_fn=temperature_fn)).cpu()
+        pack_sampler_output(sample(logits, tensors, ops)).cpu()
 
     for _ in range(3):
         step()
@@ -114,15 +115,13 @@ def main() -> int:
     parser.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=list(MIXES))
     args = parser.parse_args()
     device = torch.device(args.device)
-    # As the worker does: on a GPU the Gumbel noise is one compiled kernel.
-    noise_fn = torch.compile(gumbel_noise, dynamic=True) if device.type == "cuda" else None
-    # As the worker does: the temperature-only path as one Triton kernel.
-    temperature_fn = cuda_temperature_fn() if device.type == "cuda" else None
+    # As the worker does: the Triton kernels on a GPU.
+    ops = triton_sampling_ops() if device.type == "cuda" else torch_sampling_ops()
     logits = torch.randn(args.batch, args.vocab, device=device, generator=None) * 3
     results = {}
     for name in args.mixes:
         batch, rows = filled_batch(args.batch, args.vocab, args.prompt, args.output, MIXES[name])
-        results[name] = time_sampling_step(batch, rows, logits, noise_fn, args.iters, device, temperature_fn)
+        results[name] = time_sampling_step(batch, rows, logits, ops, args.iters, device)
     decode_ms = args.decode_step_ms
     if decode_ms is None and device.type == "cuda":
         del logits

@@ -23,6 +23,11 @@ def is_interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def has_libdevice() -> bool:
+    """Whether kernels may call libdevice's math functions (the interpreter has none)."""
+    return not is_interpreting()
+
+
 def needs_upcast(dtype: torch.dtype) -> bool:
     """Whether a kernel on `dtype` data must do its arithmetic in fp32 to be right in this process."""
     return is_interpreting() and dtype in (torch.bfloat16, torch.float16)

@@ -179,7 +179,7 @@ def test_ranks_and_top_logprobs_equal_log_softmax_of_the_raw_logits():
 def test_no_adjustments_and_no_top_logprobs_when_no_row_asks():
     batch, indices = _batch([dict(), dict(temperature=1.0)])
     tensors = build_sampling_tensors(batch, indices, VOCAB, "cpu")
-    assert tensors.adjustments is None and tensors.num_top_logprobs == -1 and not tensors.uses_min_p
+    assert tensors.adjustments is None and tensors.num_top_logprobs == -1 and not tensors.restricts
     out = sample(torch.randn(2, VOCAB), tensors)
     assert out.ranks is None and out.top_ids is None
 

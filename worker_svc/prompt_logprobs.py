@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.sample_ref import logprob_details
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
-from worker_svc.sampler import rank_and_top
 
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, batch: PersistentBatch,
@@ -42,7 +42,7 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, batch: PersistentBatch
     chosen = logits.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     log_normalizer = torch.logsumexp(logits, dim=-1)
     k = int(batch.num_prompt_logprobs[[row for row, _, _ in spans]].max())
-    ranks, top_ids, top_logprobs = rank_and_top(logits, chosen, log_normalizer, k)
+    ranks, top_ids, top_logprobs = logprob_details(logits, target_ids, log_normalizer, k)
     packed = torch.cat([(chosen - log_normalizer).unsqueeze(-1).double(), ranks.unsqueeze(-1).double(),
                         top_ids.double(), top_logprobs.double()], dim=-1).cpu().numpy()
     results, offset = [], 0

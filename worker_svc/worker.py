@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops
 from pagedserve.model_source import resolve_model
 from pagedserve.step_timer import BackToBackClock, StepTimer
 from protos.pagedserve.v1 import worker_pb2
@@ -28,10 +29,11 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.logits_processors import LogitsAdjustments, SparseLogits
 from worker_svc.models import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import SamplerOutput, SamplingTensors, cuda_temperature_fn, gumbel_noise, sample
+from worker_svc.sampler import SamplerOutput, SamplingTensors, sample
 from worker_svc.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
@@ -64,9 +66,8 @@ class Worker:
         self.step_timer = StepTimer(f"worker rank {config.rank}")
         self.gpu_clock = BackToBackClock()
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
-        # On a GPU the Gumbel noise is one compiled kernel instead of ~45 launches (same bits).
-        self.noise_fn = torch.compile(gumbel_noise, dynamic=True) if self.device.type == "cuda" else None
-        self.temperature_fn = cuda_temperature_fn() if self.device.type == "cuda" else None
+        # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
+        self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
@@ -90,15 +91,19 @@ class Worker:
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
-        """Compiles the sampler's kernels (greedy, temperature, the noise of the general path) for one row and
-        for several before serving, not at a request's first sampled token."""
+        """Compiles every variant of the sampler's kernels (greedy, drawn, restricted, with processed logits,
+        each logprobs buffer size up to 32 logprobs) for one row and for several before serving, not at a
+        request's first sampled token."""
         vocab_size = self.model_config.vocab_size
-        for rows, temperature, top_p in itertools.product((1, 2), (0.0, 1.0), (1.0, 0.9)):
-            tensors = SamplingTensors.from_host(temperature=[temperature] * rows, top_p=[top_p] * rows,
-                                                top_k=[-1] * rows, seed=[0] * rows, position=[0] * rows,
-                                                device=self.device)
-            logits = torch.zeros(rows, vocab_size, device=self.device)
-            sample(logits, tensors, noise_fn=self.noise_fn, temperature_fn=self.temperature_fn)
+        bias = LogitsAdjustments(sparse=SparseLogits(rows=torch.zeros(1, dtype=torch.int64, device=self.device),
+                                                     token_ids=torch.zeros(1, dtype=torch.int64, device=self.device),
+                                                     values=torch.ones(1, device=self.device)))
+        for rows, temperature, adjustments, logprobs in itertools.product(
+                (1, 2), (0.0, 1.0), (None, bias), (-1, 0, 8, 16, 32)):
+            tensors = SamplingTensors.from_host(temperature=[temperature] * rows, top_p=[0.9] * rows,
+                                                top_k=[5] * rows, seed=[0] * rows, position=[0] * rows,
+                                                adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
+            sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
@@ -224,7 +229,7 @@ class Worker:
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
         tensors = build_sampling_tensors(self.batch, step.sampled_rows, logits.shape[-1], self.device)
-        out = sample(logits, tensors, noise_fn=self.noise_fn, temperature_fn=self.temperature_fn)
+        out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
         if self.device.type == "cuda":

@@ -1,0 +1,85 @@
+"""The sampling kernels (first pass, k-th largest, nucleus, logprob details) against kernels/sample_ref.py in
+Triton's interpreter: the same tokens, thresholds, ranks and top tokens, on rows of mixed parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import sample_ref
+from kernels.triton_kth_largest import kth_largest
+from kernels.triton_logprob_details import logprob_details
+from kernels.triton_nucleus import nucleus
+from kernels.triton_sample import first_pass
+
+GREEDY_BELOW = 1e-5
+VOCAB = 3000  # not a multiple of the blocks
+
+
+def rows(num_rows: int, vocab: int = VOCAB, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab, generator=generator) * 3
+    logits[0, 5:50] = float("-inf")  # masked tokens (bad words, min_tokens)
+    logits[1, 100:110] = logits[1, 99]  # ties
+    return dict(
+        logits=logits,
+        temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.5, 2.0, 1e-6, 0.9])[:num_rows],
+        seed=torch.arange(num_rows, dtype=torch.int64) * 7919 - 3,
+        position=torch.arange(num_rows, dtype=torch.int64) + 100,
+    )
+
+
+@pytest.mark.parametrize("noise", [True, False])
+@pytest.mark.parametrize("separate_raw", [False, True])
+def test_first_pass_matches_reference(noise, separate_raw):
+    case = rows(8)
+    processed = case["logits"]
+    raw = processed + torch.randn(processed.shape) if separate_raw else None
+    args = (case["temperature"], case["seed"], case["position"], GREEDY_BELOW, noise)
+    expected = sample_ref.first_pass(processed, raw, *args)
+    got = first_pass(processed, raw, *args, block=1024)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[2], expected[2], rtol=0, atol=1e-5)
+
+
+def test_kth_largest_is_exact():
+    case = rows(8)
+    values = case["logits"]
+    values[2, :] = 0.5  # one value everywhere
+    values[3, ::2] = -values[3, ::2]  # negative and positive, -0.0 included below
+    values[3, 7] = -0.0
+    k = torch.tensor([1, 13, 2999, 64, 0, -1, 3000, 1500], dtype=torch.int32)
+    assert torch.equal(kth_largest(values, k, block=1024), sample_ref.kth_largest(values, k))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nucleus_draws_what_the_reference_draws(seed):
+    case = rows(8, seed=seed)
+    processed = case["logits"]
+    top_p = torch.tensor([0.9, 0.5, 1.0, 0.95, 0.2, 1.0, 0.8, 0.99])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.05, 0.0, 0.0, 0.3, 0.01])
+    top_k = torch.tensor([-1, 40, 5, -1, 0, 2, 50, 3000], dtype=torch.int32)
+    common = (case["temperature"], case["seed"], case["position"])
+    tokens, max_scaled, _ = sample_ref.first_pass(processed, None, *common, GREEDY_BELOW, True)
+    threshold = sample_ref.kth_largest(processed, top_k)
+    expected = sample_ref.nucleus(processed, tokens.clone(), max_scaled, *common, top_p, min_p, threshold,
+                                  GREEDY_BELOW)
+    got = nucleus(processed, tokens.clone(), max_scaled, *common, top_p, min_p, threshold, GREEDY_BELOW,
+                  block=1024)
+    assert torch.equal(got, expected)
+    # The test means something: the restrictions moved some rows' draws.
+    assert not torch.equal(expected, tokens)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_logprob_details_match_reference(k):
+    case = rows(8)
+    logits = case["logits"]
+    tokens = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(k))
+    log_normalizer = torch.logsumexp(logits, dim=-1)
+    expected = sample_ref.logprob_details(logits, tokens, log_normalizer, k)
+    got = logprob_details(logits, tokens, log_normalizer, k, block=1024)
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1][2:], expected[1][2:])  # rows 0 and 1 hold ties, broken by index here
+    torch.testing.assert_close(got[2], expected[2])
