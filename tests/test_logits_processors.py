@@ -1,7 +1,8 @@
 """The worker's logits processors and the sampler's min_p and top logprobs, through the persistent batch's
 host path (`sampling_inputs.build_sampling_tensors`): penalties equal transformers' processors (repetition)
-and OpenAI's definition (frequency, presence) on the same logits, logit_bias adds, bad_words and min_tokens
-mask, min_p never samples below its threshold, and ranks / top-k equal log_softmax of the raw logits."""
+and OpenAI's definition (frequency, presence) on the same logits, and a dense reference on mixed batches;
+logit_bias adds, bad_words and min_tokens mask, min_p never samples below its threshold, and ranks / top-k
+equal log_softmax of the raw logits."""
 
 from __future__ import annotations
 
@@ -91,6 +92,44 @@ def test_all_three_penalties_together_equal_transformers_then_openai():
     for token, count in Counter(row["output"]).items():
         expected[token] -= 0.3 * count + 0.2
     torch.testing.assert_close(_processed([row], logits)[0], expected, rtol=0, atol=1e-5)
+
+
+def _dense_reference(logits: torch.Tensor, rows: list[dict]) -> torch.Tensor:
+    """logit_bias, then the penalties over the whole vocabulary, row by row: counts by bincount."""
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        for token, bias in row.get("logit_bias", {}).items():
+            expected[i, token] += bias
+        counts = torch.bincount(torch.tensor(row["output"], dtype=torch.long), minlength=VOCAB).float()
+        seen = torch.zeros(VOCAB, dtype=torch.bool)
+        seen[row["prompt"] + row["output"]] = True
+        repetition, frequency, presence = (torch.tensor(row.get(name, default), dtype=torch.float32) for name, default
+                                           in [("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                                               ("presence_penalty", 0.0)])
+        penalized = torch.where(seen & (expected[i] > 0), expected[i] / repetition,
+                                torch.where(seen, expected[i] * repetition, expected[i]))
+        expected[i] = penalized - frequency * counts - presence * (counts > 0)
+    return expected
+
+
+def test_sparse_penalties_equal_a_dense_reference_on_rows_of_mixed_lengths_and_penalties():
+    generator = torch.Generator().manual_seed(6)
+    penalties = [dict(), dict(repetition_penalty=1.3), dict(repetition_penalty=0.6), dict(frequency_penalty=0.7),
+                 dict(presence_penalty=-1.1),
+                 dict(repetition_penalty=1.2, frequency_penalty=-0.4, presence_penalty=0.9)]
+    rows = []
+    for i in range(40):
+        # A 64-token vocabulary and up to 50 tokens per part: repeats, and tokens in both prompt and output.
+        prompt = _random_tokens(generator, int(torch.randint(1, 50, (1,), generator=generator)))
+        output = _random_tokens(generator, int(torch.randint(0, 50, (1,), generator=generator)))
+        bias = {prompt[0]: 4.0, 63: -2.5} if i % 5 == 0 else {}  # applied first: may flip a logit's sign
+        rows.append(dict(prompt=prompt, output=output, logit_bias=bias, **penalties[i % len(penalties)]))
+    logits = torch.randn(len(rows), VOCAB, generator=generator) * 3
+    processed = _processed(rows, logits)
+    torch.testing.assert_close(processed, _dense_reference(logits, rows), rtol=0, atol=0)
+    unpenalized = [i for i, row in enumerate(rows) if not row["logit_bias"] and i % len(penalties) == 0]
+    assert torch.equal(processed[unpenalized], logits[unpenalized]), "rows without penalties are untouched"
+    assert not torch.equal(processed[1], logits[1])
 
 
 def test_logit_bias_adds_to_its_tokens_and_moves_the_greedy_choice():

@@ -3,8 +3,8 @@
 Who owns what: the `PersistentBatch` holds every row's sampling parameters (host numpy); this module reads
 the rows that sample this step and builds the device tensors the sampler takes, deciding every fast path on
 the host (no device read). Each optional part costs nothing unless some row in the step uses it:
-- penalties: the penalized rows' token ids go to the device in one copy and are counted there
-  (`logits_processors.token_counts`); rows without penalties get penalties 0 / 1 (no effect);
+- penalties: only the penalized rows' token ids, lengths and penalties go to the device, in one copy
+  (`PenaltyTensors.from_host`), and are counted there; the other rows are left out, untouched;
 - sparse entries (logit_bias, the min_tokens mask, the bad_words mask): built on the host only for rows that
   have any. The bad_words check compares each banned word's prefix with the row's last tokens, a host loop
   over the rows and words that have them (vLLM's processor does the same), then one scatter on the device;
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from worker_svc.host_to_device import to_device
-from worker_svc.logits_processors import LogitsAdjustments, PenaltyTensors, SparseLogits, token_counts
+from worker_svc.logits_processors import LogitsAdjustments, PenaltyTensors, SparseLogits
 from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.sampler import SamplingTensors
 
@@ -25,7 +25,7 @@ from worker_svc.sampler import SamplingTensors
 def build_sampling_tensors(batch: PersistentBatch, rows: np.ndarray, vocab_size: int,
                            device: torch.device | str) -> SamplingTensors:
     """`rows`: the rows that sample, in logits order; each row's next token is at position num_tokens."""
-    penalties = _penalties(batch, rows, vocab_size, device)
+    penalties = _penalties(batch, rows, device)
     sparse = _sparse_logits(batch, rows, device)
     adjustments = None if penalties is None and sparse is None else LogitsAdjustments(sparse, penalties)
     num_logprobs = batch.num_logprobs[rows]
@@ -42,22 +42,19 @@ def build_sampling_tensors(batch: PersistentBatch, rows: np.ndarray, vocab_size:
     )
 
 
-def _penalties(batch: PersistentBatch, rows: np.ndarray, vocab_size: int, device) -> PenaltyTensors | None:
+def _penalties(batch: PersistentBatch, rows: np.ndarray, device) -> PenaltyTensors | None:
     presence, frequency = batch.presence_penalty[rows], batch.frequency_penalty[rows]
     repetition = batch.repetition_penalty[rows]
-    penalized = (presence != 0) | (frequency != 0) | (repetition != 1)
-    if not penalized.any():
+    penalized = np.flatnonzero((presence != 0) | (frequency != 0) | (repetition != 1))
+    if not len(penalized):
         return None
-    num_tokens = batch.num_tokens[rows]
-    # Rows without a penalty count nothing (length 0), so only penalized rows' tokens travel.
-    num_tokens = np.where(penalized, num_tokens, 0)
-    num_prompt = np.minimum(batch.num_prompt_tokens[rows], num_tokens)
-    token_ids = batch.token_ids[rows, : int(num_tokens.max())]
-    counts, in_prompt = token_counts(_to(token_ids, torch.int64, device), _to(num_prompt, torch.int64, device),
-                                     _to(num_tokens, torch.int64, device), vocab_size)
-    return PenaltyTensors(repetition=_to(repetition, torch.float32, device),
-                          frequency=_to(frequency, torch.float32, device),
-                          presence=_to(presence, torch.float32, device), counts=counts, in_prompt=in_prompt)
+    penalized_rows = rows[penalized]
+    num_tokens = batch.num_tokens[penalized_rows]
+    num_prompt = np.minimum(batch.num_prompt_tokens[penalized_rows], num_tokens)
+    return PenaltyTensors.from_host(
+        rows=penalized, num_prompt_tokens=num_prompt, num_tokens=num_tokens,
+        token_ids=batch.token_ids[penalized_rows, : int(num_tokens.max())], repetition=repetition[penalized],
+        frequency=frequency[penalized], presence=presence[penalized], device=torch.device(device))
 
 
 def _sparse_logits(batch: PersistentBatch, rows: np.ndarray, device) -> SparseLogits | None:
