@@ -32,8 +32,9 @@ def first_pass(
     return token_ids, scaled.max(dim=-1).values, log_normalizer
 
 
-def kth_largest(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """float32 [N]: the k[i]-th largest of row i (ties counted), or -inf where k <= 0 or k >= V (keep all)."""
+def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
+    """float32 [N]: the k[i]-th largest of row i (ties counted), or -inf where k <= 0 or k >= V (keep all).
+    `k_max` (>= every k) sizes the kernel's buffers; unused here."""
     vocab_size = values.shape[-1]
     k = k.to(torch.int64)
     restricts = (k > 0) & (k < vocab_size)

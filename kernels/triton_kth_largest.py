@@ -1,13 +1,18 @@
-"""The k-th largest value of each row (k per row), by radix select: the threshold of top-k (keep the values
->= it, ties included, as vLLM does) and of the top logprobs.
+"""The k-th largest value of each row (k per row): the threshold of top-k (keep the values >= it, ties
+included, as vLLM does) and of the top logprobs.
 
-Reference: `kernels.sample_ref.kth_largest` (a sort; exact, so the two agree bit for bit).
+Reference: `kernels.sample_ref.kth_largest` (a sort; the kernels are exact, so the two agree bit for bit).
 
-Why radix select and not torch.topk: topk at [256, 152k] float32 takes about 0.6 ms on an H200 whatever k,
-and a full sort 2.8 ms. Here each float32 is mapped to a uint32 key that sorts like the float, and four
-passes over the row, one per 8-bit digit from the top, each count the keys that match the digits found so far
-in a 256-bin histogram (`tl.histogram`: a few warp ballots per element); the bin where the running count from
-the top reaches k is the next digit. Four streaming reads of the row, no sort, no scratch memory.
+Why not torch.topk: it takes about 0.6 ms at [256, 152k] float32 on an H200 whatever k, a full sort 2.8 ms.
+The exact tool here is a radix select (`_radix_select_kernel`): each float32 is mapped to a uint32 key that
+sorts like the float, and four passes over the row, one per 8-bit digit from the top, count the keys that
+match the digits found so far in a 256-bin histogram; the bin where the running count from the top reaches
+k is the next digit. Its histograms cost about 0.2 ms per pass over [256, 152k], so the full row goes
+through it only as a fallback. First a filter: the rows are cut into at least 4 * k_max groups and each
+group's max is taken (one pass); the k-th largest group max, L, is a lower bound of the k-th largest value
+(k groups have a max >= L), so the values >= L, typically a few times k of them, hold the answer. They are
+gathered (kernels/triton_gather.py) and radix-selected in a small buffer. A row whose values >= L overflow
+the buffer (ties, or k near the group count) is radix-selected over its whole row.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_gather import gather_at_least
+
+# Above this k the filter's buffer (4 k floats per row) stops paying: the whole rows are radix-selected.
+MAX_FILTERED_K = 1024
 
 
 @triton.jit
@@ -56,7 +66,7 @@ def _radix_digit(row_ptr, vocab_size, prefix, remaining, SHIFT: tl.constexpr, BL
 
 
 @triton.jit
-def _kth_largest_kernel(values_ptr, k_ptr, out_ptr, stride_row, vocab_size, BLOCK: tl.constexpr):
+def _radix_select_kernel(values_ptr, k_ptr, out_ptr, stride_row, vocab_size, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     k = tl.load(k_ptr + row).to(tl.int32)
     threshold = float("-inf")
@@ -71,12 +81,48 @@ def _kth_largest_kernel(values_ptr, k_ptr, out_ptr, stride_row, vocab_size, BLOC
     tl.store(out_ptr + row, threshold)
 
 
-def kth_largest(values: torch.Tensor, k: torch.Tensor, block: int = 4096, num_warps: int = 8) -> torch.Tensor:
-    """Same contract as kernels.sample_ref.kth_largest."""
+@triton.jit
+def _group_max_kernel(values_ptr, out_ptr, stride_row, vocab_size, num_groups, GROUP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    groups = tl.arange(0, BLOCK // GROUP)
+    for start in range(0, vocab_size, BLOCK):
+        index = start + offsets
+        values = tl.load(values_ptr + row * stride_row + index, mask=index < vocab_size, other=float("-inf"))
+        group = start // GROUP + groups
+        tl.store(out_ptr + row * num_groups + group, tl.max(tl.reshape(values, (BLOCK // GROUP, GROUP)), 1),
+                 mask=group < num_groups)
+
+
+def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """Same contract as kernels.sample_ref.kth_largest; `k_max` >= every row's k (host-side, sizes buffers)."""
     num_rows, vocab_size = values.shape
     assert values.dtype == torch.float32 and values.stride(1) == 1
+    if num_rows == 0 or k_max <= 0:
+        return torch.full((num_rows,), float("-inf"), device=values.device)
+    if k_max > MAX_FILTERED_K:
+        return radix_select(values, k)
+    group = max(16, min(4096, triton.next_power_of_2(vocab_size // (4 * k_max)) // 2))
+    num_groups = -(-vocab_size // group)
+    group_max = torch.empty((num_rows, num_groups), device=values.device)
+    _group_max_kernel[(num_rows,)](values, group_max, values.stride(0), vocab_size, num_groups, GROUP=group,
+                                   BLOCK=max(group, 8192), num_warps=16)
+    restricts = (k > 0) & (k < vocab_size)
+    # Rows that keep everything gather nothing (+inf), and their radix select answers -inf.
+    bound = torch.where(restricts, radix_select(group_max, k), float("inf"))
+    capacity = triton.next_power_of_2(4 * k_max + 64)
+    candidates, _, count, _ = gather_at_least(values, bound, capacity)
+    threshold = radix_select(candidates, k)
+    overflow_k = torch.where(count > capacity, k, 0)  # rows whose candidates did not fit: the whole row
+    return torch.where(count > capacity, radix_select(values, overflow_k), threshold)
+
+
+def radix_select(values: torch.Tensor, k: torch.Tensor, block: int = 4096) -> torch.Tensor:
+    """The exact k-th largest of each row by radix select over the whole row (-inf where k <= 0 or k >= V)."""
+    num_rows, vocab_size = values.shape
     out = torch.empty(num_rows, dtype=torch.float32, device=values.device)
     if num_rows:
-        _kth_largest_kernel[(num_rows,)](values, k, out, values.stride(0), vocab_size,
-                                         BLOCK=min(block, triton.next_power_of_2(vocab_size)), num_warps=num_warps)
+        _radix_select_kernel[(num_rows,)](values, k, out, values.stride(0), vocab_size,
+                                          BLOCK=min(block, triton.next_power_of_2(vocab_size)), num_warps=8)
     return out

@@ -84,7 +84,7 @@ def _nucleus_kernel(
 def nucleus(
     processed: torch.Tensor, token_ids: torch.Tensor, max_scaled: torch.Tensor, temperature: torch.Tensor,
     seed: torch.Tensor, position: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    top_k_threshold: torch.Tensor, greedy_below: float, block: int = 2048, num_warps: int = 8,
+    top_k_threshold: torch.Tensor, greedy_below: float, block: int = 8192, num_warps: int = 16,
 ) -> torch.Tensor:
     """Same contract as kernels.sample_ref.nucleus (updates and returns `token_ids`)."""
     num_rows, vocab_size = processed.shape

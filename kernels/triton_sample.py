@@ -79,7 +79,7 @@ def _first_pass_kernel(
 
 def first_pass(
     processed: torch.Tensor, raw: torch.Tensor | None, temperature: torch.Tensor, seed: torch.Tensor,
-    position: torch.Tensor, greedy_below: float, noise: bool, block: int = 2048, num_warps: int = 8,
+    position: torch.Tensor, greedy_below: float, noise: bool, block: int = 8192, num_warps: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.sample_ref.first_pass."""
     num_rows, vocab_size = processed.shape

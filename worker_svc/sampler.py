@@ -49,6 +49,7 @@ class SamplingTensors:
       for the first generated token).
     - all_greedy: every row is greedy; no noise is computed.
     - uses_top_k: some non-greedy row has top_k > 0 (its threshold is computed).
+    - max_top_k: the largest top_k of those rows (sizes the threshold kernel's buffers).
     - restricts: some non-greedy row restricts its vocabulary (top-k, top-p or min_p): the nucleus pass runs.
     - adjustments: penalties, logit_bias and masks (None: no row uses any).
     - num_top_logprobs: the most top alternatives any row asked for; -1 when no row asked for logprobs,
@@ -63,6 +64,7 @@ class SamplingTensors:
     position: torch.Tensor
     all_greedy: bool
     uses_top_k: bool = False
+    max_top_k: int = 0
     restricts: bool = False
     adjustments: LogitsAdjustments | None = None
     num_top_logprobs: int = -1
@@ -104,13 +106,14 @@ class SamplingTensors:
         ints = np.empty((3, num_rows), dtype=np.int64)
         ints[0], ints[1], ints[2] = top_k, seed, position
         sampled = floats[0] >= GREEDY_TEMPERATURE
-        uses_top_k = bool((sampled & (ints[0] > 0)).any())
+        max_top_k = int(np.where(sampled, ints[0], 0).max(initial=0))
+        uses_top_k = max_top_k > 0
         device = torch.device(device)
         restricts = uses_top_k or bool((sampled & ((floats[1] < 1.0) | (floats[2] > 0.0))).any())
         floats, ints = to_device(floats, device), to_device(ints, device)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seed=ints[1], position=ints[2],
-            all_greedy=not sampled.any(), uses_top_k=uses_top_k, restricts=restricts,
+            all_greedy=not sampled.any(), uses_top_k=uses_top_k, max_top_k=max_top_k, restricts=restricts,
             adjustments=adjustments, num_top_logprobs=num_top_logprobs,
         )
 
@@ -158,7 +161,7 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, ops: SamplingOps | No
         not tensors.all_greedy)
     if tensors.restricts:
         if tensors.uses_top_k:
-            top_k_threshold = ops.kth_largest(processed, tensors.top_k)
+            top_k_threshold = ops.kth_largest(processed, tensors.top_k, tensors.max_top_k)
         else:
             top_k_threshold = torch.full_like(max_scaled, float("-inf"))
         token_ids = ops.nucleus(processed, token_ids, max_scaled, tensors.temperature, tensors.seed,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import sample_ref
-from kernels.triton_kth_largest import kth_largest
+from kernels.triton_kth_largest import kth_largest, radix_select
 from kernels.triton_logprob_details import logprob_details
 from kernels.triton_nucleus import nucleus
 from kernels.triton_sample import first_pass
@@ -49,8 +49,13 @@ def test_kth_largest_is_exact():
     values[2, :] = 0.5  # one value everywhere
     values[3, ::2] = -values[3, ::2]  # negative and positive, -0.0 included below
     values[3, 7] = -0.0
-    k = torch.tensor([1, 13, 2999, 64, 0, -1, 3000, 1500], dtype=torch.int32)
-    assert torch.equal(kth_largest(values, k, block=1024), sample_ref.kth_largest(values, k))
+    k = torch.tensor([1, 13, 2999, 64, 0, -1, 3000, 1500], dtype=torch.int64)
+    expected = sample_ref.kth_largest(values, k)
+    assert torch.equal(radix_select(values, k, block=1024), expected)
+    assert torch.equal(kth_largest(values, k, k_max=3000), expected)
+    # The group-max filter: small k, rows of ties overflowing the buffer (row 2), rows keeping everything.
+    small = torch.tensor([1, 13, 40, 64, 0, -1, 3000, 50], dtype=torch.int64)
+    assert torch.equal(kth_largest(values, small, k_max=64), sample_ref.kth_largest(values, small))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -79,7 +84,7 @@ def test_logprob_details_match_reference(k):
     tokens = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(k))
     log_normalizer = torch.logsumexp(logits, dim=-1)
     expected = sample_ref.logprob_details(logits, tokens, log_normalizer, k)
-    got = logprob_details(logits, tokens, log_normalizer, k, block=1024)
+    got = logprob_details(logits, tokens, log_normalizer, k)
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1][2:], expected[1][2:])  # rows 0 and 1 hold ties, broken by index here
     torch.testing.assert_close(got[2], expected[2])
