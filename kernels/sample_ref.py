@@ -11,6 +11,8 @@ less than top_p of K's softmax mass.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.gumbel_ref import gumbel_noise
@@ -18,10 +20,11 @@ from kernels.gumbel_ref import gumbel_noise
 
 def first_pass(
     processed: torch.Tensor, raw: torch.Tensor | None, temperature: torch.Tensor, seed: torch.Tensor,
-    position: torch.Tensor, greedy_below: float, noise: bool,
+    position: torch.Tensor, greedy_below: float, noise: bool, skip_draw: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids int64: the argmax for greedy rows, else the Gumbel-max draw over the whole vocabulary;
-    max of processed * (1 / temperature) float32; logsumexp of `raw` (None: of `processed`) float32)."""
+    max of processed * (1 / temperature) float32; logsumexp of `raw` (None: of `processed`) float32).
+    `skip_draw` (rows drawn from their top-k candidates instead) only saves the kernel work."""
     is_greedy = temperature < greedy_below
     scaled = processed * _inverse_temperature(temperature, greedy_below).unsqueeze(-1)
     token_ids = processed.argmax(dim=-1)
@@ -32,24 +35,45 @@ def first_pass(
     return token_ids, scaled.max(dim=-1).values, log_normalizer
 
 
-def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int | None = None) -> torch.Tensor:
-    """float32 [N]: the k[i]-th largest of row i (ties counted), or -inf where k <= 0 or k >= V (keep all).
+@dataclass(frozen=True)
+class TopKCandidates:
+    """Per row, every value >= its top-k threshold (and a few more), gathered by the kernel that found the
+    threshold, so that top-k rows are drawn from these few instead of the whole vocabulary.
+    values float32 [N, C] (-inf padded), ids int64 [N, C] (their vocabulary indices), fits bool [N] (False: the
+    row's values did not fit, or it has no top-k; draw it from the whole row)."""
+
+    values: torch.Tensor
+    ids: torch.Tensor
+    fits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TopK:
+    """`kth_largest`'s answer: threshold float32 [N], and the candidates when the kernel gathered them."""
+
+    threshold: torch.Tensor
+    candidates: TopKCandidates | None = None
+
+
+def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int | None = None) -> TopK:
+    """threshold: the k[i]-th largest of row i (ties counted), or -inf where k <= 0 or k >= V (keep all).
     `k_max` (>= every k) sizes the kernel's buffers; unused here."""
     vocab_size = values.shape[-1]
     k = k.to(torch.int64)
     restricts = (k > 0) & (k < vocab_size)
     ordered = values.sort(dim=-1, descending=True).values
     kth = ordered.gather(-1, (k - 1).clamp(0, vocab_size - 1).unsqueeze(-1)).squeeze(-1)
-    return torch.where(restricts, kth, torch.full_like(kth, float("-inf")))
+    return TopK(torch.where(restricts, kth, torch.full_like(kth, float("-inf"))))
 
 
 def nucleus(
     processed: torch.Tensor, token_ids: torch.Tensor, max_scaled: torch.Tensor, temperature: torch.Tensor,
     seed: torch.Tensor, position: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    top_k_threshold: torch.Tensor, greedy_below: float,
+    top_k_threshold: torch.Tensor, greedy_below: float, candidates: TopKCandidates | None = None,
 ) -> torch.Tensor:
     """`token_ids` with each restricted non-greedy row's token replaced by the Gumbel-max draw over its kept
-    set (the module docstring's K ∩ nucleus). `top_k_threshold`: from `kth_largest`."""
+    set (the module docstring's K ∩ nucleus). `top_k_threshold`: from `kth_largest`; `candidates` only
+    saves the kernel work, the draw is the same."""
     scaled = processed * _inverse_temperature(temperature, greedy_below).unsqueeze(-1)
     min_p_threshold = torch.where(min_p > 0, max_scaled + torch.log(min_p), torch.full_like(min_p, float("-inf")))
     in_k = (processed >= top_k_threshold.unsqueeze(-1)) & (scaled >= min_p_threshold.unsqueeze(-1))

@@ -1,10 +1,11 @@
-"""Gathers, per row, the values at or above a per-row threshold (in index order) into a small buffer, and
+"""Gathers, per row, the values at or above a per-row threshold into a small buffer, and
 optionally counts the values strictly above a chosen token's: the compaction step of the top-k threshold
 (kernels/triton_kth_largest.py) and of the top logprobs (kernels/triton_logprob_details.py).
 
 Why a kernel: a mask, nonzero and gather in torch write a [N, V] mask and sync the host for the sizes. Here one
-program per row streams its values once; the prefix scan that places the kept values runs only in blocks
-that hold any (a few blocks of a row, for a top-k threshold).
+program per row streams its values once, and the kept values take slots from a per-row atomic counter. The
+set gathered is exact when it fits (the caller checks count <= capacity); its order in the buffer is not
+deterministic, so callers sort it (or need only the set); past the capacity an arbitrary subset is kept.
 """
 
 from __future__ import annotations
@@ -27,21 +28,18 @@ def _gather_kernel(
         chosen = tl.load(row_ptr + tl.load(token_ptr + row))
     offsets = tl.arange(0, BLOCK)
     better = tl.full((), 0, tl.int32)
-    count = tl.full((), 0, tl.int32)
     for start in range(0, vocab_size, BLOCK):
         index = start + offsets
         values = tl.load(row_ptr + index, mask=index < vocab_size, other=float("-inf"))
         if RANK:
             better += tl.sum((values > chosen).to(tl.int32), 0)
         take = (index < vocab_size) & (values >= threshold)
-        taken = tl.sum(take.to(tl.int32), 0)
-        if taken > 0:
-            slot = count + tl.cumsum(take.to(tl.int32), 0) - 1
+        if tl.sum(take.to(tl.int32), 0) > 0:
+            # Slots from an atomic counter: a block-wide prefix scan cost more than the whole pass.
+            slot = tl.atomic_add(count_ptr + row + tl.zeros_like(index), 1, mask=take)
             store = take & (slot < CAPACITY)
             tl.store(gathered_values_ptr + row * CAPACITY + slot, values, mask=store)
             tl.store(gathered_ids_ptr + row * CAPACITY + slot, index.to(tl.int64), mask=store)
-            count += taken
-    tl.store(count_ptr + row, count)
     if RANK:
         tl.store(rank_ptr + row, better.to(tl.int64) + 1)
 
@@ -51,14 +49,14 @@ def gather_at_least(
     block: int = 8192, num_warps: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(gathered values float32 [N, capacity] (-inf padded), their ids int64 [N, capacity], count int32 [N]
-    of values >= threshold (may exceed capacity: the first `capacity` in index order are kept), and, when
+    of values >= threshold, and, when
     `token_ids` is given, rank int64 [N] = 1 + the number of values strictly above the token's)."""
     num_rows, vocab_size = values.shape
     assert values.dtype == torch.float32 and values.stride(1) == 1
     device = values.device
     gathered_values = torch.full((num_rows, capacity), float("-inf"), device=device)
     gathered_ids = torch.zeros((num_rows, capacity), dtype=torch.int64, device=device)
-    count = torch.empty(num_rows, dtype=torch.int32, device=device)
+    count = torch.zeros(num_rows, dtype=torch.int32, device=device)
     rank = None if token_ids is None else torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows:
         _gather_kernel[(num_rows,)](

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.sample_ref import TopK, TopKCandidates
 from kernels.triton_gather import gather_at_least
 
 # Above this k the filter's buffer (4 k floats per row) stops paying: the whole rows are radix-selected.
@@ -95,14 +96,15 @@ def _group_max_kernel(values_ptr, out_ptr, stride_row, vocab_size, num_groups, G
                  mask=group < num_groups)
 
 
-def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tensor:
-    """Same contract as kernels.sample_ref.kth_largest; `k_max` >= every row's k (host-side, sizes buffers)."""
+def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int) -> TopK:
+    """Same contract as kernels.sample_ref.kth_largest; `k_max` >= every row's k (host-side, sizes buffers).
+    The candidates come along when the filter ran."""
     num_rows, vocab_size = values.shape
     assert values.dtype == torch.float32 and values.stride(1) == 1
     if num_rows == 0 or k_max <= 0:
-        return torch.full((num_rows,), float("-inf"), device=values.device)
+        return TopK(torch.full((num_rows,), float("-inf"), device=values.device))
     if k_max > MAX_FILTERED_K:
-        return radix_select(values, k)
+        return TopK(radix_select(values, k))
     group = max(16, min(4096, triton.next_power_of_2(vocab_size // (4 * k_max)) // 2))
     num_groups = -(-vocab_size // group)
     group_max = torch.empty((num_rows, num_groups), device=values.device)
@@ -112,10 +114,11 @@ def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int) -> torch.Tens
     # Rows that keep everything gather nothing (+inf), and their radix select answers -inf.
     bound = torch.where(restricts, radix_select(group_max, k), float("inf"))
     capacity = triton.next_power_of_2(4 * k_max + 64)
-    candidates, _, count, _ = gather_at_least(values, bound, capacity)
-    threshold = radix_select(candidates, k)
-    overflow_k = torch.where(count > capacity, k, 0)  # rows whose candidates did not fit: the whole row
-    return torch.where(count > capacity, radix_select(values, overflow_k), threshold)
+    candidates, ids, count, _ = gather_at_least(values, bound, capacity)
+    fits = restricts & (count <= capacity)
+    # Rows whose candidates did not fit are radix-selected over the whole row.
+    threshold = torch.where(fits, radix_select(candidates, k), radix_select(values, torch.where(fits, 0, k)))
+    return TopK(threshold, TopKCandidates(candidates, ids, fits))
 
 
 def radix_select(values: torch.Tensor, k: torch.Tensor, block: int = 4096) -> torch.Tensor:

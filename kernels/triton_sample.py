@@ -40,13 +40,16 @@ def running_sum_exp(values, running_max, running_sum):
 
 @triton.jit
 def _first_pass_kernel(
-    processed_ptr, raw_ptr, temperature_ptr, seed_ptr, position_ptr, token_ptr, max_scaled_ptr,
+    processed_ptr, raw_ptr, temperature_ptr, seed_ptr, position_ptr, skip_draw_ptr, token_ptr, max_scaled_ptr,
     log_normalizer_ptr, stride_processed, stride_raw, vocab_size, greedy_below,
-    SEPARATE_RAW: tl.constexpr, NOISE: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
+    SEPARATE_RAW: tl.constexpr, NOISE: tl.constexpr, SKIP_DRAW: tl.constexpr, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     is_greedy = temperature < greedy_below
+    draws = NOISE & ~is_greedy
+    if SKIP_DRAW:
+        draws = draws & (tl.load(skip_draw_ptr + row) == 0)
     inverse = 1.0 / tl.where(is_greedy, 1.0, temperature)  # one division; x = logit * inverse
     key_a, key_b = row_keys(tl.load(seed_ptr + row), tl.load(position_ptr + row))
     offsets = tl.arange(0, BLOCK)
@@ -66,12 +69,10 @@ def _first_pass_kernel(
             raw_max, raw_sum = running_sum_exp(raw, raw_max, raw_sum)
         else:
             raw_max, raw_sum = running_sum_exp(processed, raw_max, raw_sum)
-        if NOISE:
+        if draws:
             score = tl.where(mask, processed * inverse + gumbel_noise(key_a, key_b, index, LIBDEVICE), float("-inf"))
             best_score, best_index = running_argmax(score, index, vocab_size, best_score, best_index)
-    token = argmax
-    if NOISE:
-        token = tl.where(is_greedy, argmax, best_index)
+    token = tl.where(draws, best_index, argmax)
     tl.store(token_ptr + row, token.to(tl.int64))
     tl.store(max_scaled_ptr + row, processed_max * inverse)
     tl.store(log_normalizer_ptr + row, raw_max + tl.log(raw_sum))
@@ -79,9 +80,11 @@ def _first_pass_kernel(
 
 def first_pass(
     processed: torch.Tensor, raw: torch.Tensor | None, temperature: torch.Tensor, seed: torch.Tensor,
-    position: torch.Tensor, greedy_below: float, noise: bool, block: int = 8192, num_warps: int = 16,
+    position: torch.Tensor, greedy_below: float, noise: bool, skip_draw: torch.Tensor | None = None,
+    block: int = 8192, num_warps: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as kernels.sample_ref.first_pass."""
+    """Same contract as kernels.sample_ref.first_pass; rows flagged in `skip_draw` (bool [N]) are drawn
+    elsewhere (from their top-k candidates) and skip the noise: their token is the argmax."""
     num_rows, vocab_size = processed.shape
     assert processed.dtype == torch.float32 and processed.stride(1) == 1
     assert raw is None or (raw.shape == processed.shape and raw.dtype == torch.float32 and raw.stride(1) == 1)
@@ -90,9 +93,11 @@ def first_pass(
     log_normalizer = torch.empty(num_rows, dtype=torch.float32, device=processed.device)
     if num_rows:
         _first_pass_kernel[(num_rows,)](
-            processed, processed if raw is None else raw, temperature, seed, position, token_ids, max_scaled,
+            processed, processed if raw is None else raw, temperature, seed, position,
+            token_ids if skip_draw is None else skip_draw, token_ids, max_scaled,
             log_normalizer, processed.stride(0), processed.stride(0) if raw is None else raw.stride(0),
-            vocab_size, greedy_below, SEPARATE_RAW=raw is not None, NOISE=noise, LIBDEVICE=has_libdevice(),
+            vocab_size, greedy_below, SEPARATE_RAW=raw is not None, NOISE=noise, SKIP_DRAW=skip_draw is not None,
+            LIBDEVICE=has_libdevice(),
             BLOCK=min(block, triton.next_power_of_2(vocab_size)), num_warps=num_warps,
         )
     return token_ids, max_scaled, log_normalizer

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.sample_ref import TopK
 from kernels.sampling_ops import SamplingOps, torch_sampling_ops
 from worker_svc.host_to_device import to_device
 from worker_svc.logits_processors import LogitsAdjustments, apply_adjustments
@@ -156,16 +157,16 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, ops: SamplingOps | No
     ops = ops or torch_sampling_ops()
     processed = apply_adjustments(logits, tensors.adjustments)
     raw = None if processed is logits else logits
+    # Top-k first: rows drawn from their gathered candidates skip the first pass's noise.
+    top_k = ops.kth_largest(processed, tensors.top_k, tensors.max_top_k) if tensors.uses_top_k else None
     token_ids, max_scaled, log_normalizer = ops.first_pass(
         processed, raw, tensors.temperature, tensors.seed, tensors.position, GREEDY_TEMPERATURE,
-        not tensors.all_greedy)
+        not tensors.all_greedy, top_k.candidates.fits if top_k and top_k.candidates else None)
     if tensors.restricts:
-        if tensors.uses_top_k:
-            top_k_threshold = ops.kth_largest(processed, tensors.top_k, tensors.max_top_k)
-        else:
-            top_k_threshold = torch.full_like(max_scaled, float("-inf"))
+        top_k = top_k or TopK(torch.full_like(max_scaled, float("-inf")))
         token_ids = ops.nucleus(processed, token_ids, max_scaled, tensors.temperature, tensors.seed,
-                                tensors.position, tensors.top_p, tensors.min_p, top_k_threshold, GREEDY_TEMPERATURE)
+                                tensors.position, tensors.top_p, tensors.min_p, top_k.threshold, GREEDY_TEMPERATURE,
+                                top_k.candidates)
     logprobs = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_normalizer
     if tensors.num_top_logprobs < 0:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

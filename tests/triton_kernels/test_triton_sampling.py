@@ -50,12 +50,14 @@ def test_kth_largest_is_exact():
     values[3, ::2] = -values[3, ::2]  # negative and positive, -0.0 included below
     values[3, 7] = -0.0
     k = torch.tensor([1, 13, 2999, 64, 0, -1, 3000, 1500], dtype=torch.int64)
-    expected = sample_ref.kth_largest(values, k)
+    expected = sample_ref.kth_largest(values, k).threshold
     assert torch.equal(radix_select(values, k, block=1024), expected)
-    assert torch.equal(kth_largest(values, k, k_max=3000), expected)
+    assert torch.equal(kth_largest(values, k, k_max=3000).threshold, expected)
     # The group-max filter: small k, rows of ties overflowing the buffer (row 2), rows keeping everything.
     small = torch.tensor([1, 13, 40, 64, 0, -1, 3000, 50], dtype=torch.int64)
-    assert torch.equal(kth_largest(values, small, k_max=64), sample_ref.kth_largest(values, small))
+    top_k = kth_largest(values, small, k_max=64)
+    assert torch.equal(top_k.threshold, sample_ref.kth_largest(values, small).threshold)
+    assert top_k.candidates.fits.tolist() == [True, True, False, True, False, False, False, True]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -67,11 +69,17 @@ def test_nucleus_draws_what_the_reference_draws(seed):
     top_k = torch.tensor([-1, 40, 5, -1, 0, 2, 50, 3000], dtype=torch.int32)
     common = (case["temperature"], case["seed"], case["position"])
     tokens, max_scaled, _ = sample_ref.first_pass(processed, None, *common, GREEDY_BELOW, True)
-    threshold = sample_ref.kth_largest(processed, top_k)
+    threshold = sample_ref.kth_largest(processed, top_k).threshold
     expected = sample_ref.nucleus(processed, tokens.clone(), max_scaled, *common, top_p, min_p, threshold,
                                   GREEDY_BELOW)
     got = nucleus(processed, tokens.clone(), max_scaled, *common, top_p, min_p, threshold, GREEDY_BELOW,
                   block=1024)
+    assert torch.equal(got, expected)
+    # Top-k rows drawn from their gathered candidates draw the same tokens.
+    candidates = kth_largest(processed, top_k, k_max=64).candidates
+    assert candidates.fits.any()
+    got = nucleus(processed, tokens.clone(), max_scaled, *common, top_p, min_p, threshold, GREEDY_BELOW,
+                  candidates, block=1024)
     assert torch.equal(got, expected)
     # The test means something: the restrictions moved some rows' draws.
     assert not torch.equal(expected, tokens)
@@ -88,3 +96,25 @@ def test_logprob_details_match_reference(k):
     assert torch.equal(got[0], expected[0])
     assert torch.equal(got[1][2:], expected[1][2:])  # rows 0 and 1 hold ties, broken by index here
     torch.testing.assert_close(got[2], expected[2])
+
+
+def test_sample_with_the_kernels_equals_sample_with_the_references():
+    """The whole sampler (worker_svc/sampler.py) with the Triton set and with the torch set: every kind of row
+    in one batch, top-k rows drawn from their gathered candidates, processed logits and logprobs."""
+    from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops
+    from worker_svc.logits_processors import LogitsAdjustments, SparseLogits
+    from worker_svc.sampler import SamplingTensors, sample
+
+    logits = rows(8)["logits"]
+    bias = SparseLogits(rows=torch.tensor([1, 2]), token_ids=torch.tensor([7, 9]), values=torch.tensor([9.0, -5.0]))
+    tensors = SamplingTensors.from_host(
+        temperature=[0.0, 0.7, 1.0, 1.3, 0.5, 2.0, 0.8, 0.9], top_k=[-1, 40, 5, -1, 3, 2, 50, -1],
+        top_p=[1.0, 0.9, 1.0, 0.95, 0.2, 1.0, 0.8, 1.0], min_p=[0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.3, 0.0],
+        seed=list(range(8)), position=[5] * 8, adjustments=LogitsAdjustments(sparse=bias), num_top_logprobs=3,
+        device="cpu",
+    )
+    fast, reference = sample(logits, tensors, triton_sampling_ops()), sample(logits, tensors, torch_sampling_ops())
+    assert torch.equal(fast.token_ids, reference.token_ids)
+    assert torch.equal(fast.ranks, reference.ranks)
+    assert torch.equal(fast.top_ids[2:], reference.top_ids[2:])  # rows 0 and 1 hold ties
+    torch.testing.assert_close(fast.logprobs, reference.logprobs)
