@@ -3,6 +3,14 @@
 KV cache layout (one tensor per layer): `[2, num_blocks, block_size, num_kv_heads, head_dim]`, index 0 = K,
 1 = V. A sequence's context position p lives in block `block_table[p // block_size]` at offset
 `p % block_size`. This file favours obviousness over speed: a Python loop over sequences, math in fp32.
+
+Rounding follows flash attention, which is what transformers' sdpa runs on a GPU (and what vLLM's and
+our Triton kernels do): scores and softmax in fp32, the unnormalized probabilities `exp(s - max)` rounded
+to the cache dtype for the P @ V product (fp32 accumulation), the fp32 row sum of the unrounded
+probabilities dividing the result, one rounding of the output. In fp32 the rounding is the identity.
+Why it matters: a bf16 model amplifies any one-ulp difference to bf16's whole error, so a reference that
+kept P in fp32 is as far from transformers' bf16 as bf16 is from fp32. A kernel rounds P against its
+running max, tile by tile; this reference uses the row max (one tile spanning the whole context).
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ def paged_attention(
         key_positions = torch.arange(seq_len, device=query.device)
         visible = key_positions[None, :] <= query_positions[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        output[start:end] = torch.matmul(probs, value).transpose(0, 1).to(query.dtype)
+        probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+        weighted = torch.matmul(probs.to(kv_cache.dtype).float(), value) / probs.sum(-1, keepdim=True)
+        output[start:end] = weighted.transpose(0, 1).to(query.dtype)
     return output

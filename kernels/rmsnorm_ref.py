@@ -2,7 +2,9 @@
 
 Why a standalone function: the Triton kernel (kernels/triton_rmsnorm.py) is tested against it, and
 tests/triton_kernels/ checks it equals the model module bit for bit, so the kernel is held to the same
-cast order Hugging Face uses (to fp32, normalize, back to the input dtype, times weight).
+cast order Hugging Face uses (to fp32, normalize, back to the input dtype, times weight). In bf16 that
+rounds three times, where HF's decoder layer does: the residual sum (HF adds in the activation dtype and
+normalizes the rounded sum), the normalized row, and its product with the weight.
 """
 
 from __future__ import annotations

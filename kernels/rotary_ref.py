@@ -2,7 +2,9 @@
 
 Why a standalone function: the Triton kernel (kernels/triton_rotary.py) is tested against it, and it is
 checked to equal the model module bit for bit. The cos/sin table is fp32 `[max_positions, head_dim]`
-(cos half | sin half), gathered by position and cast to the activation dtype before use, as HF does.
+(cos half | sin half), gathered by position and cast to the activation dtype before use, as HF does;
+then each product and the sum round to the activation dtype (torch's elementwise ops), as in HF's
+apply_rotary_pos_emb.
 """
 
 from __future__ import annotations

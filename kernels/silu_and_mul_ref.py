@@ -1,7 +1,9 @@
 """Torch reference of the gated MLP activation: SiLU(gate) * up, the math of llama.py's MLP.
 
 Why `[T, 2 * I]` input: a fused gate_up projection produces gate and up side by side in one matmul;
-the kernel (kernels/triton_silu_and_mul.py) reads both halves of a row and writes `[T, I]`.
+the kernel (kernels/triton_silu_and_mul.py) reads both halves of a row and writes `[T, I]`. Rounding is
+HF's `act_fn(gate_proj(x)) * up_proj(x)` in the activation dtype: SiLU (computed in fp32 by torch)
+rounds, then the product rounds again.
 """
 
 from __future__ import annotations

@@ -83,7 +83,11 @@ def online_softmax_step(
     """Fold one K/V tile into the running state of rows `query` [R, D]; `visible` [R, N] when MASKED.
 
     Returns (running_max, running_sum, acc) with acc unnormalized, all fp32, max in the log2 domain.
+    Rounding as flash attention (see kernels/paged_attention_ref.py): the sum takes the fp32
+    probabilities, the P @ V product takes them rounded to the cache dtype, also when UPCAST computes
+    that product in fp32.
     """
+    cache_dtype = value.dtype
     if UPCAST:
         key = key.to(tl.float32)
         value = value.to(tl.float32)
@@ -95,7 +99,8 @@ def online_softmax_step(
     rescale = tl.exp2(running_max - safe_max)
     probs = tl.exp2(scores - safe_max[:, None])
     running_sum = running_sum * rescale + tl.sum(probs, 1)
-    acc = acc * rescale[:, None] + tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
+    rounded_probs = probs.to(cache_dtype).to(value.dtype)
+    acc = acc * rescale[:, None] + tl.dot(rounded_probs, value, input_precision=DOT_PRECISION)
     return new_max, running_sum, acc
 
 

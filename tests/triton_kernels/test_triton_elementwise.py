@@ -1,7 +1,9 @@
 """Triton RMSNorm, rotary and SiLU-and-mul equal their torch references (CPU interpreter, see conftest.py).
 
 The references are first checked to equal worker_svc/models/llama.py's modules bit for bit, so the
-kernels are held to the model's exact math (HF's cast order).
+kernels are held to the model's exact math (HF's cast order). In bf16 the kernels must equal the
+references bit for bit too: they compute in fp32 and round exactly where torch's bf16 ops round (the
+interpreter rounds like a GPU, see conftest.py); fp32 differs only by summation order and exp/rsqrt.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from kernels.triton_silu_and_mul import silu_and_mul
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import MLP, RMSNorm, RotaryEmbedding
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.0}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 

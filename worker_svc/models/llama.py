@@ -4,7 +4,10 @@ Why our own modules instead of transformers' modeling code: the worker runs a fl
 batch dimension, no padding) against a paged KV cache described by AttentionMetadata, and attention goes
 through a swappable backend (torch reference on CPU, Triton on GPU). Numerics follow HF exactly where it
 matters for token-exact greedy output: RMSNorm's cast order, fp32 rotary tables cast to the activation
-dtype, neox-style (halves) rotation, attention math in fp32.
+dtype, neox-style (halves) rotation, attention math in fp32. In bf16/fp16 every op rounds where HF's
+modules round (kernels/*_ref.py say where), and attention rounds its probabilities as flash attention,
+the kernel HF's sdpa uses on a GPU: tests/test_models.py holds our bf16 logits to HF's (bit-identical
+on the CPU).
 
 Parameter names equal HF's, so `load_weights` is a name-to-parameter copy.
 """
@@ -209,7 +212,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, vocab] in fp32 of the hidden states [N, hidden] the caller selected."""
+        """Logits [N, vocab] in fp32 of the hidden states [N, hidden] the caller selected.
+
+        The product runs in the model dtype and is then widened: HF's logits are rounded to it too."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return nn.functional.linear(hidden, weight).float()
 
