@@ -98,10 +98,10 @@ class Worker:
         bias = LogitsAdjustments(sparse=SparseLogits(rows=torch.zeros(1, dtype=torch.int64, device=self.device),
                                                      token_ids=torch.zeros(1, dtype=torch.int64, device=self.device),
                                                      values=torch.ones(1, device=self.device)))
-        for rows, temperature, adjustments, logprobs in itertools.product(
-                (1, 2), (0.0, 1.0), (None, bias), (-1, 0, 8, 16, 32)):
+        for rows, temperature, top_k, adjustments, logprobs in itertools.product(
+                (1, 2), (0.0, 1.0), (-1, 5), (None, bias), (-1, 0, 8, 16, 32)):
             tensors = SamplingTensors.from_host(temperature=[temperature] * rows, top_p=[0.9] * rows,
-                                                top_k=[5] * rows, seed=[0] * rows, position=[0] * rows,
+                                                top_k=[top_k] * rows, seed=[0] * rows, position=[0] * rows,
                                                 adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
             sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
 
