@@ -66,7 +66,7 @@ def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.devic
     """Median milliseconds of one sampling step, ending with the host copy (so it includes the device work)."""
 
     def step():
-        tensors = build_sampling_tensors(batch, rows, logits.shape[-1], device)
+        tensors = build_sampling_tensors(batch, rows, device)
         pack_sampler_output(sample(logits, tensors, ops)).cpu()
 
     for _ in range(3):

@@ -49,7 +49,7 @@ def _batch(rows: list[dict]) -> tuple[PersistentBatch, np.ndarray]:
 
 def _processed(rows: list[dict], logits: torch.Tensor) -> torch.Tensor:
     batch, indices = _batch(rows)
-    tensors = build_sampling_tensors(batch, indices, logits.shape[-1], "cpu")
+    tensors = build_sampling_tensors(batch, indices, "cpu")
     return apply_adjustments(logits, tensors.adjustments)
 
 
@@ -142,7 +142,7 @@ def test_logit_bias_adds_to_its_tokens_and_moves_the_greedy_choice():
     expected[0, 10] -= 1.0
     torch.testing.assert_close(processed, expected)
     batch, indices = _batch(rows)
-    assert sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids.tolist() == [3, 10]
+    assert sample(logits, build_sampling_tensors(batch, indices, "cpu")).token_ids.tolist() == [3, 10]
 
 
 def test_min_tokens_masks_stop_ids_until_reached_then_frees_them():
@@ -155,7 +155,7 @@ def test_min_tokens_masks_stop_ids_until_reached_then_frees_them():
     assert torch.isinf(processed[:2, [7, 8]]).all() and (processed[:2, [7, 8]] < 0).all()
     assert torch.equal(processed[2], logits[2]), "min_tokens reached: nothing masked"
     batch, indices = _batch(rows)
-    token_ids = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids.tolist()
+    token_ids = sample(logits, build_sampling_tensors(batch, indices, "cpu")).token_ids.tolist()
     assert token_ids[0] not in (7, 8) and token_ids[1] not in (7, 8) and token_ids[2] == 7
 
 
@@ -181,7 +181,7 @@ def test_min_p_never_samples_below_its_threshold_and_keeps_the_rest_in_proportio
     min_p, temperature = 0.1, 1.5
     rows = [dict(temperature=temperature, min_p=min_p, seed=1000 + i) for i in range(num_draws)]
     batch, indices = _batch(rows)
-    drawn = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids
+    drawn = sample(logits, build_sampling_tensors(batch, indices, "cpu")).token_ids
     probs = torch.softmax(logits[0] / temperature, dim=-1)
     kept = probs >= min_p * probs.max()
     assert kept.sum() < VOCAB // 2, "the threshold really cuts"
@@ -191,7 +191,7 @@ def test_min_p_never_samples_below_its_threshold_and_keeps_the_rest_in_proportio
     expected = torch.softmax(warped[0], dim=-1)
     frequencies = torch.bincount(drawn, minlength=VOCAB).float() / num_draws
     assert (frequencies - expected).abs().max() < 0.025
-    unmasked = sample(logits, build_sampling_tensors(*_batch([dict(r, min_p=0.0) for r in rows]), VOCAB, "cpu"))
+    unmasked = sample(logits, build_sampling_tensors(*_batch([dict(r, min_p=0.0) for r in rows]), "cpu"))
     assert not kept[unmasked.token_ids].all(), "without min_p some draws fall below the threshold"
 
 
@@ -202,7 +202,7 @@ def test_ranks_and_top_logprobs_equal_log_softmax_of_the_raw_logits():
     rows = [dict(logprobs=k, temperature=t, seed=i, presence_penalty=0.5, output=[int(logits[i].argmax())])
             for i, (k, t) in enumerate([(0, 0.0), (3, 1.0), (5, 0.7), (1, 1.0), (2, 0.0)])]
     batch, indices = _batch(rows)
-    out = sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu"))
+    out = sample(logits, build_sampling_tensors(batch, indices, "cpu"))
     reference = torch.log_softmax(logits, dim=-1)
     chosen = reference.gather(-1, out.token_ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(out.logprobs, chosen)
@@ -217,7 +217,7 @@ def test_ranks_and_top_logprobs_equal_log_softmax_of_the_raw_logits():
 
 def test_no_adjustments_and_no_top_logprobs_when_no_row_asks():
     batch, indices = _batch([dict(), dict(temperature=1.0)])
-    tensors = build_sampling_tensors(batch, indices, VOCAB, "cpu")
+    tensors = build_sampling_tensors(batch, indices, "cpu")
     assert tensors.adjustments is None and tensors.num_top_logprobs == -1 and not tensors.restricts
     out = sample(torch.randn(2, VOCAB), tensors)
     assert out.ranks is None and out.top_ids is None
@@ -228,11 +228,11 @@ def test_a_penalized_seeded_row_draws_the_same_token_whatever_rows_surround_it(p
     generator = torch.Generator().manual_seed(5)
     probe = dict(prompt=[4, 5, 6], output=[7, 7, 8], temperature=1.0, seed=99, **penalty)
     probe_logits = torch.randn(1, VOCAB, generator=generator)
-    alone = sample(probe_logits, build_sampling_tensors(*_batch([probe]), VOCAB, "cpu")).token_ids[0]
+    alone = sample(probe_logits, build_sampling_tensors(*_batch([probe]), "cpu")).token_ids[0]
     fillers = [dict(output=_random_tokens(generator, 30), temperature=1.0, seed=i, presence_penalty=0.5)
                for i in range(7)]
     rows = fillers[:3] + [probe] + fillers[3:]
     logits = torch.randn(8, VOCAB, generator=generator)
     logits[3] = probe_logits[0]
     batch, indices = _batch(rows)
-    assert sample(logits, build_sampling_tensors(batch, indices, VOCAB, "cpu")).token_ids[3] == alone
+    assert sample(logits, build_sampling_tensors(batch, indices, "cpu")).token_ids[3] == alone

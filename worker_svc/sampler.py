@@ -49,8 +49,8 @@ class SamplingTensors:
     - position int64 [N]: index, in the request's sequence, of the token being sampled (the prompt length
       for the first generated token).
     - all_greedy: every row is greedy; no noise is computed.
-    - uses_top_k: some non-greedy row has top_k > 0 (its threshold is computed).
-    - max_top_k: the largest top_k of those rows (sizes the threshold kernel's buffers).
+    - max_top_k: the largest top_k of the non-greedy rows, 0 when none has one (then no threshold is computed;
+      otherwise it sizes the threshold kernel's buffers).
     - restricts: some non-greedy row restricts its vocabulary (top-k, top-p or min_p): the nucleus pass runs.
     - adjustments: penalties, logit_bias and masks (None: no row uses any).
     - num_top_logprobs: the most top alternatives any row asked for; -1 when no row asked for logprobs,
@@ -64,7 +64,6 @@ class SamplingTensors:
     seed: torch.Tensor
     position: torch.Tensor
     all_greedy: bool
-    uses_top_k: bool = False
     max_top_k: int = 0
     restricts: bool = False
     adjustments: LogitsAdjustments | None = None
@@ -108,13 +107,12 @@ class SamplingTensors:
         ints[0], ints[1], ints[2] = top_k, seed, position
         sampled = floats[0] >= GREEDY_TEMPERATURE
         max_top_k = int(np.where(sampled, ints[0], 0).max(initial=0))
-        uses_top_k = max_top_k > 0
         device = torch.device(device)
-        restricts = uses_top_k or bool((sampled & ((floats[1] < 1.0) | (floats[2] > 0.0))).any())
+        restricts = max_top_k > 0 or bool((sampled & ((floats[1] < 1.0) | (floats[2] > 0.0))).any())
         floats, ints = to_device(floats, device), to_device(ints, device)
         return cls(
             temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seed=ints[1], position=ints[2],
-            all_greedy=not sampled.any(), uses_top_k=uses_top_k, max_top_k=max_top_k, restricts=restricts,
+            all_greedy=not sampled.any(), max_top_k=max_top_k, restricts=restricts,
             adjustments=adjustments, num_top_logprobs=num_top_logprobs,
         )
 
@@ -158,7 +156,7 @@ def sample(logits: torch.Tensor, tensors: SamplingTensors, ops: SamplingOps | No
     processed = apply_adjustments(logits, tensors.adjustments)
     raw = None if processed is logits else logits
     # Top-k first: rows drawn from their gathered candidates skip the first pass's noise.
-    top_k = ops.kth_largest(processed, tensors.top_k, tensors.max_top_k) if tensors.uses_top_k else None
+    top_k = ops.kth_largest(processed, tensors.top_k, tensors.max_top_k) if tensors.max_top_k > 0 else None
     token_ids, max_scaled, log_normalizer = ops.first_pass(
         processed, raw, tensors.temperature, tensors.seed, tensors.position, GREEDY_TEMPERATURE,
         not tensors.all_greedy, top_k.candidates.fits if top_k and top_k.candidates else None)

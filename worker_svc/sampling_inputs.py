@@ -22,8 +22,7 @@ from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.sampler import SamplingTensors
 
 
-def build_sampling_tensors(batch: PersistentBatch, rows: np.ndarray, vocab_size: int,
-                           device: torch.device | str) -> SamplingTensors:
+def build_sampling_tensors(batch: PersistentBatch, rows: np.ndarray, device: torch.device | str) -> SamplingTensors:
     """`rows`: the rows that sample, in logits order; each row's next token is at position num_tokens."""
     penalties = _penalties(batch, rows, device)
     sparse = _sparse_logits(batch, rows, device)

@@ -228,7 +228,7 @@ class Worker:
         logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
-        tensors = build_sampling_tensors(self.batch, step.sampled_rows, logits.shape[-1], self.device)
+        tensors = build_sampling_tensors(self.batch, step.sampled_rows, self.device)
         out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
