@@ -1,8 +1,8 @@
 """The worker's logits processors and the sampler's min_p and top logprobs, through the persistent batch's
 host path (`sampling_inputs.build_sampling_tensors`): penalties equal transformers' processors (repetition)
 and OpenAI's definition (frequency, presence) on the same logits, and a dense reference on mixed batches;
-logit_bias adds, bad_words and min_tokens mask, min_p never samples below its threshold, and ranks / top-k
-equal log_softmax of the raw logits."""
+logit_bias adds, bad_words and min_tokens mask (each entry on its own row and token when rows mix them),
+min_p never samples below its threshold, and ranks / top-k equal log_softmax of the raw logits."""
 
 from __future__ import annotations
 
@@ -27,24 +27,27 @@ VOCAB = 64
 
 
 def _batch(rows: list[dict]) -> tuple[PersistentBatch, np.ndarray]:
-    """A persistent batch holding one row per dict: prompt, output (generated tokens) and sampling fields."""
+    """A persistent batch holding one row per dict (request r{i}), and those rows in order."""
     batch = PersistentBatch(max_num_seqs=len(rows), max_model_len=256, block_size=16)
-    indices = []
-    for i, row in enumerate(rows):
-        prompt, output = row.get("prompt", [1, 2, 3]), row.get("output", [])
-        sampling = worker_pb2.WorkerSamplingParams(
-            temperature=row.get("temperature", 0.0), top_p=1.0, top_k=-1, seed=row.get("seed", i),
-            repetition_penalty=row.get("repetition_penalty", 1.0),
-            presence_penalty=row.get("presence_penalty", 0.0), frequency_penalty=row.get("frequency_penalty", 0.0),
-            min_p=row.get("min_p", 0.0), min_tokens=row.get("min_tokens", 0),
-            min_tokens_masked_ids=row.get("min_tokens_masked_ids", []),
-            logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in row.get("logit_bias", {}).items()],
-            bad_words=[worker_pb2.BadWord(token_ids=w) for w in row.get("bad_words", [])],
-            num_logprobs=row.get("logprobs", -1), num_prompt_logprobs=-1,
-        )
-        indices.append(batch.add(worker_pb2.NewRequest(
-            request_id=f"r{i}", token_ids=prompt + output, sampling=sampling, num_prompt_tokens=len(prompt))))
+    indices = [batch.add(_new_request(i, row)) for i, row in enumerate(rows)]
     return batch, np.asarray(indices, dtype=np.int64)
+
+
+def _new_request(i: int, row: dict) -> worker_pb2.NewRequest:
+    """Request r{i} from a dict: prompt, output (generated tokens) and sampling fields."""
+    prompt, output = row.get("prompt", [1, 2, 3]), row.get("output", [])
+    sampling = worker_pb2.WorkerSamplingParams(
+        temperature=row.get("temperature", 0.0), top_p=1.0, top_k=-1, seed=row.get("seed", i),
+        repetition_penalty=row.get("repetition_penalty", 1.0),
+        presence_penalty=row.get("presence_penalty", 0.0), frequency_penalty=row.get("frequency_penalty", 0.0),
+        min_p=row.get("min_p", 0.0), min_tokens=row.get("min_tokens", 0),
+        min_tokens_masked_ids=row.get("min_tokens_masked_ids", []),
+        logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in row.get("logit_bias", {}).items()],
+        bad_words=[worker_pb2.BadWord(token_ids=w) for w in row.get("bad_words", [])],
+        num_logprobs=row.get("logprobs", -1), num_prompt_logprobs=-1,
+    )
+    return worker_pb2.NewRequest(request_id=f"r{i}", token_ids=prompt + output, sampling=sampling,
+                                 num_prompt_tokens=len(prompt))
 
 
 def _processed(rows: list[dict], logits: torch.Tensor) -> torch.Tensor:
@@ -173,6 +176,56 @@ def test_bad_words_equal_transformers_no_bad_words_over_the_output():
         assert torch.equal(torch.isinf(processed[i]), torch.isinf(expected)), f"row {i}"
         assert torch.equal(processed[i][~torch.isinf(expected)], logits[i][~torch.isinf(expected)])
     assert torch.isinf(processed[1, 11]) and not torch.isinf(processed[0, 11])
+
+
+def _sparse_reference(logits: torch.Tensor, rows: list[dict]) -> torch.Tensor:
+    """Row by row, the obvious way: add each logit_bias, mask the min_tokens ids while the output is shorter
+    than min_tokens, mask each bad word's last token when the output ends with the word's other tokens."""
+    expected = logits.clone()
+    for i, row in enumerate(rows):
+        output = row.get("output", [])
+        for token, bias in row.get("logit_bias", {}).items():
+            expected[i, token] += bias
+        if len(output) < row.get("min_tokens", 0):
+            expected[i, row["min_tokens_masked_ids"]] = -float("inf")
+        for word in row.get("bad_words", []):
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix) :] == prefix:
+                expected[i, word[-1]] = -float("inf")
+    return expected
+
+
+def test_sparse_entries_of_mixed_rows_land_on_their_own_rows_and_tokens():
+    generator = torch.Generator().manual_seed(7)
+    bad_words = [[5], [9, 11], [20, 21, 22]]
+    masked = dict(min_tokens=4, min_tokens_masked_ids=[7, 8, 40])
+    rows = [
+        dict(output=[1, 2], logit_bias={3: 2.5, 60: -1.25}, **masked),  # masked: 2 < 4
+        dict(output=[1, 2, 3, 4], logit_bias={7: 3.0}, **masked),  # min_tokens reached: bias only
+        dict(output=[9], logit_bias={11: 1.5}, bad_words=bad_words),  # bias then [9, 11]'s ban on one token
+        dict(output=[]),
+        dict(output=[20, 21], bad_words=bad_words, **masked),  # [20, 21, 22] banned, [9, 11] not
+        dict(prompt=[9], output=[], bad_words=bad_words),  # a word does not continue across the prompt
+        dict(output=[0] * 6, logit_bias={7: -0.5, 8: 4.0}, **masked),  # past min_tokens
+        dict(output=[5, 9], logit_bias={63: 0.75}, bad_words=bad_words, min_tokens=9,
+             min_tokens_masked_ids=[11, 63]),  # everything at once, two entries on 11 and on 63
+        dict(output=[4], min_tokens=2, min_tokens_masked_ids=[0]),
+    ]
+    batch, indices = _batch(rows)
+    # r0 and r4 leave and come back in each other's rows: their pool runs now follow the others'.
+    for i in (0, 4):
+        batch.remove(f"r{i}")
+    for i in (0, 4):
+        batch.add(_new_request(i, rows[i]))
+    assert (batch.row_of("r0"), batch.row_of("r4")) == (indices[4], indices[0])
+    step = np.asarray([6, 2, 0, 8, 3, 5, 1, 7, 4])  # requests r{i}, in another order than their rows
+    step_rows = [rows[i] for i in step]
+    logits = torch.randn(len(step), VOCAB, generator=generator) * 3
+    tensors = build_sampling_tensors(batch, np.asarray([batch.row_of(f"r{i}") for i in step]), "cpu")
+    assert torch.equal(apply_adjustments(logits, tensors.adjustments), _sparse_reference(logits, step_rows))
+    sparse = tensors.adjustments.sparse
+    assert len({t.untyped_storage().data_ptr() for t in (sparse.rows, sparse.token_ids, sparse.values)}) == 1, \
+        "one buffer, one host-to-device copy"
 
 
 def test_min_p_never_samples_below_its_threshold_and_keeps_the_rest_in_proportion():

@@ -72,11 +72,25 @@ class PenaltyTensors:
 @dataclass(frozen=True)
 class SparseLogits:
     """Entries added to the logits: logits[rows[i], token_ids[i]] += values[i] (a bias, or -inf to mask).
-    Accumulated: a row's logit_bias and masks may name the same token."""
+    Accumulated: a row's logit_bias and masks may name the same token. Built by `from_host`, all three are
+    views of one device buffer, filled by one H2D copy."""
 
     rows: torch.Tensor  # int64 [M]
     token_ids: torch.Tensor  # int64 [M]
     values: torch.Tensor  # float32 [M]
+
+    @classmethod
+    def from_host(cls, rows: np.ndarray, token_ids: np.ndarray, values: np.ndarray,
+                  device: torch.device) -> SparseLogits:
+        """Packs rows and token ids and the values' float32 bits (two to an int64) into one int64 buffer,
+        copies it."""
+        num_entries = len(rows)
+        packed = np.zeros(2 * num_entries + (num_entries + 1) // 2, dtype=np.int64)
+        packed[:num_entries], packed[num_entries : 2 * num_entries] = rows, token_ids
+        packed[2 * num_entries :].view(np.float32)[:num_entries] = values
+        on_device = to_device(packed, device)
+        return cls(rows=on_device[:num_entries], token_ids=on_device[num_entries : 2 * num_entries],
+                   values=on_device[2 * num_entries :].view(torch.float32)[:num_entries])
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos.pagedserve.v1 import worker_pb2
+from worker_svc.row_entries import RowEntries
 
-_NO_BIAS = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
-_NO_IDS = np.zeros(0, dtype=np.int64)
 # A token the previous step samples that has not come back to the host yet: the next step may be built
 # before it does (see `begin_step`), and its input is then taken from that step's sampled ids on the device.
 PENDING_TOKEN = -1
@@ -81,11 +80,15 @@ class PersistentBatch:
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
         self.num_prompt_logprobs = np.full(max_num_seqs, -1, dtype=np.int64)
-        # Sparse per-row parameters (few rows have them): a row's logit_bias (ids, biases), the ids masked
-        # until min_tokens, its bad words as id sequences. `has_sparse` says which rows have any.
-        self.logit_bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * max_num_seqs
-        self.min_tokens_masked_ids: list[np.ndarray] = [_NO_IDS] * max_num_seqs
-        self.bad_words: list[tuple[np.ndarray, ...]] = [()] * max_num_seqs
+        # Sparse per-row parameters (few rows have them; `has_sparse` says which rows have any). A row's
+        # logit_bias (ids, biases) and the ids masked until min_tokens (value -inf) are runs of flat pools, so a
+        # step gathers every row's entries at once. Its bad words are tuples of token ids, matched against the
+        # row's last tokens one row at a time, on the rows that have any (`has_bad_words`); comparing small
+        # tuples of ints is several times cheaper than np.array_equal on small arrays.
+        self.logit_bias = RowEntries(max_num_seqs)
+        self.min_tokens_masked = RowEntries(max_num_seqs)
+        self.bad_words: list[tuple[tuple[int, ...], ...]] = [()] * max_num_seqs
+        self.has_bad_words = np.zeros(max_num_seqs, dtype=bool)
         self.has_sparse = np.zeros(max_num_seqs, dtype=bool)
         self._row_of: dict[str, int] = {}
         self._request_of_row: list[str | None] = [None] * max_num_seqs
@@ -109,7 +112,10 @@ class PersistentBatch:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._request_of_row[row] = None
-            self.has_sparse[row] = False
+            self.logit_bias.clear(row)
+            self.min_tokens_masked.clear(row)
+            self.bad_words[row] = ()
+            self.has_bad_words[row] = self.has_sparse[row] = False
             self._free_rows.append(row)
 
     def add(self, new: worker_pb2.NewRequest) -> int:
@@ -143,12 +149,12 @@ class PersistentBatch:
         self.min_tokens[row] = sampling.min_tokens
         self.num_logprobs[row] = sampling.num_logprobs
         self.num_prompt_logprobs[row] = sampling.num_prompt_logprobs
-        self.logit_bias[row] = (np.asarray([b.token_id for b in sampling.logit_bias], dtype=np.int64),
-                                np.asarray([b.bias for b in sampling.logit_bias], dtype=np.float32))
-        self.min_tokens_masked_ids[row] = np.asarray(sampling.min_tokens_masked_ids, dtype=np.int64)
-        self.bad_words[row] = tuple(np.asarray(w.token_ids, dtype=np.int64) for w in sampling.bad_words if w.token_ids)
-        self.has_sparse[row] = bool(len(sampling.logit_bias) or self.bad_words[row]
-                                    or (sampling.min_tokens and len(sampling.min_tokens_masked_ids)))
+        self.logit_bias.set(row, [b.token_id for b in sampling.logit_bias], [b.bias for b in sampling.logit_bias])
+        self.min_tokens_masked.set(row, sampling.min_tokens_masked_ids if sampling.min_tokens else [], -np.inf)
+        self.bad_words[row] = tuple(tuple(w.token_ids) for w in sampling.bad_words if w.token_ids)
+        self.has_bad_words[row] = bool(self.bad_words[row])
+        self.has_sparse[row] = bool(self.logit_bias.length[row] or self.min_tokens_masked.length[row]
+                                    or self.has_bad_words[row])
         return row
 
     def update(self, scheduled: worker_pb2.ScheduledRequest) -> int:

@@ -6,8 +6,10 @@ the host (no device read). Each optional part costs nothing unless some row in t
 - penalties: only the penalized rows' token ids, lengths and penalties go to the device, in one copy
   (`PenaltyTensors.from_host`), and are counted there; the other rows are left out, untouched;
 - sparse entries (logit_bias, the min_tokens mask, the bad_words mask): built on the host only for rows that
-  have any. The bad_words check compares each banned word's prefix with the row's last tokens, a host loop
-  over the rows and words that have them (vLLM's processor does the same), then one scatter on the device;
+  have any, with whole-array operations (the rows' logit_bias and masked ids are runs of flat pools,
+  `RowEntries`), and sent in one copy (`SparseLogits.from_host`), then one scatter on the device. Only the
+  bad_words check loops: it compares each banned word's prefix with the row's last tokens, over the rows
+  and words that have them (vLLM's processor does the same);
 - top logprobs: computed only when some row asked for them (`num_top_logprobs`).
 """
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker_svc.host_to_device import to_device
 from worker_svc.logits_processors import LogitsAdjustments, PenaltyTensors, SparseLogits
 from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.sampler import SamplingTensors
@@ -57,47 +58,43 @@ def _penalties(batch: PersistentBatch, rows: np.ndarray, device) -> PenaltyTenso
 
 
 def _sparse_logits(batch: PersistentBatch, rows: np.ndarray, device) -> SparseLogits | None:
+    """Every sparse entry of the step, row after row (in a row: its logit_bias, then its min_tokens mask, then
+    its banned words), gathered with whole-array operations; only the rows with bad words are visited one by
+    one."""
     indices = np.flatnonzero(batch.has_sparse[rows])
     if not len(indices):
         return None
-    entry_rows, entry_ids, entry_values = [], [], []
-
-    def add(index: int, ids: np.ndarray, values: np.ndarray | float) -> None:
-        entry_rows.append(np.full(len(ids), index, dtype=np.int64))
-        entry_ids.append(ids)
-        entry_values.append(np.broadcast_to(np.asarray(values, dtype=np.float32), ids.shape))
-
-    for index in indices.tolist():
-        row = rows[index]
-        bias_ids, biases = batch.logit_bias[row]
-        if len(bias_ids):
-            add(index, bias_ids, biases)
-        num_output = batch.num_tokens[row] - batch.num_prompt_tokens[row]
-        if num_output < batch.min_tokens[row]:
-            add(index, batch.min_tokens_masked_ids[row], -np.inf)
-        banned = _banned_last_tokens(batch, row)
-        if len(banned):
-            add(index, banned, -np.inf)
-    if not entry_rows:
+    sparse_rows = rows[indices]
+    bias_lengths = batch.logit_bias.length[sparse_rows]
+    bias_ids, biases = batch.logit_bias.take(sparse_rows, bias_lengths)
+    num_output = batch.num_tokens[sparse_rows] - batch.num_prompt_tokens[sparse_rows]
+    mask_lengths = np.where(num_output < batch.min_tokens[sparse_rows], batch.min_tokens_masked.length[sparse_rows], 0)
+    masked_ids, mask_values = batch.min_tokens_masked.take(sparse_rows, mask_lengths)
+    banned_indices, banned_ids = _banned_last_tokens(batch, rows)
+    entry_rows = np.concatenate([np.repeat(indices, bias_lengths), np.repeat(indices, mask_lengths), banned_indices])
+    if not len(entry_rows):
         return None
-    return SparseLogits(rows=_to(np.concatenate(entry_rows), torch.int64, device),
-                        token_ids=_to(np.concatenate(entry_ids), torch.int64, device),
-                        values=_to(np.concatenate(entry_values), torch.float32, device))
+    order = np.argsort(entry_rows, kind="stable")
+    token_ids = np.concatenate([bias_ids, masked_ids, banned_ids])
+    values = np.concatenate([biases, mask_values, np.full(len(banned_ids), -np.inf, dtype=np.float32)])
+    return SparseLogits.from_host(rows=entry_rows[order], token_ids=token_ids[order], values=values[order],
+                                  device=torch.device(device))
 
 
-def _banned_last_tokens(batch: PersistentBatch, row: int) -> np.ndarray:
-    """The last token of each bad word whose other tokens the row's output ends with (always, for one-token
-    words). Only output tokens count: a word cannot be completed across the prompt boundary."""
-    words = batch.bad_words[row]
-    if not words:
-        return np.zeros(0, dtype=np.int64)
-    end = batch.num_tokens[row]
-    num_output = end - batch.num_prompt_tokens[row]
-    tokens = batch.token_ids[row]
-    banned = [word[-1] for word in words
-              if len(word) - 1 <= num_output and np.array_equal(tokens[end - len(word) + 1 : end], word[:-1])]
-    return np.asarray(banned, dtype=np.int64)
-
-
-def _to(array: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
-    return to_device(array, torch.device(device), dtype)
+def _banned_last_tokens(batch: PersistentBatch, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(index in `rows`, token id) of the last token of each bad word whose other tokens the row's output ends
+    with (always, for one-token words). Only output tokens count: a word cannot be completed across the prompt
+    boundary. A loop over the rows that have bad words, and their words."""
+    indices, banned = [], []
+    for index in np.flatnonzero(batch.has_bad_words[rows]).tolist():
+        row = rows[index]
+        end = int(batch.num_tokens[row])
+        num_output = end - int(batch.num_prompt_tokens[row])
+        tokens = batch.token_ids[row]
+        for word in batch.bad_words[row]:
+            prefix_length = len(word) - 1
+            if not prefix_length or (prefix_length <= num_output
+                                     and tuple(tokens[end - prefix_length : end].tolist()) == word[:-1]):
+                indices.append(index)
+                banned.append(word[-1])
+    return np.asarray(indices, dtype=np.int64), np.asarray(banned, dtype=np.int64)
