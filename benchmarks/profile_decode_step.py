@@ -8,6 +8,7 @@ prints the top GPU kernels and host ops plus wall time per decode step.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -29,31 +30,46 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
     tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
     planning ahead (call `torch.cuda.synchronize()` after the last)."""
+    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks)
+    return prefill(worker, batch, prompt, spread=spread, overlap=overlap)
+
+
+def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None) -> Worker:
+    """A real `Worker` (random weights of `shape`, bf16, CUDA) set up for `batch` requests of up to 768 tokens."""
     model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
     worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
                                  load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
                                  cuda_graphs=cuda_graphs))
     worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
                                         max_model_len=1024))
+    return worker
+
+
+def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = None, spread: bool = False,
+            overlap: bool = False, replaces: list[str] = (), tag: str = "r"):
+    """Adds `batch` requests of `prompt` tokens (sampling: WorkerSamplingParams fields; default greedy; request
+    i gets seed i), finishing the requests in `replaces` in the same plan, and prefills them in one step;
+    returns a function that runs one decode step over them (see `prefilled_worker`). Its `request_ids`
+    attribute names them."""
     blocks_per_request = 48
-    plan = worker_pb2.StepPlan(step_id=1)
-    for i in range(batch):
+    fields = {**dict(temperature=0.0, top_p=1.0, top_k=-1, num_logprobs=-1, num_prompt_logprobs=-1), **(sampling or {})}
+    step_ids = itertools.count(1)  # the worker only echoes them
+    plan = worker_pb2.StepPlan(step_id=next(step_ids), finished_request_ids=list(replaces))
+    request_ids = [f"{tag}{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
         plan.new_requests.append(worker_pb2.NewRequest(
-            request_id=f"r{i}", token_ids=[(i * 7 + j) % 1000 + 3 for j in range(prompt)],
-            sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=i, num_logprobs=-1,
-                                                     num_prompt_logprobs=-1),
+            request_id=request_id, token_ids=[(i * 7 + j) % 1000 + 3 for j in range(prompt)], num_prompt_tokens=prompt,
+            sampling=worker_pb2.WorkerSamplingParams(seed=i, **fields),
             block_ids=[(b * batch + i) if spread else i * blocks_per_request + b for b in range(blocks_per_request)],
             num_computed_tokens=0, num_scheduled_tokens=prompt))
     worker.execute(plan)  # prefill all at once
-    step = 1
     in_flight = None
 
     def decode_step():
-        nonlocal step, in_flight
-        step += 1
-        decode = worker_pb2.StepPlan(step_id=step)
-        for i in range(batch):
-            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1))
+        nonlocal in_flight
+        decode = worker_pb2.StepPlan(step_id=next(step_ids))
+        for request_id in request_ids:
+            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=request_id, num_scheduled_tokens=1))
         if not overlap:
             worker.execute(decode)
             return
@@ -62,6 +78,7 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
             worker.finish(in_flight)
         in_flight = launched
 
+    decode_step.request_ids = request_ids
     return decode_step
 
 

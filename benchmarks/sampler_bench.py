@@ -5,9 +5,13 @@ parameter mixes, against the time of a whole Qwen2.5-1.5B-shape decode step (the
 A "sampling step" is what the worker does after the forward pass: build the step's SamplingTensors from the
 persistent batch's rows (host work, H2D copies, penalty counts), `sample`, pack the result and copy it to the
 host (the step's one D2H copy). Rows hold PROMPT prompt tokens and OUTPUT generated ones, so the penalty
-counts cover realistic lengths.
+counts cover realistic lengths. Measured alone, one step at a time, the host work is paid in full.
 
-    python3 benchmarks/sampler_bench.py                          # CUDA: also measures the decode step
+On CUDA it then runs a real Worker's decode steps (batch requests of 512 prompt tokens) with each mix. There
+the host work overlaps the forward pass, as in serving, and the difference from the greedy step is what the
+mix costs where it runs.
+
+    python3 benchmarks/sampler_bench.py                          # CUDA: also measures the decode steps
     python3 benchmarks/sampler_bench.py --decode-step-ms 12.5    # compare with a decode time measured elsewhere
     python3 benchmarks/sampler_bench.py --device cpu --batch 8 --vocab 4096 --iters 3   # smoke test
 
@@ -81,19 +85,25 @@ def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.devic
     return statistics.median(times)
 
 
-def measure_decode_step_ms(shape: str, batch: int, iters: int) -> float:
-    """Wall time of a whole decode step of a real Worker (random weights, bf16, CUDA graphs, greedy)."""
-    from benchmarks.profile_decode_step import prefilled_worker
+def measure_decode_steps_ms(shape: str, batch: int, iters: int, mixes: list[str]) -> dict[str, float]:
+    """Wall time of a whole decode step of a real Worker (random weights, bf16, CUDA graphs) whose `batch`
+    requests all sample with each mix: what the mix costs where it runs, its host work overlapping the
+    forward pass as it does in serving."""
+    from benchmarks.profile_decode_step import decode_worker, prefill
 
-    decode_step = prefilled_worker(shape, batch, prompt=512)
-    for _ in range(5):
-        decode_step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        decode_step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
+    worker, previous, step_ms = decode_worker(shape, batch), [], {}
+    for name in mixes:
+        decode_step = prefill(worker, batch, prompt=512, sampling=MIXES[name], replaces=previous, tag=name)
+        previous = decode_step.request_ids
+        for _ in range(5):
+            decode_step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            decode_step()
+        torch.cuda.synchronize()
+        step_ms[name] = (time.perf_counter() - start) / iters * 1e3
+    return step_ms
 
 
 def _sync(device: torch.device) -> None:
@@ -112,30 +122,38 @@ def main() -> int:
     parser.add_argument("--decode-step-ms", type=float, default=None,
                         help="the decode step to compare with (default on CUDA: measured, Qwen2.5-1.5B shape)")
     parser.add_argument("--shape", default="qwen2.5-1.5b", help="model shape of the measured decode step")
+    parser.add_argument("--no-worker", action="store_true", help="skip the decode steps of a real Worker")
     parser.add_argument("--mixes", nargs="+", choices=sorted(MIXES), default=list(MIXES))
     args = parser.parse_args()
     device = torch.device(args.device)
     # As the worker does: the Triton kernels on a GPU.
     ops = triton_sampling_ops() if device.type == "cuda" else torch_sampling_ops()
-    logits = torch.randn(args.batch, args.vocab, device=device, generator=None) * 3
+    torch.manual_seed(0)  # the same logits each run: how many top-p draws are rejected depends on them
+    logits = torch.randn(args.batch, args.vocab, device=device) * 3
     results = {}
     for name in args.mixes:
         batch, rows = filled_batch(args.batch, args.vocab, args.prompt, args.output, MIXES[name])
         results[name] = time_sampling_step(batch, rows, logits, ops, args.iters, device)
-    decode_ms = args.decode_step_ms
-    if decode_ms is None and device.type == "cuda":
+    decode_ms, worker_ms = args.decode_step_ms, None
+    if device.type == "cuda" and not args.no_worker:
         del logits
         torch.cuda.empty_cache()
-        decode_ms = measure_decode_step_ms(args.shape, args.batch, args.iters)
+        worker_ms = measure_decode_steps_ms(args.shape, args.batch, args.iters, ["greedy", *args.mixes])
+        decode_ms = decode_ms or worker_ms["greedy"]
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt, "output_tokens": args.output,
         "sampling_step_ms": results, "decode_step_ms": decode_ms, "decode_shape": args.shape,
         "fraction_of_decode_step": {name: ms / decode_ms for name, ms in results.items()} if decode_ms else None,
+        "worker_decode_step_ms": worker_ms,
+        "worker_added_over_greedy_ms": {name: ms - worker_ms["greedy"] for name, ms in worker_ms.items()}
+        if worker_ms else None,
     }
     for name, ms in results.items():
         share = f"  {ms / decode_ms:6.1%} of a {decode_ms:.2f} ms decode step" if decode_ms else ""
-        print(f"{name:20s} {ms:8.3f} ms{share}")
+        in_worker = (f"; in the worker's step {worker_ms[name]:.3f} ms, {worker_ms[name] - worker_ms['greedy']:+.3f}"
+                     " ms over greedy" if worker_ms else "")
+        print(f"{name:20s} {ms:8.3f} ms{share}{in_worker}")
     RESULTS.mkdir(exist_ok=True)
     tag = report["device"].lower().replace(" ", "_") if device.type == "cuda" else "cpu"
     path = RESULTS / f"sampler_{tag}.json"

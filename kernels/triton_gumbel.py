@@ -69,10 +69,3 @@ def accurate_log1p(x, LIBDEVICE: tl.constexpr):
     # The interpreter exposes no log1p: Goldberg's correction of log(1 + x), within a few ulps of it.
     u = 1.0 + x
     return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
-
-
-@triton.jit
-def accurate_exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:
-        return libdevice.exp(x)
-    return tl.exp(x)

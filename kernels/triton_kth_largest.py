@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.row_split import programs_per_row
 from kernels.sample_ref import TopK, TopKCandidates
 from kernels.triton_gather import gather_at_least
 
@@ -85,10 +86,12 @@ def _radix_select_kernel(values_ptr, k_ptr, out_ptr, stride_row, vocab_size, BLO
 @triton.jit
 def _group_max_kernel(values_ptr, out_ptr, stride_row, vocab_size, num_groups, GROUP: tl.constexpr,
                       BLOCK: tl.constexpr):
+    """Program (row, part) takes the row's blocks part, part + parts, ... (kernels/row_split.py)."""
     row = tl.program_id(0).to(tl.int64)
+    part, parts = tl.program_id(1), tl.num_programs(1)
     offsets = tl.arange(0, BLOCK)
     groups = tl.arange(0, BLOCK // GROUP)
-    for start in range(0, vocab_size, BLOCK):
+    for start in range(part * BLOCK, vocab_size, parts * BLOCK):
         index = start + offsets
         values = tl.load(values_ptr + row * stride_row + index, mask=index < vocab_size, other=float("-inf"))
         group = start // GROUP + groups
@@ -105,20 +108,33 @@ def kth_largest(values: torch.Tensor, k: torch.Tensor, k_max: int) -> TopK:
         return TopK(torch.full((num_rows,), float("-inf"), device=values.device))
     if k_max > MAX_FILTERED_K:
         return TopK(radix_select(values, k))
-    group = max(16, min(4096, triton.next_power_of_2(vocab_size // (4 * k_max)) // 2))
-    num_groups = -(-vocab_size // group)
-    group_max = torch.empty((num_rows, num_groups), device=values.device)
-    _group_max_kernel[(num_rows,)](values, group_max, values.stride(0), vocab_size, num_groups, GROUP=group,
-                                   BLOCK=max(group, 8192), num_warps=16)
     restricts = (k > 0) & (k < vocab_size)
-    # Rows that keep everything gather nothing (+inf), and their radix select answers -inf.
-    bound = torch.where(restricts, radix_select(group_max, k), float("inf"))
-    capacity = triton.next_power_of_2(4 * k_max + 64)
-    candidates, ids, count, _ = gather_at_least(values, bound, capacity)
-    fits = restricts & (count <= capacity)
+    bound = torch.where(restricts, group_max_bound(values, k, k_max), float("inf"))
+    candidates, ids, count, _ = gather_at_least(values, bound, filter_capacity(k_max))
+    fits = restricts & (count <= candidates.shape[1])
     # Rows whose candidates did not fit are radix-selected over the whole row.
     threshold = torch.where(fits, radix_select(candidates, k), radix_select(values, torch.where(fits, 0, k)))
     return TopK(threshold, TopKCandidates(candidates, ids, fits))
+
+
+def group_max_bound(values: torch.Tensor, k: torch.Tensor, k_max: int, parts: int | None = None) -> torch.Tensor:
+    """A lower bound of each row's k-th largest value (k <= k_max <= MAX_FILTERED_K): the k-th largest of the
+    maxes of at least 4 * k_max groups, one pass over the values (-inf where k <= 0 or k >= the group count).
+    `parts`: programs per row (default: kernels/row_split.py)."""
+    num_rows, vocab_size = values.shape
+    group = max(16, min(4096, triton.next_power_of_2(vocab_size // (4 * k_max)) // 2))
+    num_groups = -(-vocab_size // group)
+    block = max(group, 8192)
+    group_max = torch.empty((num_rows, num_groups), device=values.device)
+    parts = parts or programs_per_row(num_rows, -(-vocab_size // block), values.device)
+    _group_max_kernel[(num_rows, parts)](values, group_max, values.stride(0), vocab_size, num_groups, GROUP=group,
+                                         BLOCK=block, num_warps=16)
+    return radix_select(group_max, k)
+
+
+def filter_capacity(k_max: int) -> int:
+    """The buffer a group-max bound's values are gathered into: typically a few times k of them pass it."""
+    return triton.next_power_of_2(4 * k_max + 64)
 
 
 def radix_select(values: torch.Tensor, k: torch.Tensor, block: int = 4096) -> torch.Tensor:

@@ -91,7 +91,8 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
             b.request_id: [(c.token_id, c.logprob) for c in b.candidates] for b in result.beam_candidates
         },
         token_logprobs={
-            s.request_id: TokenLogprob(s.token_id, s.logprob, s.rank, _top(s.top)) for s in result.sampled if s.rank
+            s.request_id: TokenLogprob(s.token_id, s.logprob, s.rank, tuple(zip(s.top_token_ids, s.top_logprobs)))
+            for s in result.sampled if s.rank
         },
         prompt_logprobs={
             p.request_id: PromptLogprobChunk(

@@ -20,7 +20,15 @@ def to_device(host: np.ndarray | torch.Tensor, device: torch.device, dtype: torc
         tensor = tensor.to(dtype)
     if device.type != "cuda":
         return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def host_buffer(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty host tensor to pack a copy bound for `device` into: pinned when that is a GPU, so that
+    `to_device` sends it as it is instead of staging it through another pinned copy."""
+    return torch.empty(size, dtype=dtype, pin_memory=device.type == "cuda")
 
 
 def copy_into(target: torch.Tensor, array: np.ndarray) -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker_svc.host_to_device import to_device
+from worker_svc.host_to_device import host_buffer, to_device
 
 _NUM_ROW_FIELDS = 6  # rows, num_prompt_tokens, num_tokens, repetition, frequency, presence
 
@@ -56,12 +56,13 @@ class PenaltyTensors:
                   device: torch.device) -> PenaltyTensors:
         """Packs the host arrays into one int32 buffer (the penalties as their float32 bits), copies it."""
         num_rows, length = token_ids.shape
-        packed = np.empty((_NUM_ROW_FIELDS + length) * num_rows, dtype=np.int32)
+        host = host_buffer((_NUM_ROW_FIELDS + length) * num_rows, torch.int32, device)
+        packed = host.numpy()
         fields = packed[: _NUM_ROW_FIELDS * num_rows].reshape(_NUM_ROW_FIELDS, num_rows)
         fields[:3] = rows, num_prompt_tokens, num_tokens
         fields[3:].view(np.float32)[:] = repetition, frequency, presence
         packed[_NUM_ROW_FIELDS * num_rows :].reshape(num_rows, length)[:] = token_ids
-        on_device = to_device(packed, device)
+        on_device = to_device(host, device)
         fields = on_device[: _NUM_ROW_FIELDS * num_rows].view(_NUM_ROW_FIELDS, num_rows)
         penalties = fields[3:].view(torch.float32)
         return cls(rows=fields[0], num_prompt_tokens=fields[1], num_tokens=fields[2],

@@ -243,13 +243,19 @@ class Worker:
     @staticmethod
     def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> list[worker_pb2.SampledToken]:
         k = (sampled.shape[1] - 3) // 2
+        token_ids, logprobs = sampled[:, 0].astype(np.int64).tolist(), sampled[:, 1].tolist()
+        if k == 0 and (step.num_logprobs < 0).all():
+            return [worker_pb2.SampledToken(request_id=request_id, token_id=token_id, logprob=logprob)
+                    for request_id, token_id, logprob in zip(step.request_ids, token_ids, logprobs)]
+        ranks, top_ids = sampled[:, 2].astype(np.int64).tolist(), sampled[:, 3 : 3 + k].astype(np.int64).tolist()
+        top_logprobs = sampled[:, 3 + k :].tolist()
         tokens = []
-        for request_id, row_k, line in zip(step.request_ids, step.num_logprobs.tolist(), sampled):
-            token = worker_pb2.SampledToken(request_id=request_id, token_id=int(line[0]), logprob=line[1])
+        for i, (request_id, row_k) in enumerate(zip(step.request_ids, step.num_logprobs.tolist())):
+            token = worker_pb2.SampledToken(request_id=request_id, token_id=token_ids[i], logprob=logprobs[i])
             if row_k >= 0:
-                token.rank = int(line[2])
-                token.top.extend(worker_pb2.TokenCandidate(token_id=int(t), logprob=v)
-                                 for t, v in zip(line[3 : 3 + row_k], line[3 + k : 3 + k + row_k]))
+                token.rank = ranks[i]
+                token.top_token_ids.extend(top_ids[i][:row_k])
+                token.top_logprobs.extend(top_logprobs[i][:row_k])
             tokens.append(token)
         return tokens
 

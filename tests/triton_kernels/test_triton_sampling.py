@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kernels import sample_ref
-from kernels.triton_kth_largest import kth_largest, radix_select
+from kernels.triton_gather import gather_at_least
+from kernels.triton_kth_largest import group_max_bound, kth_largest, radix_select
 from kernels.triton_logprob_details import logprob_details
 from kernels.triton_nucleus import nucleus
 from kernels.triton_sample import first_pass
@@ -58,6 +59,28 @@ def test_kth_largest_is_exact():
     top_k = kth_largest(values, small, k_max=64)
     assert torch.equal(top_k.threshold, sample_ref.kth_largest(values, small).threshold)
     assert top_k.candidates.fits.tolist() == [True, True, False, True, False, False, False, True]
+
+
+def test_rows_split_over_several_programs_gather_count_and_bound_as_one_program():
+    """The streaming passes that split a row over programs (kernels/row_split.py; one per row on the CPU)."""
+    values = rows(8, vocab=20_480)["logits"]
+    values[2, ::3] = 9.0  # ties past the buffer
+    threshold = torch.tensor([5.0, 6.0, 9.0, float("inf"), 7.5, -30.0, 8.0, 10.0])
+    tokens = torch.tensor([0, 17, 3, 19_999, 512, 8191, 8192, 4])
+    for parts in (1, 3):
+        got_values, got_ids, count, rank = gather_at_least(values, threshold, 64, tokens, block=1024, parts=parts)
+        assert torch.equal(count, (values >= threshold.unsqueeze(-1)).sum(-1).int())
+        assert torch.equal(rank, 1 + (values > values.gather(-1, tokens.unsqueeze(-1))).sum(-1))
+        for row in range(8):
+            kept = min(int(count[row]), 64)
+            assert torch.equal(got_values[row, :kept], values[row, got_ids[row, :kept]])
+            assert bool((got_values[row, :kept] >= threshold[row]).all())
+            assert len(set(got_ids[row, :kept].tolist())) == kept
+        k = torch.tensor([1, 3, 7, 20, 0, -1, 5, 2])
+        bound = group_max_bound(values, k, k_max=20, parts=parts)
+        groups = values.view(8, -1, 128).amax(-1)  # at least 4 * 20 groups: 160 of 128
+        expected = sample_ref.kth_largest(groups, k).threshold
+        assert torch.equal(bound, expected)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
