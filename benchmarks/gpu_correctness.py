@@ -1,13 +1,20 @@
 """GPU correctness check, one command on a lent GPU: the engine in bf16 against transformers in bf16 on the
-same random-weight model (Qwen2.5-1.5B shape by default).
+same random-weight model (Qwen2.5-1.5B shape by default; `--num-layers` keeps its widths with fewer layers).
 
 1. Prefill logits: our model (Triton kernels, paged KV cache) vs transformers, relative error < 2e-2.
 2. Greedy sequences through the engine's processes (CUDA graphs on): they must agree with transformers' up
    to the first position where transformers' top-2 logits are within 1e-2 of each other (a near tie that
    bf16 rounding may flip).
-Writes gpu_correctness.json to $OUT.
+Writes gpu_correctness_<shape>_<layers>l.json to $OUT.
 
-    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b]
+Why `--num-layers`: on a random-weight model every bf16 rounding is noise that the later layers carry on, so
+the logits' relative error grows with depth (about sqrt(layers) roundings' worth). At 28 layers transformers'
+own bf16 is 2.8-3.3% from its float32 and from itself with one input bit changed, so the 2e-2 bound cannot
+tell a faithful implementation from a wrong one there. With the same widths, heads, GQA, vocabulary and
+kernels at 4 layers, transformers' own error is well under it, and the bound tests our kernels. The report
+gives both floors beside our error.
+
+    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b] [--num-layers 4]
 """
 
 from __future__ import annotations
@@ -77,15 +84,17 @@ def nudged_logits(hf, input_ids: torch.Tensor) -> torch.Tensor:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--num-layers", type=int, default=None, help="default: the shape's")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(os.environ.get("OUT", "."))
     work = Path(tempfile.mkdtemp())
     model_dir = work / args.shape
+    reference_config = hf_config(args.shape, **({"num_hidden_layers": args.num_layers} if args.num_layers else {}))
     torch.manual_seed(0)
     with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(hf_config(args.shape), dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_config(reference_config, dtype=torch.bfloat16).eval()
     hf.save_pretrained(model_dir, safe_serialization=True)
     rng = random.Random(0)
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -134,7 +143,7 @@ def main() -> int:
     first_divergence = [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), NEW_TOKENS)
                         for g, e in zip(got, expected)]
     summary = {
-        "device": torch.cuda.get_device_name(0), "shape": args.shape,
+        "device": torch.cuda.get_device_name(0), "shape": args.shape, "num_layers": config.num_hidden_layers,
         "prefill_logits_relative_error": errors, "prefill_ok": all(e < 2e-2 for e in errors),
         # Both bf16 runs against transformers in float32: how much of the gap above is bf16 itself.
         "hf_bf16_vs_fp32": hf_bf16_vs_fp32, "ours_bf16_vs_fp32": ours_vs_fp32,
@@ -142,7 +151,8 @@ def main() -> int:
         "hf_bf16_vs_itself_one_bit_changed": hf_one_bit,
         "greedy_first_divergence": first_divergence, "hf_first_near_tie": tie_at, "greedy_ok": all(agree),
     }
-    (out_dir / "gpu_correctness.json").write_text(json.dumps(summary, indent=2))
+    name = f"gpu_correctness_{args.shape}_{config.num_hidden_layers}l.json"
+    (out_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     return 0 if summary["prefill_ok"] and summary["greedy_ok"] else 1
 

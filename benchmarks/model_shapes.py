@@ -18,10 +18,12 @@ SHAPES = {
 }
 
 
-def hf_config(shape: str):
+def hf_config(shape: str, **overrides):
+    """The transformers config of `shape`, with `overrides` (e.g. num_hidden_layers) applied before it is built,
+    so that fields derived from them (such as layer_types) follow."""
     from transformers import LlamaConfig, Qwen2Config
 
-    fields = dict(SHAPES[shape])
+    fields = {**SHAPES[shape], **overrides}
     architecture = fields.pop("architecture")
     config_class = {"qwen2": Qwen2Config, "llama": LlamaConfig}[architecture]
     model_class = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[architecture]

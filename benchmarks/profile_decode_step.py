@@ -8,6 +8,7 @@ prints the top GPU kernels and host ops plus wall time per decode step.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import sys
 import tempfile
@@ -42,6 +43,7 @@ def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_block
                                  cuda_graphs=cuda_graphs))
     worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
                                         max_model_len=1024))
+    gc.freeze()  # as the serving loop does after setup: full collections then skip the model's objects
     return worker
 
 

@@ -5,7 +5,8 @@ parameter mixes, against the time of a whole Qwen2.5-1.5B-shape decode step (the
 A "sampling step" is what the worker does after the forward pass: build the step's SamplingTensors from the
 persistent batch's rows (host work, H2D copies, penalty counts), `sample`, pack the result and copy it to the
 host (the step's one D2H copy). Rows hold PROMPT prompt tokens and OUTPUT generated ones, so the penalty
-counts cover realistic lengths. Measured alone, one step at a time, the host work is paid in full.
+counts cover realistic lengths. Measured alone, one step at a time, the host work is paid in full; the
+GPU's own share of it (kernels and copies, from torch.profiler) is reported beside it.
 
 On CUDA it then runs a real Worker's decode steps (batch requests of 512 prompt tokens) with each mix. There
 the host work overlaps the forward pass, as in serving, and the difference from the greedy step is what the
@@ -85,6 +86,23 @@ def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.devic
     return statistics.median(times)
 
 
+def gpu_time_ms(batch, rows, logits, ops, device: torch.device, steps: int = 5) -> float:
+    """The GPU's own time in one sampling step: the kernels and copies it runs, from torch.profiler (no host
+    work, no waiting for launches)."""
+    from torch.autograd import DeviceType
+
+    def step():
+        pack_sampler_output(sample(logits, build_sampling_tensors(batch, rows, device), ops)).cpu()
+
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    on_gpu = [event for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    return sum(event.time_range.elapsed_us() for event in on_gpu) / steps / 1e3
+
+
 def measure_decode_steps_ms(shape: str, batch: int, iters: int, mixes: list[str]) -> dict[str, float]:
     """Wall time of a whole decode step of a real Worker (random weights, bf16, CUDA graphs) whose `batch`
     requests all sample with each mix: what the mix costs where it runs, its host work overlapping the
@@ -130,10 +148,12 @@ def main() -> int:
     ops = triton_sampling_ops() if device.type == "cuda" else torch_sampling_ops()
     torch.manual_seed(0)  # the same logits each run: how many top-p draws are rejected depends on them
     logits = torch.randn(args.batch, args.vocab, device=device) * 3
-    results = {}
+    results, gpu_ms = {}, {}
     for name in args.mixes:
         batch, rows = filled_batch(args.batch, args.vocab, args.prompt, args.output, MIXES[name])
         results[name] = time_sampling_step(batch, rows, logits, ops, args.iters, device)
+        if device.type == "cuda":
+            gpu_ms[name] = gpu_time_ms(batch, rows, logits, ops, device)
     decode_ms, worker_ms = args.decode_step_ms, None
     if device.type == "cuda" and not args.no_worker:
         del logits
@@ -143,7 +163,8 @@ def main() -> int:
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "batch": args.batch, "vocab": args.vocab, "prompt_tokens": args.prompt, "output_tokens": args.output,
-        "sampling_step_ms": results, "decode_step_ms": decode_ms, "decode_shape": args.shape,
+        "sampling_step_ms": results, "sampling_gpu_ms": gpu_ms or None, "decode_step_ms": decode_ms,
+        "decode_shape": args.shape,
         "fraction_of_decode_step": {name: ms / decode_ms for name, ms in results.items()} if decode_ms else None,
         "worker_decode_step_ms": worker_ms,
         "worker_added_over_greedy_ms": {name: ms - worker_ms["greedy"] for name, ms in worker_ms.items()}
@@ -151,6 +172,8 @@ def main() -> int:
     }
     for name, ms in results.items():
         share = f"  {ms / decode_ms:6.1%} of a {decode_ms:.2f} ms decode step" if decode_ms else ""
+        if name in gpu_ms:
+            share += f"; GPU time {gpu_ms[name]:.3f} ms" + (f" ({gpu_ms[name] / decode_ms:.1%})" if decode_ms else "")
         in_worker = (f"; in the worker's step {worker_ms[name]:.3f} ms, {worker_ms[name] - worker_ms['greedy']:+.3f}"
                      " ms over greedy" if worker_ms else "")
         print(f"{name:20s} {ms:8.3f} ms{share}{in_worker}")

@@ -43,12 +43,18 @@ def row_keys(seed, position):
 
 
 @triton.jit
-def gumbel_noise(key_a, key_b, index, LIBDEVICE: tl.constexpr):
-    """float32 Gumbel noise at vocab indices `index` (int32) of the row keyed by (key_a, key_b)."""
+def uniform_of_index(key_a, key_b, index):
+    """w in (0, 1), float32, from the hash of `index` under the row's keys."""
     bits = fmix32(key_a ^ index.to(tl.uint32))
     bits = fmix32(bits ^ key_b)
     w = (bits.to(tl.float32) + 0.5) * 2.3283064365386963e-10  # 2**-32
-    w = tl.minimum(w, 0.99999994)  # gumbel_ref.W_MAX
+    return tl.minimum(w, 0.99999994)  # gumbel_ref.W_MAX
+
+
+@triton.jit
+def noise_of_uniform(w, LIBDEVICE: tl.constexpr):
+    """The Gumbel noise of w (kernels/gumbel_ref.py's transform); the draw at an index is
+    noise_of_uniform(uniform_of_index(key_a, key_b, index))."""
     return -accurate_log(-accurate_log1p(-w, LIBDEVICE), LIBDEVICE)
 
 

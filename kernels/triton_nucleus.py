@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from kernels.sample_ref import TopKCandidates
-from kernels.triton_gumbel import accurate_log, gumbel_noise, row_keys
+from kernels.triton_gumbel import accurate_log, row_keys
 from kernels.triton_numerics import has_libdevice
-from kernels.triton_sample import running_argmax
+from kernels.triton_sample import running_gumbel_argmax
 
 
 @triton.jit
@@ -95,8 +95,8 @@ def _nucleus_kernel(
                                               other=0).to(tl.int32)
                     x = logits * inverse
                     kept = (index < width) & (logits >= top_k_threshold) & (x >= min_p_threshold) & (x > floor)
-                    score = tl.where(kept, x + gumbel_noise(key_a, key_b, vocab_index, LIBDEVICE), float("-inf"))
-                    best_score, best_index = running_argmax(score, index, width, best_score, best_index)
+                    best_score, best_index = running_gumbel_argmax(x, kept, index, width, vocab_index, key_a, key_b,
+                                                                   best_score, best_index, LIBDEVICE)
                 candidate = best_index
                 candidate_logit = tl.load(row_ptr + candidate)
                 candidate_x = candidate_logit * inverse

@@ -251,12 +251,12 @@ class Worker:
         top_logprobs = sampled[:, 3 + k :].tolist()
         tokens = []
         for i, (request_id, row_k) in enumerate(zip(step.request_ids, step.num_logprobs.tolist())):
-            token = worker_pb2.SampledToken(request_id=request_id, token_id=token_ids[i], logprob=logprobs[i])
-            if row_k >= 0:
-                token.rank = ranks[i]
-                token.top_token_ids.extend(top_ids[i][:row_k])
-                token.top_logprobs.extend(top_logprobs[i][:row_k])
-            tokens.append(token)
+            if row_k < 0:
+                tokens.append(worker_pb2.SampledToken(request_id=request_id, token_id=token_ids[i], logprob=logprobs[i]))
+            else:
+                tokens.append(worker_pb2.SampledToken(
+                    request_id=request_id, token_id=token_ids[i], logprob=logprobs[i], rank=ranks[i],
+                    top_token_ids=top_ids[i][:row_k], top_logprobs=top_logprobs[i][:row_k]))
         return tokens
 
     def _beam_candidates(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> list[worker_pb2.BeamCandidates]:

@@ -44,6 +44,20 @@ def test_first_pass_matches_reference(noise, separate_raw):
     torch.testing.assert_close(got[2], expected[2], rtol=0, atol=1e-5)
 
 
+def test_draws_that_skip_blocks_no_entry_of_which_can_win_are_the_reference_draws():
+    """Many small blocks, so most are skipped by the noise's upper bound (kernels/triton_sample.py's
+    running_gumbel_argmax); temperatures from 0.05 (large x: float32 rounding of x) to 5 (flat)."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(16, 20_000, generator=generator) * 4
+    logits[3] *= 1000  # |x| in the tens of thousands
+    temperature = torch.tensor([0.05, 0.3, 0.7, 1.0, 1.5, 5.0, 0.9, 0.6] * 2)
+    seed, position = torch.arange(16, dtype=torch.int64) * 104729, torch.arange(16, dtype=torch.int64)
+    args = (temperature, seed, position, GREEDY_BELOW, True)
+    expected = sample_ref.first_pass(logits, None, *args)[0]
+    assert torch.equal(first_pass(logits, None, *args, block=256)[0], expected)
+    assert len(set(expected.tolist())) > 8
+
+
 def test_kth_largest_is_exact():
     case = rows(8)
     values = case["logits"]
