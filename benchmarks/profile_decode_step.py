@@ -13,6 +13,7 @@ import itertools
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,7 +33,7 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
     planning ahead (call `torch.cuda.synchronize()` after the last)."""
     worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks)
-    return prefill(worker, batch, prompt, spread=spread, overlap=overlap)
+    return prefill(worker, batch, prompt, spread=spread, overlap=overlap)[0]
 
 
 def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None) -> Worker:
@@ -48,11 +49,10 @@ def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_block
 
 
 def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = None, spread: bool = False,
-            overlap: bool = False, replaces: list[str] = (), tag: str = "r"):
+            overlap: bool = False, replaces: list[str] = (), tag: str = "r") -> tuple[Callable[[], None], list[str]]:
     """Adds `batch` requests of `prompt` tokens (sampling: WorkerSamplingParams fields; default greedy; request
     i gets seed i), finishing the requests in `replaces` in the same plan, and prefills them in one step;
-    returns a function that runs one decode step over them (see `prefilled_worker`). Its `request_ids`
-    attribute names them."""
+    returns a function that runs one decode step over them (see `prefilled_worker`), and their ids."""
     blocks_per_request = 48
     fields = {**dict(temperature=0.0, top_p=1.0, top_k=-1, num_logprobs=-1, num_prompt_logprobs=-1), **(sampling or {})}
     step_ids = itertools.count(1)  # the worker only echoes them
@@ -80,8 +80,7 @@ def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = Non
             worker.finish(in_flight)
         in_flight = launched
 
-    decode_step.request_ids = request_ids
-    return decode_step
+    return decode_step, request_ids
 
 
 def main() -> int:

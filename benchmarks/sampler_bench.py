@@ -111,8 +111,7 @@ def measure_decode_steps_ms(shape: str, batch: int, iters: int, mixes: list[str]
 
     worker, previous, step_ms = decode_worker(shape, batch), [], {}
     for name in mixes:
-        decode_step = prefill(worker, batch, prompt=512, sampling=MIXES[name], replaces=previous, tag=name)
-        previous = decode_step.request_ids
+        decode_step, previous = prefill(worker, batch, prompt=512, sampling=MIXES[name], replaces=previous, tag=name)
         for _ in range(5):
             decode_step()
         torch.cuda.synchronize()

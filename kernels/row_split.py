@@ -1,11 +1,12 @@
 """How many programs share one row of a streaming pass over [N, V] values.
 
-Why: with one program per row, 256 rows give an H200's 132 SMs about two programs each, and one program
-streams its row a block at a time, so the passes over 156 MB of logits ran at about a third of the copy
-bandwidth. Splitting each row into interleaved block ranges gives every SM several programs to switch
-between. The passes whose per-row results combine by atomics or by position (kernels/triton_gather.py,
-the group maxes of kernels/triton_kth_largest.py) take the split; passes that need a row's blocks in order
-keep one program per row.
+Why: with one program per row, 256 rows give an H200's 132 SMs about two programs each. The gather
+(kernels/triton_gather.py) runs best in small programs (1024-entry blocks, 4 warps: its atomic slots take
+registers), and two of those per SM left the memory underfed: 136 us over [256, 152k] float32, against 64 us
+at three programs per row (the whole pass at full copy bandwidth takes about 40). Splitting each row into
+interleaved block ranges gives every SM several programs to switch between. The passes whose per-row results
+combine by atomics or by position (the gather, the group maxes of kernels/triton_kth_largest.py) take the
+split; passes that need a row's blocks in order keep one program per row.
 """
 
 from __future__ import annotations
