@@ -84,16 +84,15 @@ def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
 
 
 def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
+    sampled = result.sampled
+    request_ids, token_ids, logprobs = list(sampled.request_ids), list(sampled.token_ids), list(sampled.logprobs)
     return StepOutcome(
-        sampled={s.request_id: s.token_id for s in result.sampled},
-        logprobs={s.request_id: s.logprob for s in result.sampled},
+        sampled=dict(zip(request_ids, token_ids)),
+        logprobs=dict(zip(request_ids, logprobs)),
         beam_candidates={
             b.request_id: [(c.token_id, c.logprob) for c in b.candidates] for b in result.beam_candidates
         },
-        token_logprobs={
-            s.request_id: TokenLogprob(s.token_id, s.logprob, s.rank, tuple(zip(s.top_token_ids, s.top_logprobs)))
-            for s in result.sampled if s.rank
-        },
+        token_logprobs=_token_logprobs(sampled, request_ids, token_ids, logprobs),
         prompt_logprobs={
             p.request_id: PromptLogprobChunk(
                 p.first_position, tuple(TokenLogprob(t.token_id, t.logprob, t.rank, _top(t.top)) for t in p.tokens)
@@ -101,6 +100,20 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
             for p in result.prompt_logprobs
         },
     )
+
+
+def _token_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str], token_ids: list[int],
+                    logprobs: list[float]) -> dict[str, TokenLogprob]:
+    """The rows that asked for logprobs (rank >= 1), each with its slice of the flat top lists."""
+    top_ids, top_logprobs = list(sampled.top_token_ids), list(sampled.top_logprobs)
+    out, start = {}, 0
+    for i, (rank, num_top) in enumerate(zip(sampled.ranks, sampled.num_top)):
+        if rank:
+            end = start + num_top
+            out[request_ids[i]] = TokenLogprob(token_ids[i], logprobs[i], rank,
+                                               tuple(zip(top_ids[start:end], top_logprobs[start:end])))
+        start += num_top
+    return out
 
 
 def _top(candidates) -> tuple[tuple[int, float], ...]:

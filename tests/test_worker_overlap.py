@@ -57,8 +57,8 @@ def plans() -> list[worker_pb2.StepPlan]:
 def tokens_of(results) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for result in results:
-        for sampled in result.sampled:
-            out.setdefault(sampled.request_id, []).append(sampled.token_id)
+        for request_id, token_id in zip(result.sampled.request_ids, result.sampled.token_ids):
+            out.setdefault(request_id, []).append(token_id)
     return out
 
 

@@ -21,7 +21,7 @@ from tests.tiny_models import make_tiny_model
 MAX_TOKENS = 16
 FORGED = [
     worker_pb2.WorkerToScheduler(error=worker_pb2.WorkerError(rank=0, step_id=1, message="forged")),
-    worker_pb2.WorkerToScheduler(result=worker_pb2.StepResult(step_id=1, sampled=[worker_pb2.SampledToken()])),
+    worker_pb2.WorkerToScheduler(result=worker_pb2.StepResult(step_id=1, sampled=worker_pb2.SampledTokens(request_ids=[""], token_ids=[0], logprobs=[0.0], ranks=[0], num_top=[0]))),
     worker_pb2.WorkerToScheduler(hello=worker_pb2.WorkerHello(rank=0, world_size=1)),
     worker_pb2.WorkerToScheduler(heartbeat=worker_pb2.Heartbeat(interval_ms=1)),
     worker_pb2.WorkerToScheduler(ready=worker_pb2.WorkerReady(num_kv_blocks=1)),

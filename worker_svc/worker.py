@@ -177,7 +177,7 @@ class Worker:
             sampled = step.host_sampled.numpy()
             self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
             timer.mark("wait_for_gpu")
-            step.result.sampled.extend(self._sampled_tokens(step, sampled))
+            step.result.sampled.CopyFrom(self._sampled_tokens(step, sampled))
         timer.mark("result")
         return step.result
 
@@ -241,23 +241,16 @@ class Worker:
             step.host_sampled = packed
 
     @staticmethod
-    def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> list[worker_pb2.SampledToken]:
+    def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> worker_pb2.SampledTokens:
+        """The step's sampled rows as parallel lists: whole-column numpy, no loop over the rows."""
         k = (sampled.shape[1] - 3) // 2
-        token_ids, logprobs = sampled[:, 0].astype(np.int64).tolist(), sampled[:, 1].tolist()
-        if k == 0 and (step.num_logprobs < 0).all():
-            return [worker_pb2.SampledToken(request_id=request_id, token_id=token_id, logprob=logprob)
-                    for request_id, token_id, logprob in zip(step.request_ids, token_ids, logprobs)]
-        ranks, top_ids = sampled[:, 2].astype(np.int64).tolist(), sampled[:, 3 : 3 + k].astype(np.int64).tolist()
-        top_logprobs = sampled[:, 3 + k :].tolist()
-        tokens = []
-        for i, (request_id, row_k) in enumerate(zip(step.request_ids, step.num_logprobs.tolist())):
-            if row_k < 0:
-                tokens.append(worker_pb2.SampledToken(request_id=request_id, token_id=token_ids[i], logprob=logprobs[i]))
-            else:
-                tokens.append(worker_pb2.SampledToken(
-                    request_id=request_id, token_id=token_ids[i], logprob=logprobs[i], rank=ranks[i],
-                    top_token_ids=top_ids[i][:row_k], top_logprobs=top_logprobs[i][:row_k]))
-        return tokens
+        num_top = np.clip(step.num_logprobs, 0, k)
+        top = np.arange(k) < num_top[:, None]  # each row's first num_top columns, row after row
+        return worker_pb2.SampledTokens(
+            request_ids=step.request_ids, token_ids=sampled[:, 0].astype(np.int64).tolist(),
+            logprobs=sampled[:, 1].tolist(), ranks=np.where(step.num_logprobs >= 0, sampled[:, 2], 0).astype(np.int64).tolist(),
+            num_top=num_top.tolist(), top_token_ids=sampled[:, 3 : 3 + k][top].astype(np.int64).tolist(),
+            top_logprobs=sampled[:, 3 + k :][top].tolist())
 
     def _beam_candidates(self, logits, logits_rows: np.ndarray, rows: np.ndarray) -> list[worker_pb2.BeamCandidates]:
         """Top log_softmax candidates of each beam row (Hugging Face beam search scores raw logprobs)."""
