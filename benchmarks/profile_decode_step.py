@@ -13,7 +13,7 @@ import itertools
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,7 +49,8 @@ def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_block
 
 
 def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = None, spread: bool = False,
-            overlap: bool = False, replaces: list[str] = (), tag: str = "r") -> tuple[Callable[[], None], list[str]]:
+            overlap: bool = False, replaces: Sequence[str] = (),
+            tag: str = "r") -> tuple[Callable[[], None], list[str]]:
     """Adds `batch` requests of `prompt` tokens (sampling: WorkerSamplingParams fields; default greedy; request
     i gets seed i), finishing the requests in `replaces` in the same plan, and prefills them in one step;
     returns a function that runs one decode step over them (see `prefilled_worker`), and their ids."""

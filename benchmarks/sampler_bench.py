@@ -67,13 +67,18 @@ def filled_batch(batch_size: int, vocab: int, prompt: int, output: int, mix: dic
     return batch, np.arange(batch_size, dtype=np.int64)
 
 
-def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.device) -> float:
-    """Median milliseconds of one sampling step, ending with the host copy (so it includes the device work)."""
+def sampling_step(batch, rows, logits, ops, device: torch.device):
+    """One sampling step as the worker takes it: build the inputs, sample, pack, copy to the host."""
 
     def step():
-        tensors = build_sampling_tensors(batch, rows, device)
-        pack_sampler_output(sample(logits, tensors, ops)).cpu()
+        pack_sampler_output(sample(logits, build_sampling_tensors(batch, rows, device), ops)).cpu()
 
+    return step
+
+
+def time_sampling_step(batch, rows, logits, ops, iters: int, device: torch.device) -> float:
+    """Median milliseconds of one sampling step, ending with the host copy (so it includes the device work)."""
+    step = sampling_step(batch, rows, logits, ops, device)
     for _ in range(3):
         step()
     times = []
@@ -91,9 +96,7 @@ def gpu_time_ms(batch, rows, logits, ops, device: torch.device, steps: int = 5) 
     work, no waiting for launches)."""
     from torch.autograd import DeviceType
 
-    def step():
-        pack_sampler_output(sample(logits, build_sampling_tensors(batch, rows, device), ops)).cpu()
-
+    step = sampling_step(batch, rows, logits, ops, device)
     step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         for _ in range(steps):

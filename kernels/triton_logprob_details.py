@@ -32,11 +32,12 @@ def logprob_details(
     bound = group_max_bound(logits, ks, k) if k < vocab_size else torch.full_like(no_bound, float("-inf"))
     capacity = filter_capacity(k)
     values, ids, count, ranks = gather_at_least(logits, bound, capacity, token_ids)
-    fits = (count <= capacity).unsqueeze(-1)
+    fits = count <= capacity
     # Overflowing rows only: the exact K-th value, and the values at or above it (others read nothing).
-    exact = radix_select(logits, torch.where(fits.squeeze(-1), 0, ks))
-    exact_values, exact_ids, _, _ = gather_at_least(logits, torch.where(fits.squeeze(-1), no_bound, exact), capacity)
-    values, ids = torch.where(fits, values, exact_values), torch.where(fits, ids, exact_ids)
+    exact = radix_select(logits, torch.where(fits, 0, ks))
+    exact_values, exact_ids, _, _ = gather_at_least(logits, torch.where(fits, no_bound, exact), capacity)
+    values = torch.where(fits.unsqueeze(-1), values, exact_values)
+    ids = torch.where(fits.unsqueeze(-1), ids, exact_ids)
     # The buffer's order is the atomic slots': sort by id, then stably by value, for deterministic ties.
     ids, by_id = ids.sort(dim=-1)
     top_values, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)

@@ -86,10 +86,11 @@ class SparseLogits:
         """Packs rows and token ids and the values' float32 bits (two to an int64) into one int64 buffer,
         copies it."""
         num_entries = len(rows)
-        packed = np.zeros(2 * num_entries + (num_entries + 1) // 2, dtype=np.int64)
+        host = host_buffer(2 * num_entries + (num_entries + 1) // 2, torch.int64, device)
+        packed = host.numpy()
         packed[:num_entries], packed[num_entries : 2 * num_entries] = rows, token_ids
         packed[2 * num_entries :].view(np.float32)[:num_entries] = values
-        on_device = to_device(packed, device)
+        on_device = to_device(host, device)
         return cls(rows=on_device[:num_entries], token_ids=on_device[num_entries : 2 * num_entries],
                    values=on_device[2 * num_entries :].view(torch.float32)[:num_entries])
 

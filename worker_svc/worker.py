@@ -92,8 +92,8 @@ class Worker:
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
         """Compiles every variant of the sampler's kernels (greedy, drawn, restricted, with processed logits,
-        each logprobs buffer size up to 32 logprobs) for one row and for several before serving, not at a
-        request's first sampled token."""
+        each logprobs buffer size up to 32 logprobs, each top-k size class) for one row and for several before
+        serving, not at a request's first sampled token."""
         vocab_size = self.model_config.vocab_size
         bias = LogitsAdjustments(sparse=SparseLogits(rows=torch.zeros(1, dtype=torch.int64, device=self.device),
                                                      token_ids=torch.zeros(1, dtype=torch.int64, device=self.device),
@@ -104,6 +104,13 @@ class Worker:
                                                 top_k=[top_k] * rows, seed=[0] * rows, position=[0] * rows,
                                                 adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
             sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
+        from kernels.triton_kth_largest import MAX_FILTERED_K  # Triton only on a GPU
+
+        # The top-k filter's group size and buffers follow the batch's largest k: one compile per size class.
+        for top_k in (2 ** i for i in range(1, MAX_FILTERED_K.bit_length())):
+            tensors = SamplingTensors.from_host(temperature=[1.0], top_p=[1.0], top_k=[top_k], seed=[0], position=[0],
+                                                device=self.device)
+            sample(torch.randn(1, vocab_size, device=self.device), tensors, self.sampling_ops)
 
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
