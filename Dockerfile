@@ -22,6 +22,7 @@ RUN if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then pip install /tmp/wheels/
 COPY pyproject.toml README.md ./
 COPY protos protos
 COPY pagedserve pagedserve
+COPY service_runtime service_runtime
 COPY scheduler_svc scheduler_svc
 COPY worker_svc worker_svc
 COPY kernels kernels

@@ -36,8 +36,8 @@ from benchmarks.model_shapes import SHAPES, hf_config  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.layer_ops import triton_layer_ops  # noqa: E402
 from kernels.triton_backend import TritonAttentionBackend  # noqa: E402
-from tests.server_harness import running_server  # noqa: E402
-from worker_svc.models import load_model  # noqa: E402
+from pagedserve.testing.server_harness import running_server  # noqa: E402
+from worker_svc.models.model_loader import load_model  # noqa: E402
 
 NEW_TOKENS = 48
 BLOCK = 16

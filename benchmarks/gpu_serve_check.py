@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from tests.server_harness import running_server  # noqa: E402
-from tests.tiny_models import make_tiny_model  # noqa: E402
+from pagedserve.testing.server_harness import running_server  # noqa: E402
+from pagedserve.testing.tiny_models import make_tiny_model  # noqa: E402
 
 MAX_TOKENS = 32
 NUM_REQUESTS = 16
@@ -43,7 +43,7 @@ def _run_all(server, prompts):
 
 def _hf_greedy_cuda(model_dir, prompt):
     # hf_reference loads on the CPU; move the cached model to the GPU once.
-    from tests import hf_reference
+    from pagedserve.testing import hf_reference
 
     model = hf_reference._load(str(model_dir))
     if model.device.type != "cuda":

@@ -38,7 +38,7 @@ from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 from kernels.triton_decode_attention import choose_num_kv_splits, decode_attention  # noqa: E402
 from kernels.triton_prefill_attention import prefill_attention  # noqa: E402
-from tests.triton_kernels import attention_cases  # noqa: E402
+from pagedserve.testing import attention_cases  # noqa: E402
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DECODE_BATCHES = (1, 8, 32, 64, 256)

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from benchmarks.model_shapes import SHAPES, hf_config, kv_bytes_per_token, parameter_bytes, write_config_dir  # noqa: E402
 from client import AsyncClient  # noqa: E402
-from tests.server_harness import running_server  # noqa: E402
+from pagedserve.testing.server_harness import running_server  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN, HF_STATIC_BATCH = 512, 256, 64
 

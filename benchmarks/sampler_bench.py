@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops  # noqa: E402
 from protos.pagedserve.v1 import worker_pb2  # noqa: E402
 from worker_svc.persistent_batch import PersistentBatch  # noqa: E402
-from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops  # noqa: E402
-from worker_svc.sampler import sample  # noqa: E402
-from worker_svc.sampling_inputs import build_sampling_tensors  # noqa: E402
+from worker_svc.sampling.sampler import sample  # noqa: E402
+from worker_svc.sampling.sampling_inputs import build_sampling_tensors  # noqa: E402
 from worker_svc.worker import pack_sampler_output  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

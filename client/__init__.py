@@ -5,8 +5,9 @@
         client.wait_ready()
         print(client.generate("The capital of France is", max_tokens=8, temperature=0).text)
 
-`python -m client "prompt"` is the same from a shell. `LLM` (with `SamplingParams`) is offline batch
-inference: it starts its own server and returns results in prompt order.
+`python -m client "prompt"` is the same from a shell. Offline batch inference (`LLM`, which starts its own
+server) lives a floor up, in `pagedserve` (`from pagedserve import LLM, SamplingParams`): it launches the
+services, and the SDK must not depend on the launcher.
 """
 
 from client.async_client import AsyncClient
@@ -18,7 +19,6 @@ from client.errors import (
     RequestCancelledError,
     ServerUnavailableError,
 )
-from client.llm import LLM
 from client.sampling_params import SamplingParams
 from client.sync_client import Client
 from client.types import (
@@ -40,7 +40,6 @@ __all__ = [
     "GenerateChunk",
     "GenerationResult",
     "InvalidRequestError",
-    "LLM",
     "LatencyHistogram",
     "Logprob",
     "ModelInfo",

@@ -27,7 +27,7 @@ def run_gateway(config: GatewayConfig) -> int:
         port=config.port,
         timeout_graceful_shutdown=config.shutdown_timeout,
         log_level="info",
-        log_config=None,  # the process's own logging setup (pagedserve.cli), not uvicorn's
+        log_config=None,  # the process's own logging setup (service_runtime/service_process.py), not uvicorn's
     ))
     logger.info("OpenAI-compatible API on http://%s:%d/v1 for the scheduler at %s%s", config.host, config.port,
                 config.grpc_target, " (API key required)" if config.api_key else "")

@@ -1,27 +1,25 @@
 """`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
 `gateway`, and `health` (a readiness probe for container health checks).
 
-Each subcommand parses its flags into its service's one frozen config; `serve` forwards the same flags to
-the children it starts (the same command lines docker compose uses).
+`scheduler`, `worker` and `gateway` are each service's own entry point (`scheduler_svc/main.py`, ...: the
+same flags as `python -m scheduler_svc`); `serve` parses the flags of all three and forwards each child its
+share (launcher.py), the same command lines docker compose uses.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import sys
 
-from gateway.config import add_gateway_access_arguments, add_gateway_arguments, gateway_config_from_args
-from scheduler_svc.config import (
-    add_api_key_argument,
-    add_heartbeat_argument,
-    add_scheduler_arguments,
-    scheduler_config_from_args,
-)
-from worker_svc.config import add_worker_arguments, worker_config_from_args
+from gateway import main as gateway_main
+from gateway.config import add_gateway_access_arguments
+from scheduler_svc import main as scheduler_main
+from scheduler_svc.config import add_scheduler_arguments
+from service_runtime.service_process import add_exit_with_parent_argument, start_service_process
+from worker_svc import main as worker_main
+from worker_svc.config import add_worker_arguments
 
-DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5557"
+SERVICES = {"scheduler": scheduler_main, "worker": worker_main, "gateway": gateway_main}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,25 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-http", dest="enable_http", action="store_false", help="start no HTTP gateway")
     add_gateway_access_arguments(serve)
 
-    scheduler = commands.add_parser("scheduler", help="start the scheduler service alone")
-    add_scheduler_arguments(scheduler)
-    add_api_key_argument(scheduler)
-    scheduler.add_argument("--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to bind")
-    scheduler.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
-    scheduler.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-
-    worker = commands.add_parser("worker", help="start one worker process alone")
-    worker.add_argument("--model", default=None, help="model directory, .gguf file or hub id")
-    worker.add_argument("--scheduler-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to connect")
-    add_worker_arguments(worker)
-    worker.add_argument("--rank", type=int, default=0)
-    worker.add_argument("--world-size", type=int, default=1)
-    add_heartbeat_argument(worker)
-    worker.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-
-    gateway = commands.add_parser("gateway", help="start the OpenAI-compatible HTTP gateway alone")
-    add_gateway_arguments(gateway)
-    gateway.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    for name, service in SERVICES.items():
+        service_parser = commands.add_parser(name, help=service.DESCRIPTION)
+        service.add_arguments(service_parser)
+        add_exit_with_parent_argument(service_parser)
 
     health = commands.add_parser("health", help="exit 0 if a scheduler or gateway is ready, else 1")
     probe = health.add_mutually_exclusive_group(required=True)
@@ -77,28 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ready = http_ok(args.http_url, args.timeout)
         return 0 if ready else 1
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.command} %(levelname)s %(message)s")
-    if getattr(args, "exit_with_parent", False):
-        from pagedserve.process_guard import exit_with_parent
-
-        exit_with_parent()
     if args.command == "serve":
         from pagedserve.launcher import serve
 
+        start_service_process("serve", exit_with_parent=False)
         return serve(args)
-    if args.command == "scheduler":
-        from scheduler_svc.service import run_scheduler_service
-
-        return asyncio.run(run_scheduler_service(scheduler_config_from_args(args)))
-    if args.command == "gateway":
-        from gateway.server import run_gateway
-
-        return run_gateway(gateway_config_from_args(args))
-    if args.world_size != 1:
-        raise SystemExit("--world-size > 1 (tensor parallel) is not supported yet")
-    from worker_svc.worker import run_worker
-
-    return run_worker(worker_config_from_args(args))
+    start_service_process(args.command, args.exit_with_parent)
+    return SERVICES[args.command].run(args)
 
 
 if __name__ == "__main__":

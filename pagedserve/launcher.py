@@ -5,7 +5,7 @@ The model is resolved once here (a hub download happens once) and both children 
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
 drains, then tells the worker to exit), and if any child dies on its own (the scheduler exits 1 when it
 loses its worker), stops the others and exits 1 so a restart policy can bring the stack back. Children die
-with the launcher (see process_guard.py); a child still running 10 s after its SIGTERM is killed.
+with the launcher (see service_runtime/service_process.py); a child still running 10 s after its SIGTERM is killed.
 
 The gateway is a gRPC client of the scheduler like any other; it is ready when its /health says the
 scheduler is SERVING. On SIGTERM it is signalled together with the scheduler, so HTTP streams in flight
@@ -23,9 +23,11 @@ import tempfile
 import time
 
 from pagedserve.health_probe import grpc_serving, http_ok
-from pagedserve.model_source import resolve_model
+from service_runtime.model_source import resolve_model
 
 _POLL_SECONDS = 0.2
+# Each role's package, whose `__main__` is that service's entry point.
+SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gateway": "gateway"}
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -85,7 +87,9 @@ def _local_address(host: str, port: int) -> str:
 
 
 def _start(role: str, argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pagedserve", role, "--exit-with-parent", *argv],
+    """Runs the service through its own entry point (`python -m scheduler_svc ...`), which imports that
+    service alone."""
+    return subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[role], "--exit-with-parent", *argv],
                             start_new_session=True)
 
 

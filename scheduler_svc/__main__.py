@@ -1,5 +1,5 @@
 import sys
 
-from pagedserve.cli import main
+from scheduler_svc.main import main
 
-sys.exit(main(["scheduler", *sys.argv[1:]]))
+sys.exit(main())

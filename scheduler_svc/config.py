@@ -2,13 +2,15 @@
 
 Frozen: every component receives the same immutable object at start-up, so no setting can drift at run time
 and no module reads the environment. `pagedserve serve` builds this command line for its child process from
-its own flags (see pagedserve/cli.py), and docker compose passes the same flags.
+its own flags (see pagedserve/launcher.py), and docker compose passes the same flags.
 """
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+
+from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,7 @@ class SchedulerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     # ZeroMQ address the scheduler binds; workers connect to it.
-    worker_address: str = "tcp://127.0.0.1:5557"
+    worker_address: str = DEFAULT_WORKER_ADDRESS
     num_workers: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
@@ -97,13 +99,6 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
-
-
-def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
-    """--heartbeat-interval, shared by the scheduler, the worker and `pagedserve serve` (which gives both the
-    same value)."""
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0,
-                        help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
 
 
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:

@@ -16,17 +16,17 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from pagedserve.step_timer import StepTimer
-from scheduler_svc.beam_search import BeamSearch
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
+from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
+from scheduler_svc.groups.beam_search import BeamSearch
+from scheduler_svc.groups.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
+from scheduler_svc.groups.stream_pacing import streams_to_flush
 from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
-from scheduler_svc.plan_codec import decode_step_result, encode_step_plan
-from scheduler_svc.request import Request
-from scheduler_svc.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
-from scheduler_svc.request_validation import InvalidRequestError, ValidatedRequest
-from scheduler_svc.scheduler import Scheduler, SchedulerOutput
-from scheduler_svc.stream_pacing import streams_to_flush
-from scheduler_svc.tokenizer import Tokenizer
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.worker_io.plan_codec import decode_step_result, encode_step_plan
+from scheduler_svc.worker_io.worker_link import WorkerLink
+from service_runtime.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
 

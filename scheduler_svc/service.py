@@ -21,19 +21,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from pagedserve.model_source import resolve_model
 from protos.pagedserve.v1 import worker_pb2
-from scheduler_svc.access import ApiKeyInterceptor, server_credentials
-from scheduler_svc.block_manager import BlockManager
+from scheduler_svc.api.access import ApiKeyInterceptor, server_credentials
+from scheduler_svc.api.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
+from scheduler_svc.api.request_limits import RequestLimits
+from scheduler_svc.api.request_validation import ServingLimits
 from scheduler_svc.config import SchedulerConfig
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.engine import Engine
-from scheduler_svc.plan_log import PlanLogWriter
-from scheduler_svc.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
-from scheduler_svc.request_limits import RequestLimits
-from scheduler_svc.request_validation import ServingLimits
-from scheduler_svc.scheduler import Scheduler, SchedulerLimits
-from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
-from scheduler_svc.worker_link import WorkerFailure, WorkerLink
+from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
+from scheduler_svc.worker_io.plan_log import PlanLogWriter
+from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
+from service_runtime.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 # The SDK pings every 20 s to notice a server that froze (client/channel.py); gRPC's default would answer

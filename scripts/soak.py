@@ -150,7 +150,7 @@ def own_server(args: argparse.Namespace):
     with tempfile.TemporaryDirectory(prefix="pagedserve-soak-") as scratch:
         model = args.model
         if model is None:
-            from tests.tiny_models import make_tiny_model
+            from pagedserve.testing.tiny_models import make_tiny_model
 
             model = str(make_tiny_model(Path(scratch), "llama", seed=1))
         with socket.socket() as probe:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_svc.request import Request
-from scheduler_svc.scheduler import SchedulerOutput
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.scheduler import SchedulerOutput
 
 VOCAB_SIZE = 50
 _MASK = (1 << 64) - 1

@@ -10,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client, PagedServeError
+from pagedserve.launcher import SERVICE_MODULES
 
 
 class StreamWatch:
@@ -87,10 +88,11 @@ class HealthWatch:
 
 
 def process_with_role(pids: list[int], role: str) -> int:
-    """The pid among `pids` running `python -m pagedserve ROLE ...`."""
+    """The pid among `pids` running the service ROLE (`python -m scheduler_svc ...`, as the launcher starts it)."""
+    module = SERVICE_MODULES[role].encode()
     for pid in pids:
         with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
             argv = cmdline.read().split(b"\0")
-        if b"pagedserve" in argv and argv[argv.index(b"pagedserve") + 1] == role.encode():
+        if b"-m" in argv and argv[argv.index(b"-m") + 1] == module:
             return pid
     raise LookupError(f"no {role} among {pids}")

@@ -12,11 +12,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler_svc.block_hash import chain_block_key
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.block_pool import BlockPool
-from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.core.block_hash import chain_block_key
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.block_pool import BlockPool
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
 
 
 def make_request(request_id: str, num_computed_tokens: int = 0, tokens: list[int] | None = None) -> Request:

@@ -32,9 +32,9 @@ from client import (
     ServerStats,
     ServerUnavailableError,
 )
+from pagedserve.testing.server_harness import free_port
 from protos.pagedserve.v1 import generate_pb2
 from tests.fake_generation_server import NORMAL_CHUNKS, STATS, FakeGeneration, FakeServer
-from tests.server_harness import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -20,8 +20,8 @@ from client import AsyncClient, Client, InvalidRequestError, OverloadedError, Se
 from client import sync_client
 from client.channel import CHANNEL_OPTIONS
 from client.retry import RetryBudget, RetryPolicy
+from pagedserve.testing.server_harness import REPO_ROOT, free_port
 from tests.fake_generation_server import FakeServer
-from tests.server_harness import REPO_ROOT, free_port
 
 
 @pytest.fixture(scope="module")

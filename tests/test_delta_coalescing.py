@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from scheduler_svc.delta_coalescing import coalesce, take_ready
-from scheduler_svc.output_stream import OutputDelta
-from scheduler_svc.request import FinishReason
-from scheduler_svc.request_group import StreamEnd
+from scheduler_svc.api.delta_coalescing import coalesce, take_ready
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.groups.request_group import StreamEnd
+from scheduler_svc.text.output_stream import OutputDelta
 
 
 def test_runs_of_one_sequence_merge_and_an_end_is_never_merged_forward():

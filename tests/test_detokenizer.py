@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.model_source import resolve_model
-from scheduler_svc.detokenizer import IncrementalDetokenizer
-from scheduler_svc.tokenizer import Tokenizer, TokenizerSpec, load_tokenizer
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.text.tokenizer import Tokenizer, TokenizerSpec
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
 
 REAL_TEXTS = [
     "The capital of France is Paris.",

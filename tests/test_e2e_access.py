@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client, PagedServeError
 from client.channel import channel_credentials
+from pagedserve.testing.server_harness import REPO_ROOT, http_json, running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
-from tests.server_harness import REPO_ROOT, http_json, running_server
-from tests.tiny_models import make_tiny_model
 
 API_KEY = "s3cret-key"
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from client import InvalidRequestError
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
 
 MAX_MODEL_LEN = 128
 

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from client import AsyncClient, DeadlineExceededError
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 
 KINDS = {"single": dict(), "n3": dict(n=3, temperature=1.0), "beams": dict(beam_width=3, temperature=0.0)}
 ENDLESS = dict(max_tokens=10_000, ignore_eos=True)  # runs until max_model_len unless ended early

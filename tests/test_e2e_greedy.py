@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.hf_reference import hf_greedy
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.hf_reference import hf_greedy
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 
 MAX_TOKENS = 24
 # Lengths around and between block boundaries (block size 16), none of the concurrent ones a multiple.

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import InvalidRequestError
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import generate_pb2
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
 
 GENERATE = "/pagedserve.v1.Generation/Generate"
 MAX_MESSAGE_BYTES = 65536

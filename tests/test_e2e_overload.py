@@ -13,9 +13,9 @@ import pytest
 
 from client import InvalidRequestError, OverloadedError
 from client.request_builder import build_generate_request
+from pagedserve.testing.server_harness import http_json, running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import generate_pb2_grpc
-from tests.server_harness import http_json, running_server
-from tests.tiny_models import make_tiny_model
 
 NUM_KV_BLOCKS = 20  # 320 tokens of KV: less than max_model_len, so a long request cannot fit
 MAX_MODEL_LEN = 512

@@ -14,10 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from client.types import GenerationResult
-from scheduler_svc.plan_log import read_plan_log
-from tests.hf_reference import hf_greedy, hf_log_softmax
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.hf_reference import hf_greedy, hf_log_softmax
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from scheduler_svc.worker_io.plan_log import read_plan_log
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from scheduler_svc.plan_log import read_plan_log
-from tests.hf_reference import _load, hf_greedy
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.hf_reference import _load, hf_greedy
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from scheduler_svc.worker_io.plan_log import read_plan_log
 
 MAX_TOKENS = 20
 BLOCK = 16

@@ -7,8 +7,8 @@ import importlib.util
 
 import pytest
 
-from tests.hf_reference import hf_greedy
-from tests.server_harness import running_server
+from pagedserve.testing.hf_reference import hf_greedy
+from pagedserve.testing.server_harness import running_server
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

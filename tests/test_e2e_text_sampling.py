@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server_harness import running_server
+from pagedserve.testing.server_harness import running_server
 
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0.0, max_tokens=24)
@@ -28,8 +28,8 @@ def greedy(server):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pagedserve.model_source import resolve_model
-    from scheduler_svc.tokenizer import load_tokenizer
+    from service_runtime.model_source import resolve_model
+    from scheduler_svc.text.tokenizer_loading import load_tokenizer
 
     return load_tokenizer(resolve_model(None).path)
 

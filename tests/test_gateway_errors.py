@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.testing.server_harness import free_port, http_json, running_gateway
 from tests.fake_generation_server import STATS, FakeServer
-from tests.server_harness import free_port, http_json, running_gateway
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

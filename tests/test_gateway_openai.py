@@ -13,7 +13,7 @@ from contextlib import closing
 import openai
 import pytest
 
-from tests.server_harness import running_server
+from pagedserve.testing.server_harness import running_server
 
 API_KEY = "sk-pagedserve-test"
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,9 +10,9 @@ import signal
 import pytest
 
 from client import Client, ServerUnavailableError
-from tests.server_harness import assert_all_gone, launched_server
+from pagedserve.testing.server_harness import assert_all_gone, launched_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from tests.stream_watch import HealthWatch, start_streams
-from tests.tiny_models import make_tiny_model
 
 NUM_STREAMS = 10
 

@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
+from pagedserve.testing.server_harness import free_port
 from protos.pagedserve.v1 import worker_pb2
-from scheduler_svc.worker_health import WorkerHealth
-from tests.server_harness import free_port
+from scheduler_svc.worker_io.worker_health import WorkerHealth
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
 # -- WorkerHealth ----------------------------------------------------------------------------------------

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from kernels.triton_decode_attention import choose_num_kv_splits
-from tests.paged_runner import make_kv_caches
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.paged_runner import make_kv_caches
+from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc import kernel_warmup
-from worker_svc.models import load_model
+from worker_svc.models.model_loader import load_model
 
 
 def test_decode_size_classes_cover_every_split_count_and_alignment():

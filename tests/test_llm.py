@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from client import LLM, SamplingParams
-from client.llm import server_argv
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve import LLM, SamplingParams
+from pagedserve.llm import server_argv
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 
 SERVER_OPTIONS = dict(max_model_len=128, num_kv_blocks=96)
 

@@ -18,10 +18,10 @@ from transformers.generation.logits_process import (
 )
 
 from protos.pagedserve.v1 import worker_pb2
-from worker_svc.logits_processors import apply_adjustments
 from worker_svc.persistent_batch import PersistentBatch
-from worker_svc.sampler import sample
-from worker_svc.sampling_inputs import build_sampling_tensors
+from worker_svc.sampling.logits_processors import apply_adjustments
+from worker_svc.sampling.sampler import sample
+from worker_svc.sampling.sampling_inputs import build_sampling_tensors
 
 VOCAB = 64
 

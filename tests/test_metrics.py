@@ -9,9 +9,9 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from scheduler_svc.metrics import LatencyHistogram, ServingMetrics
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
 
 
 class _Group:

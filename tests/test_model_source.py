@@ -9,7 +9,7 @@ import re
 import huggingface_hub
 import pytest
 
-from pagedserve.model_source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
+from service_runtime.model_source import HUB_ALLOW_PATTERNS, ResolvedModel, resolve_model
 
 
 def test_default_is_the_embedded_smollm2_gguf():

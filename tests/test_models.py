@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from tests.hf_reference import bf16_prefill_errors
-from tests.paged_runner import greedy_generate_paged, prefill_logits_paged
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.hf_reference import bf16_prefill_errors
+from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
+from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.model_config import ModelConfig
-from worker_svc.models import load_model
+from worker_svc.models.model_loader import load_model
 
 PROMPT_LENS = [5, 17, 33]
 NEW_TOKENS = 20

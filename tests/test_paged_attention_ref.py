@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.paged_attention_ref import paged_attention, write_kv_cache
-from tests.paged_runner import build_metadata, shuffled_block_tables
+from pagedserve.testing.paged_runner import build_metadata, shuffled_block_tables
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32

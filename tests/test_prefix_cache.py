@@ -4,10 +4,10 @@ Driven through the real Scheduler and the fake worker, which checks every reused
 
 from __future__ import annotations
 
-from scheduler_svc.block_hash import chain_block_key
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import Request
-from scheduler_svc.sampling_params import SamplingParams
+from scheduler_svc.core.block_hash import chain_block_key
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request import Request
+from scheduler_svc.core.sampling_params import SamplingParams
 from tests.test_scheduler import EOS, make_scheduler, step
 
 SYSTEM_PROMPT = list(range(500, 522))  # 22 tokens: 5 full blocks of 4, then 2 tokens

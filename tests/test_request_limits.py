@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.request_limits import RequestLimitError, RequestLimits, check_wire_limits
+from scheduler_svc.api.request_limits import RequestLimitError, RequestLimits, check_wire_limits
 
 LIMITS = RequestLimits(max_prompt_tokens=4, max_n=2, max_tokens_limit=8, max_stop_strings=1, max_stop_string_length=3,
                        max_logprobs=5, max_chat_messages=2)

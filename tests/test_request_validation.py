@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.model_source import resolve_model
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.bad_words import bad_words_token_ids
-from scheduler_svc.request_validation import InvalidRequestError, ServingLimits, validate_request
-from scheduler_svc.tokenizer import load_tokenizer
+from scheduler_svc.api.request_validation import ServingLimits, validate_request
+from scheduler_svc.core.validated_request import InvalidRequestError
+from scheduler_svc.text.bad_words import bad_words_token_ids
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
 
 LIMITS = ServingLimits(max_model_len=256, vocab_size=512, kv_capacity_tokens=4096)
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from kernels.gumbel_ref import W_MAX, gumbel_noise
 from kernels.sampling_ops import torch_sampling_ops
-from worker_svc.sampler import SamplingTensors, sample, seed_to_int64
+from worker_svc.sampling.sampler import SamplingTensors, sample, seed_to_int64
 
 
 def make_tensors(

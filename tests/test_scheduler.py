@@ -9,10 +9,10 @@ import zlib
 
 import pytest
 
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import FinishReason, Request, RequestStatus
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from tests.fake_worker import FakeWorker, expected_output
 
 EOS = 0

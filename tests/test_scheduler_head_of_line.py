@@ -5,7 +5,7 @@ the long one is running. Pure Python, on the fake worker."""
 
 from __future__ import annotations
 
-from scheduler_svc.request import RequestStatus
+from scheduler_svc.core.request import RequestStatus
 from tests.test_scheduler import make_request, make_scheduler, step
 
 BLOCK_SIZE = 4

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from tests.server_harness import REPO_ROOT, assert_all_gone, free_port, launched_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.server_harness import REPO_ROOT, assert_all_gone, free_port, launched_server
+from pagedserve.testing.tiny_models import make_tiny_model
 
 SCHEDULER_LOSS_BOUND_S = 15.0
 

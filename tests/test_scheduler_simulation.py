@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler_svc.block_hash import chain_block_key
-from scheduler_svc.block_manager import BlockManager
-from scheduler_svc.request import FinishReason, Request, RequestStatus
-from scheduler_svc.request_queue import scheduling_key
-from scheduler_svc.sampling_params import SamplingParams
-from scheduler_svc.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from scheduler_svc.core.block_hash import chain_block_key
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from scheduler_svc.core.request_queue import scheduling_key
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from tests.fake_worker import VOCAB_SIZE, FakeWorker, beam_candidates_at, expected_output
 
 EOS = 0

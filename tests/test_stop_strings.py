@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.stop_strings import StopMatch, StopStringMatcher
+from scheduler_svc.text.stop_strings import StopMatch, StopStringMatcher
 
 
 def stream_with_stops(matcher: StopStringMatcher, chunks: list[str]) -> tuple[list[str], str]:

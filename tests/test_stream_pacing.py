@@ -8,11 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from scheduler_svc.output_stream import OutputDelta
-from scheduler_svc.request import FinishReason
-from scheduler_svc.stream_pacing import PacedQueue, streams_to_flush
-from tests.server_harness import running_server
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.groups.stream_pacing import PacedQueue, streams_to_flush
+from scheduler_svc.text.output_stream import OutputDelta
 
 
 def test_ordinary_deltas_wait_for_a_flush_but_first_and_last_do_not():

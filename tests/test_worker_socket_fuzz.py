@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import Client
+from pagedserve.testing.server_harness import free_port, running_server
+from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import worker_pb2
-from tests.server_harness import free_port, running_server
-from tests.tiny_models import make_tiny_model
 
 MAX_TOKENS = 16
 FORGED = [

@@ -1,5 +1,5 @@
 import sys
 
-from pagedserve.cli import main
+from worker_svc.main import main
 
-sys.exit(main(["worker", *sys.argv[1:]]))
+sys.exit(main())

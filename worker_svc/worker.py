@@ -19,9 +19,9 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops
-from pagedserve.model_source import resolve_model
-from pagedserve.step_timer import BackToBackClock, StepTimer
 from protos.pagedserve.v1 import worker_pb2
+from service_runtime.model_source import resolve_model
+from service_runtime.step_timer import BackToBackClock, StepTimer
 from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
@@ -29,12 +29,12 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
-from worker_svc.logits_processors import LogitsAdjustments, SparseLogits
-from worker_svc.models import load_model
+from worker_svc.models.model_loader import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
-from worker_svc.prompt_logprobs import prompt_logprobs
-from worker_svc.sampler import SamplerOutput, SamplingTensors, sample
-from worker_svc.sampling_inputs import build_sampling_tensors
+from worker_svc.sampling.logits_processors import LogitsAdjustments, SparseLogits
+from worker_svc.sampling.prompt_logprobs import prompt_logprobs
+from worker_svc.sampling.sampler import SamplerOutput, SamplingTensors, sample
+from worker_svc.sampling.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 
 logger = logging.getLogger(__name__)

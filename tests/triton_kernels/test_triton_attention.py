@@ -14,7 +14,7 @@ from kernels.paged_attention_ref import paged_attention, write_kv_cache
 from kernels.triton_backend import TritonAttentionBackend, count_leading_decodes
 from kernels.triton_decode_attention import choose_num_kv_splits
 from kernels.triton_numerics import is_interpreting
-from tests.triton_kernels.attention_cases import (
+from pagedserve.testing.attention_cases import (
     BLOCK_SIZE,
     DECODES,
     MIXED,

@@ -12,10 +12,10 @@ import torch
 
 from kernels.layer_ops import LayerOps, triton_layer_ops
 from kernels.triton_backend import TritonAttentionBackend
-from tests.hf_reference import bf16_prefill_errors
-from tests.paged_runner import greedy_generate_paged, prefill_logits_paged
-from tests.tiny_models import make_tiny_model
-from worker_svc.models import load_model
+from pagedserve.testing.hf_reference import bf16_prefill_errors
+from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
+from pagedserve.testing.tiny_models import make_tiny_model
+from worker_svc.models.model_loader import load_model
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -139,8 +139,8 @@ def test_sample_with_the_kernels_equals_sample_with_the_references():
     """The whole sampler (worker_svc/sampler.py) with the Triton set and with the torch set: every kind of row
     in one batch, top-k rows drawn from their gathered candidates, processed logits and logprobs."""
     from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops
-    from worker_svc.logits_processors import LogitsAdjustments, SparseLogits
-    from worker_svc.sampler import SamplingTensors, sample
+    from worker_svc.sampling.logits_processors import LogitsAdjustments, SparseLogits
+    from worker_svc.sampling.sampler import SamplingTensors, sample
 
     logits = rows(8)["logits"]
     bias = SparseLogits(rows=torch.tensor([1, 2]), token_ids=torch.tensor([7, 9]), values=torch.tensor([9.0, -5.0]))

@@ -1,59 +1,7 @@
-"""Model registry: build a native model for a ModelConfig and load a checkpoint into it."""
+"""Models the worker serves: one file per architecture (llama.py), the registry that maps a checkpoint's
+architecture to its class (registry.py), and loading (model_loader.py: build on the meta device, then read the
+weights with weight_loader.py from safetensors or GGUF).
 
-from __future__ import annotations
-
-from pathlib import Path
-
-import torch
-from torch import nn
-
-from kernels.attention_backend import AttentionBackend
-from kernels.layer_ops import LayerOps
-from worker_svc.model_config import ModelConfig
-from worker_svc.models.llama import LlamaForCausalLM
-from worker_svc.weight_loader import iter_weights
-
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
-
-
-def build_model(
-    config: ModelConfig, attention_backend: AttentionBackend | None = None, layer_ops: LayerOps | None = None
-) -> nn.Module:
-    if config.architecture not in MODEL_CLASSES:
-        raise ValueError(f"no model for architecture {config.architecture!r}")
-    return MODEL_CLASSES[config.architecture](config, attention_backend, layer_ops)
-
-
-def load_model(
-    path: str | Path,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    attention_backend: AttentionBackend | None = None,
-    load_format: str = "auto",
-    layer_ops: LayerOps | None = None,
-) -> tuple[nn.Module, ModelConfig]:
-    """Build on the meta device (no init cost, no fp32 copy), allocate in `dtype` on `device`, load.
-
-    Every parameter is overwritten by the checkpoint (`load_weights` raises on missing ones), so the
-    uninitialized allocation is never read. load_format "dummy" (as in vLLM) fills the weights with random
-    values instead: benchmarks of a model's shape need only its config.json.
-    """
-    config = ModelConfig.from_path(path)
-    with torch.device("meta"):
-        model = build_model(config, attention_backend, layer_ops)
-    model = model.to(dtype).to_empty(device=device)
-    if load_format == "dummy":
-        _fill_random(model)
-    else:
-        model.load_weights(iter_weights(path, config))
-    return model.eval(), config
-
-
-@torch.no_grad()
-def _fill_random(model: nn.Module) -> None:
-    """Random weights of a realistic scale: norms near 1, matrices N(0, 0.02); seeded, so ranks agree."""
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, parameter in model.named_parameters():
-        device = parameter.device
-        generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(0))
-        parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=generator)
+May import: torch, kernels/, worker_svc/layers/ and worker_svc/model_config.py; never the worker's serving
+loop, batch or sampler. Importing this package imports no model: import the module you need.
+"""

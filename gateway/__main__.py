@@ -1,0 +1,5 @@
+import sys
+
+from gateway.main import main
+
+sys.exit(main())

@@ -1,0 +1,205 @@
+"""The public gRPC API (pagedserve.v1.Generation) of the scheduler service.
+
+Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
+step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
+(refusing bad input with INVALID_ARGUMENT naming the field), submit to the engine, and relay the engine's
+deltas as stream messages. Request bytes that do not parse (not protobuf, or a string field that is not
+UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
+A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
+engine, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+from scheduler_svc.api.delta_coalescing import coalesce, take_ready
+from scheduler_svc.api.request_limits import RequestLimitError
+from scheduler_svc.api.request_validation import ServingLimits, validate_request
+from scheduler_svc.core.request import FinishReason
+from scheduler_svc.core.token_logprobs import TokenLogprob
+from scheduler_svc.core.validated_request import InvalidRequestError
+from scheduler_svc.engine import Engine
+from scheduler_svc.groups.request_group import StreamEnd
+from scheduler_svc.metrics import fill_stats_response
+from scheduler_svc.text.output_stream import OutputDelta
+from scheduler_svc.text.tokenizer import Tokenizer
+
+_FINISH_REASONS = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: generate_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generate_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
+}
+_MAX_REQUEST_ID_LENGTH = 256
+_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
+SERVICE_NAME = _SERVICE.full_name
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What ModelInfo reports; fixed once the workers are connected."""
+
+    name: str
+    limits: ServingLimits
+    block_size: int
+    num_kv_blocks: int
+    num_swap_blocks: int
+    eos_token_ids: tuple[int, ...]
+    max_queued_requests: int | None = None  # None: no bound
+
+
+class MalformedRequest:
+    """What a request's bytes decode to when they are not a valid message of the method's request type."""
+
+
+def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+    """Registers the Generation service like the generated `add_GenerationServicer_to_server`, but with
+    request decoders that never raise: a malformed request reaches its handler as a `MalformedRequest`."""
+    handlers = {}
+    for method in _SERVICE.methods:
+        request_class = getattr(generate_pb2, method.input_type.name)
+        response_class = getattr(generate_pb2, method.output_type.name)
+        make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                        else grpc.unary_unary_rpc_method_handler)
+        handlers[method.name] = make_handler(getattr(servicer, method.name),
+                                             request_deserializer=_decoder(request_class),
+                                             response_serializer=response_class.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def _decoder(request_class):
+    def decode(data: bytes):
+        try:
+            return request_class.FromString(data)
+        except Exception:  # protobuf's DecodeError, or invalid UTF-8 in a string field
+            return MalformedRequest()
+    return decode
+
+
+async def _refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, MalformedRequest):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            "request: not a valid message (malformed protobuf, or a string field that is not UTF-8)")
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    def __init__(self, tokenizer: Tokenizer | None):
+        self._tokenizer = tokenizer
+        self._engine: Engine | None = None
+        self._model: ServedModel | None = None
+        self._refusal = "the server is starting: the workers are not ready yet"
+
+    def start_serving(self, engine: Engine, model: ServedModel) -> None:
+        self._engine, self._model = engine, model
+        self._refusal = ""
+
+    def stop_accepting(self, reason: str) -> None:
+        self._refusal = reason
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine, model = self._engine, self._model
+        await _refuse_malformed(request, context)
+        if self._refusal or engine is None or model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal)
+        if len(request.request_id) > _MAX_REQUEST_ID_LENGTH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {_MAX_REQUEST_ID_LENGTH} characters")
+        if model.max_queued_requests is not None and engine.num_queued() >= model.max_queued_requests:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{model.max_queued_requests} sequences are already queued; retry later")
+        request_id = request.request_id or uuid.uuid4().hex
+        if engine.is_in_flight(request_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
+        try:
+            validated = validate_request(request, self._tokenizer, model.limits)
+        except (InvalidRequestError, RequestLimitError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        queue = engine.submit(request_id, validated, request.priority)
+        ended = False
+        try:
+            while not ended:
+                for item in coalesce(take_ready(queue, await queue.get())):
+                    if isinstance(item, StreamEnd):
+                        ended = True
+                    elif isinstance(item, InvalidRequestError):
+                        ended = True
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                    elif isinstance(item, BaseException):
+                        ended = True
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
+                    else:
+                        yield _response(request_id, item, self._tokenizer)
+        finally:
+            if not ended:  # cancelled, disconnected or past its deadline
+                engine.abort(request_id)
+
+    async def Abort(self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        return generate_pb2.AbortResponse(aborted=self._engine.abort(request.request_id, notify=True))
+
+    async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
+        model = self._model
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        tokenizer = self._tokenizer
+        return generate_pb2.ModelInfoResponse(
+            model_name=model.name,
+            max_model_len=model.limits.max_model_len,
+            vocab_size=model.limits.vocab_size,
+            block_size=model.block_size,
+            num_kv_blocks=model.num_kv_blocks,
+            num_swap_blocks=model.num_swap_blocks,
+            eos_token_ids=list(model.eos_token_ids),
+            has_tokenizer=tokenizer is not None,
+            has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+        )
+
+    async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
+        if self._engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        stats = self._engine.stats()
+        response = generate_pb2.GetStatsResponse(**stats.__dict__)
+        fill_stats_response(response, self._engine.serving_metrics())  # metrics: token totals, latency histograms
+        return response
+
+
+def _response(request_id: str, delta: OutputDelta, tokenizer: Tokenizer | None) -> generate_pb2.GenerateResponse:
+    response = generate_pb2.GenerateResponse(
+        request_id=request_id,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
+        index=delta.index,
+        logprobs=delta.logprobs,  # per-token logprobs (OpenAI gateway's logprobs)
+        token_logprobs=[_token_logprobs(entry, tokenizer) for entry in delta.token_logprobs],
+        prompt_logprobs=[_token_logprobs(entry, tokenizer) for entry in delta.prompt_logprobs],
+    )
+    if delta.finish_reason is not None:
+        response.usage.prompt_tokens = delta.prompt_tokens
+        response.usage.completion_tokens = delta.completion_tokens
+        response.cumulative_logprob = delta.cumulative_logprob
+    return response
+
+
+def _token_logprobs(entry: TokenLogprob, tokenizer: Tokenizer | None) -> generate_pb2.TokenLogprobs:
+    """The public message of one token's logprobs; each token's text is decoded alone, as vLLM does."""
+
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
+
+    return generate_pb2.TokenLogprobs(
+        token=generate_pb2.Logprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                                   decoded_token=text(entry.token_id)),
+        # The top list holds every token better than each of its entries: ranks follow from it (ties share one).
+        top=[generate_pb2.Logprob(token_id=token_id, logprob=logprob, decoded_token=text(token_id),
+                                  rank=1 + sum(other > logprob for _, other in entry.top))
+             for token_id, logprob in entry.top],
+    )

@@ -1,0 +1,219 @@
+"""Turns a wire GenerateRequest into a prompt and SamplingParams the scheduler can trust, or refuses it.
+
+All checks happen here, at the gRPC edge, before the request touches the engine: a bad request costs nobody
+else anything. Every refusal names the offending field and the allowed range, and never echoes the input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
+from scheduler_svc.text.bad_words import bad_words_token_ids
+from scheduler_svc.text.tokenizer import Tokenizer
+
+
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI's range)
+MAX_REPETITION_PENALTY = 2.0
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the validator checks against; known once the workers reported their KV pools."""
+
+    max_model_len: int
+    vocab_size: int
+    # Tokens the whole KV pool holds: a request that cannot fit even alone is refused, not left waiting.
+    kv_capacity_tokens: int
+    # Size limits (request_limits.py), checked before the range checks below.
+    request_limits: RequestLimits = RequestLimits()
+
+
+def validate_request(
+    request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None, limits: ServingLimits
+) -> ValidatedRequest:
+    check_wire_limits(request, limits.request_limits)
+    prompt_token_ids = _prompt_token_ids(request, tokenizer, limits)
+    sampling = _sampling_params(request.sampling, tokenizer, limits)
+    prompt_len = len(prompt_token_ids)
+    check_prompt_tokens(prompt_len, limits.request_limits)
+    if prompt_len >= limits.max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{prompt_len} tokens leave no room to generate within max_model_len {limits.max_model_len}"
+        )
+    needed = min(prompt_len + sampling.max_tokens, limits.max_model_len)
+    if needed > limits.kv_capacity_tokens:
+        raise InvalidRequestError(
+            "max_tokens",
+            f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) needs {needed} tokens of KV cache, "
+            f"the whole pool holds {limits.kv_capacity_tokens}",
+        )
+    return ValidatedRequest(prompt_token_ids, sampling)
+
+
+def _prompt_token_ids(
+    request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None, limits: ServingLimits
+) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequestError("prompt.token_ids", "must not be empty")
+        bad = next((i for i in ids if i < 0 or i >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt.token_ids", f"ids must lie in [0, {limits.vocab_size})")
+        return ids
+    if tokenizer is None:
+        raise InvalidRequestError(f"prompt.{kind}", "this model has no tokenizer; send prompt.token_ids")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("prompt.text", "must not be empty")
+        ids = tokenizer.encode(request.text)
+    else:
+        if not tokenizer.has_chat_template:
+            raise InvalidRequestError("prompt.chat", "this model has no chat template")
+        if not request.chat.messages:
+            raise InvalidRequestError("prompt.chat.messages", "must not be empty")
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if any(not m["role"] for m in messages):
+            raise InvalidRequestError("prompt.chat.messages.role", "must not be empty")
+        try:
+            ids = tokenizer.encode_chat(messages)
+        except Exception as error:  # a template's raise_exception() for e.g. bad role order
+            raise InvalidRequestError("prompt.chat.messages", f"the chat template refused them ({type(error).__name__})")
+    if not ids:
+        raise InvalidRequestError(f"prompt.{kind}", "encodes to no tokens")
+    return ids
+
+
+def _sampling_params(
+    wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, limits: ServingLimits
+) -> SamplingParams:
+    defaults = SamplingParams()
+    max_tokens = wire.max_tokens if wire.HasField("max_tokens") else defaults.max_tokens
+    temperature = wire.temperature if wire.HasField("temperature") else defaults.temperature
+    top_p = wire.top_p if wire.HasField("top_p") else defaults.top_p
+    top_k = wire.top_k if wire.HasField("top_k") else defaults.top_k
+    if max_tokens < 1:
+        raise InvalidRequestError("sampling.max_tokens", "must be at least 1")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError("sampling.temperature", "must be a finite number >= 0")
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidRequestError("sampling.top_p", "must lie in (0, 1]")
+    if top_k < -1:
+        raise InvalidRequestError("sampling.top_k", "must be -1 (off), 0 (off) or a positive count")
+    stop = tuple(wire.stop)
+    if stop and tokenizer is None:
+        raise InvalidRequestError("sampling.stop", "stop strings need a tokenizer; use stop_token_ids")
+    if any(not s for s in stop):
+        raise InvalidRequestError("sampling.stop", "stop strings must not be empty")
+    stop_token_ids = tuple(wire.stop_token_ids)
+    if any(i < 0 or i >= limits.vocab_size for i in stop_token_ids):
+        raise InvalidRequestError("sampling.stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
+    n = wire.n if wire.HasField("n") else 1
+    best_of = wire.best_of if wire.HasField("best_of") else None
+    beam_width = wire.beam_width if wire.HasField("beam_width") else 1
+    length_penalty = wire.length_penalty if wire.HasField("length_penalty") else 1.0
+    max_n = limits.request_limits.max_n  # --max-n
+    if not 1 <= n <= max_n:
+        raise InvalidRequestError("sampling.n", f"must lie in [1, {max_n}]")
+    if best_of is not None and not n <= best_of <= max_n:
+        raise InvalidRequestError("sampling.best_of", f"must lie in [n, {max_n}] (n = {n})")
+    if not 1 <= beam_width <= max_n:
+        raise InvalidRequestError("sampling.beam_width", f"must lie in [1, {max_n}]")
+    if not math.isfinite(length_penalty):
+        raise InvalidRequestError("sampling.length_penalty", "must be a finite number")
+    if beam_width > 1:
+        if wire.HasField("temperature") and temperature != 0.0:
+            raise InvalidRequestError("sampling.temperature", "beam search is greedy: temperature must be 0")
+        if n > beam_width:
+            raise InvalidRequestError("sampling.n", f"beam search returns at most beam_width ({beam_width}) sequences")
+        if best_of is not None:
+            raise InvalidRequestError("sampling.best_of", "does not apply to beam search")
+        if stop:
+            raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
+        temperature, top_p, top_k = 0.0, 1.0, -1
+    extra = _penalties_and_masks(wire, tokenizer, limits, max_tokens, beam_width)
+    return SamplingParams(
+        n=n,
+        best_of=best_of,
+        beam_width=beam_width,
+        length_penalty=length_penalty,
+        early_stopping=wire.early_stopping,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=-1 if top_k == 0 else top_k,
+        seed=wire.seed if wire.HasField("seed") else None,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=wire.ignore_eos,
+        include_stop_str_in_output=wire.include_stop_str_in_output,
+        skip_special_tokens=wire.skip_special_tokens if wire.HasField("skip_special_tokens") else True,
+        spaces_between_special_tokens=(wire.spaces_between_special_tokens
+                                       if wire.HasField("spaces_between_special_tokens") else True),
+        **extra,
+    )
+
+
+def _penalties_and_masks(
+    wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, limits: ServingLimits, max_tokens: int,
+    beam_width: int,
+) -> dict:
+    """The SamplingParams fields of min_p, the penalties, logit_bias, bad_words, min_tokens and logprobs."""
+    min_p = wire.min_p if wire.HasField("min_p") else 0.0
+    if not 0.0 <= min_p <= 1.0:  # also false for NaN
+        raise InvalidRequestError("sampling.min_p", "must lie in [0, 1]")
+    presence = wire.presence_penalty if wire.HasField("presence_penalty") else 0.0
+    frequency = wire.frequency_penalty if wire.HasField("frequency_penalty") else 0.0
+    repetition = wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            raise InvalidRequestError(f"sampling.{name}", f"must lie in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]")
+    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
+        raise InvalidRequestError("sampling.repetition_penalty", f"must lie in (0, {MAX_REPETITION_PENALTY:g}]")
+    logit_bias = tuple(sorted(wire.logit_bias.items()))
+    if any(not 0 <= token_id < limits.vocab_size for token_id, _ in logit_bias):
+        raise InvalidRequestError("sampling.logit_bias", f"token ids must lie in [0, {limits.vocab_size})")
+    if any(not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS for _, bias in logit_bias):
+        raise InvalidRequestError("sampling.logit_bias", f"biases must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+    bad_words = tuple(wire.bad_words)
+    if bad_words and tokenizer is None:
+        raise InvalidRequestError("sampling.bad_words", "bad words need a tokenizer; use logit_bias with -100")
+    if any(not word.strip() for word in bad_words):
+        raise InvalidRequestError("sampling.bad_words", "words must not be empty")
+    min_tokens = wire.min_tokens if wire.HasField("min_tokens") else 0
+    if min_tokens > max_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"must lie in [0, max_tokens] (max_tokens = {max_tokens})")
+    logprobs = wire.logprobs if wire.HasField("logprobs") else None
+    prompt_logprobs = wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None
+    max_logprobs = limits.request_limits.max_logprobs  # --max-logprobs
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > max_logprobs:
+            raise InvalidRequestError(f"sampling.{name}", f"must lie in [0, {max_logprobs}] (--max-logprobs)")
+    if beam_width > 1:
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None:
+                raise InvalidRequestError(f"sampling.{name}", "not supported with beam search")
+        if presence or frequency or repetition != 1.0 or logit_bias or bad_words or min_p or min_tokens:
+            raise InvalidRequestError("sampling.beam_width", "beam search takes no penalties, logit_bias, "
+                                      "bad_words, min_p or min_tokens (its candidates are the raw logprobs)")
+    return dict(
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        logit_bias=logit_bias,
+        bad_words=bad_words,
+        bad_words_token_ids=bad_words_token_ids(bad_words, tokenizer) if bad_words else (),
+        min_tokens=min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )

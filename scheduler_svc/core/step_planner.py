@@ -1,0 +1,357 @@
+"""The scheduling policy: which requests run in one step, how many tokens each computes, who is preempted.
+
+Who owns it: the `Scheduler`, which calls `plan` once per step; it reads and writes the `SchedulerState` the
+scheduler shares with it, and the `BlockManager` in it. The plan it returns is the step's `SchedulerOutput`.
+
+Every queue (waiting, running, swapped) is kept in one fixed total order, (priority, arrival_seq, fork_seq)
+(`request_queue.py`): "earlier" below means earlier in that order. Budgets per step: max_num_seqs (requests
+holding a worker row) and max_num_batched_tokens (tokens in the forward pass). A request "has work" when it
+has tokens to compute: a fan-out root up to its prompt but the last token, anyone else up to its known tokens.
+A request without work ("idle") is waiting on the engine: a fan-out root reported to be forked, a beam row
+reported with its candidates, until the engine appends its next token. It stays idle even if preempted by
+recompute (it would recompute for nothing, and could push aside the sibling it waits for).
+
+Policy, per step:
+0. Room for the first in line. If the earliest waiting or swapped request with work could not start now (no
+   free worker row, or too few free blocks for a full-budget chunk), running requests of strictly worse
+   priority are preempted, last first, until it could (priority preemption). If it is the earliest request
+   with work of all, idle running requests are preempted too: they may be waiting on it (a beam waits for its
+   siblings' candidates), and holding on would deadlock.
+1. Running requests, in order. Each gets min(tokens to compute, budget left), but a prefill chunk (more than
+   one token to compute) leaves one token of budget for every decode after it, so decodes never stall behind
+   a long prompt. A request that cannot get blocks preempts the last running request after it, else an idle
+   running request before it, else itself, until it can. A forked child not yet on the worker needs a worker
+   row: it preempts a row holder the same way (never itself), or waits. Preemption by recompute frees the
+   blocks and requeues the request in waiting with its generated tokens; by swap it moves the blocks to the
+   swap pool (recompute when the swap pool is full).
+2. Only if nothing was preempted in this step (the worker never swaps in and out in one step): waiting and
+   swapped requests, merged in order, are admitted or swapped in until the first that cannot start (no
+   overtaking). An admission first takes every cached full block of its tokens (`find_cached_prefix`), but
+   always leaves at least one token to compute. Prompts are chunked to the budget left; with chunked prefill
+   off a prompt is scheduled whole or waits.
+   Why no overtaking, even when a long request at the head waits for blocks that shorter ones behind it would
+   fit in: a steady stream of short requests could then hold the blocks forever and starve it. Without
+   overtaking the head waits only until the requests ahead of it drain, and those behind it only until it
+   runs: no head-of-line deadlock, no starvation (tests/test_scheduler_head_of_line.py).
+
+A request is preempted only before it is scheduled in the step (the victims of (1) come after the request
+being scheduled, or are idle): a scheduled step is never undone, which the prefix cache relies on (a block is
+cached as soon as it is allocated for tokens that fill it).
+
+Why nobody starves and nothing livelocks. Preemption only ever moves from earlier to later, or takes idle
+requests: in (1) a request evicts requests after it, or idle ones; in (0) strictly worse priorities, or idle
+ones. Let H be the earliest request with work. Everything else either comes after H or is idle, so H can always
+take the blocks and the worker row it needs (a request that fits the pool alone is the only kind `add_request`
+and `fork_request` accept) and is never preempted. If H is running it computes at least one token every step:
+it is first in line for the budget, and its reservation for decodes is at most max_num_seqs - 1 tokens (so
+this needs max_num_batched_tokens >= max_num_seqs, the usual setting). If H is waiting or swapped nobody
+overtakes it (2), idle requests in its way are preempted (0) and stay idle, and the others holding what it needs
+all come after it and only drain (nothing is admitted past H), each needing at most max_model_len tokens of
+work; priority victims of (0) sort after H, so they cannot come back before it. So H starts within a bounded
+number of steps and finishes, and the next request becomes H: every request finishes, whatever the engine
+forks, as long as the engine acts on what it is reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.block_manager import SlotAllocation
+from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.request_queue import scheduling_key
+from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequestData, SchedulerOutput
+from scheduler_svc.core.scheduler_state import SchedulerState
+
+
+@dataclass
+class _StepDraft:
+    """The plan in progress; lives only inside one `plan` call."""
+
+    token_budget: int
+    num_preempted: int = 0  # including forked children the worker held no row for
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    scheduled_requests: list[ScheduledRequestData] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copy: list[tuple[int, int]] = field(default_factory=list)
+    completing_request_ids: list[str] = field(default_factory=list)
+    # Scheduled in this step: never a victim later in the pass (their counts already advanced, so one whose
+    # pending token may be its last looks idle).
+    scheduled_ids: set[str] = field(default_factory=set)
+
+
+class StepPlanner:
+    def __init__(self, state: SchedulerState) -> None:
+        self._state = state
+        self._limits = state.limits
+        self._blocks = state.block_manager
+
+    def plan(self, step_id: int, finished_request_ids: tuple[str, ...]) -> SchedulerOutput:
+        draft = _StepDraft(token_budget=self._limits.max_num_batched_tokens)
+        self._make_room_for_first_in_line(draft)
+        self._schedule_running(draft)
+        if not draft.num_preempted:
+            self._schedule_inactive(draft)
+        return SchedulerOutput(
+            step_id=step_id,
+            new_requests=tuple(draft.new_requests),
+            scheduled_requests=tuple(draft.scheduled_requests),
+            finished_request_ids=finished_request_ids,
+            preempted_request_ids=tuple(draft.preempted_request_ids),
+            swap_out=tuple(draft.swap_out),
+            swap_in=tuple(draft.swap_in),
+            copy=tuple(draft.copy),
+            total_num_scheduled_tokens=self._limits.max_num_batched_tokens - draft.token_budget,
+            completing_request_ids=tuple(draft.completing_request_ids),
+        )
+
+    # ---- (0) room for the first in line ------------------------------------------------------------------
+
+    def _make_room_for_first_in_line(self, draft: _StepDraft) -> None:
+        state = self._state
+        first = self._first_inactive_with_work()
+        if first is None:
+            return
+        running = state.running
+        for index in range(len(running) - 1, -1, -1):  # worst priority first
+            if running[index].priority <= first.priority or self._could_start(first):
+                break
+            if running[index].request_id not in state.reporting_in_flight:
+                self._preempt(running.pop(index), draft)
+        first_key = scheduling_key(first)
+        if self._could_start(first) or any(
+            scheduling_key(r) < first_key and not state.is_idle(r) for r in running
+        ):
+            return  # it can start, or someone earlier is still working: idle requests may be waiting on that one
+        for index in range(len(running) - 1, -1, -1):
+            if self._could_start(first):
+                return
+            if state.is_idle(running[index]):
+                self._preempt(running.pop(index), draft)
+
+    def _first_inactive_with_work(self) -> Request | None:
+        state = self._state
+        heads = [
+            next((request for request in queue if state.num_tokens_to_compute(request)), None)
+            for queue in (state.waiting, state.swapped)
+        ]
+        return min((head for head in heads if head is not None), key=scheduling_key, default=None)
+
+    def _could_start(self, request: Request) -> bool:
+        """Whether a waiting or swapped request would find a worker row and blocks for a full-budget chunk
+        now (ignoring prefix-cache hits: an over-estimate, so priority preemption may take one victim more)."""
+        if not self._state.has_free_worker_row():
+            return False
+        num_tokens = min(self._state.num_tokens_to_compute(request), self._limits.max_num_batched_tokens)
+        if request.status is RequestStatus.SWAPPED:
+            return self._blocks.can_swap_in(request.request_id, request.num_computed_tokens + num_tokens)
+        return self._blocks.can_allocate(num_tokens)
+
+    # ---- (1) running requests ----------------------------------------------------------------------------
+
+    def _schedule_running(self, draft: _StepDraft) -> None:
+        state = self._state
+        running = state.running
+        # One token of budget held back for each decode not yet scheduled in this pass.
+        num_decodes_after = sum(1 for request in running if state.num_tokens_to_compute(request) == 1)
+        index = 0
+        while index < len(running) and draft.token_budget > 0:
+            request = running[index]
+            num_to_compute = state.num_tokens_to_compute(request)
+            if num_to_compute == 1:
+                num_decodes_after -= 1
+            reserved = num_decodes_after if num_to_compute > 1 else 0
+            num_new_tokens = self._chunk(num_to_compute, draft.token_budget - reserved)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            num_preempted = draft.num_preempted
+            while request.request_id not in state.worker_rows and not state.has_free_worker_row():
+                victim = self._pick_victim(request, draft, needs_row=True)
+                if victim is None:
+                    break
+                num_decodes_after -= self._preempt(victim, draft)
+            if request.request_id not in state.worker_rows and not state.has_free_worker_row():
+                index = running.index(request) + 1  # a forked child waits for a worker row
+                continue
+            allocation = self._blocks.allocate_slots(request, num_new_tokens)
+            while allocation is None:
+                victim = self._pick_victim(request, draft, needs_row=False)
+                if victim is None:
+                    running.remove(request)
+                    self._preempt(request, draft)
+                    return  # nobody after it was left
+                num_decodes_after -= self._preempt(victim, draft)
+                allocation = self._blocks.allocate_slots(request, num_new_tokens)
+            self._record_scheduled(request, num_new_tokens, allocation, draft, num_to_compute)
+            if draft.num_preempted == num_preempted:
+                index += 1
+            else:
+                index = running.index(request) + 1  # an idle victim before it may have shifted it
+
+    def _pick_victim(self, request: Request, draft: _StepDraft, needs_row: bool) -> Request | None:
+        """Remove from the running queue whom `request` should preempt to get blocks (or a worker row, with
+        `needs_row`): the last request after it, else an idle one before it (not scheduled in this step);
+        None if neither."""
+        state = self._state
+        running = state.running
+        position = running.index(request)
+        for index in range(len(running) - 1, -1, -1):
+            candidate = running[index]
+            if index == position or (needs_row and candidate.request_id not in state.worker_rows):
+                continue
+            if candidate.request_id in draft.scheduled_ids or candidate.request_id in state.reporting_in_flight:
+                continue
+            if index > position or state.is_idle(candidate):
+                return running.pop(index)
+        return None
+
+    def _chunk(self, num_to_compute: int, capacity: int) -> int:
+        """Tokens to schedule for a request with `num_to_compute` left, given `capacity` tokens of budget."""
+        if num_to_compute <= capacity:
+            return max(num_to_compute, 0)
+        return max(capacity, 0) if self._limits.enable_chunked_prefill else 0
+
+    def _preempt(self, request: Request, draft: _StepDraft) -> int:
+        """Preempt a request already removed from the running queue. Returns 1 if it was a decode (one token
+        to compute), else 0, for the decode reservation of `_schedule_running`."""
+        state = self._state
+        was_decode = int(state.num_tokens_to_compute(request) == 1)
+        request_id = request.request_id
+        request.num_preemptions += 1
+        state.num_preemptions += 1
+        draft.num_preempted += 1
+        if request_id in state.worker_rows:
+            state.worker_rows.remove(request_id)
+            draft.preempted_request_ids.append(request_id)
+        state.unsent_token_ids.pop(request_id, None)  # a NewRequestData will carry every token
+        if self._limits.preemption_mode == "swap" and self._blocks.can_swap_out(request_id):
+            draft.swap_out.extend(self._blocks.swap_out(request_id))
+            request.status = RequestStatus.SWAPPED
+            state.swapped.add(request)
+        else:
+            self._blocks.free(request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            state.waiting.add(request)
+        return was_decode
+
+    # ---- (2) waiting and swapped requests ----------------------------------------------------------------
+
+    def _schedule_inactive(self, draft: _StepDraft) -> None:
+        """Admit waiting and swap in swapped requests, merged in queue order, until one cannot start."""
+        state = self._state
+        waiting, swapped = state.waiting, state.swapped
+        next_waiting = next_swapped = 0  # idle requests are passed over and stay in their queues
+        while draft.token_budget > 0 and state.has_free_worker_row():
+            candidates = []
+            if next_waiting < len(waiting):
+                candidates.append(waiting[next_waiting])
+            if next_swapped < len(swapped):
+                candidates.append(swapped[next_swapped])
+            if not candidates:
+                return
+            request = min(candidates, key=scheduling_key)
+            is_swapped = request.status is RequestStatus.SWAPPED
+            if state.num_tokens_to_compute(request) == 0:
+                next_swapped += is_swapped
+                next_waiting += not is_swapped
+                continue
+            started = self._swap_in(request, draft) if is_swapped else self._admit(request, draft)
+            if not started:
+                return
+
+    def _admit(self, request: Request, draft: _StepDraft) -> bool:
+        assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
+        num_to_compute = self._state.num_tokens_to_compute(request)
+        # Prompt logprobs need the logits of every prompt position: such a request computes them all.
+        needs_all_logits = request.sampling_params.prompt_logprobs is not None
+        prefix = self._blocks.find_cached_prefix(request, 0 if needs_all_logits else num_to_compute - 1)
+        num_new_tokens = self._chunk(num_to_compute - prefix.num_tokens, draft.token_budget)
+        if num_new_tokens == 0:
+            return False
+        allocation = self._blocks.allocate_slots(request, num_new_tokens, cached_prefix=prefix)
+        if allocation is None:
+            return False
+        request.num_computed_tokens = prefix.num_tokens
+        self._state.waiting.remove(request)
+        self._start_running(request)
+        self._record_scheduled(request, num_new_tokens, allocation, draft)
+        return True
+
+    def _swap_in(self, request: Request, draft: _StepDraft) -> bool:
+        num_new_tokens = self._chunk(self._state.num_tokens_to_compute(request), draft.token_budget)
+        num_kv_tokens = request.num_computed_tokens + num_new_tokens
+        if num_new_tokens == 0 or not self._blocks.can_swap_in(request.request_id, num_kv_tokens):
+            return False
+        draft.swap_in.extend(self._blocks.swap_in(request.request_id))
+        allocation = self._blocks.allocate_slots(request, num_new_tokens)
+        assert allocation is not None, "room checked by can_swap_in"
+        self._state.swapped.remove(request)
+        self._start_running(request)
+        self._record_scheduled(request, num_new_tokens, allocation, draft)
+        return True
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self._state.running.add(request)
+
+    # ---- the plan ----------------------------------------------------------------------------------------
+
+    def _record_scheduled(
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft,
+        num_to_compute: int | None = None,
+    ) -> None:
+        state = self._state
+        request_id = request.request_id
+        draft.copy.extend(allocation.copies)
+        draft.token_budget -= num_new_tokens
+        draft.scheduled_ids.add(request_id)
+        self._record_row(request, num_new_tokens, allocation, draft)
+        # Counts advance now, not when the result is back, so the next step can be planned while this one
+        # runs. A request that reaches its end samples a token (pending until the result applies it) or is
+        # reported to the engine (a fan-out root, a beam row).
+        if num_to_compute is None:
+            num_to_compute = state.num_tokens_to_compute(request)
+        completes = num_to_compute == num_new_tokens
+        request.num_computed_tokens += num_new_tokens
+        if completes:
+            draft.completing_request_ids.append(request_id)
+            if request.prefill_only or request.num_beam_candidates:
+                state.reporting_in_flight.add(request_id)
+            else:
+                request.num_pending_tokens += 1
+
+    def _record_row(
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft
+    ) -> None:
+        """The step's data for the worker: a diff for a row it holds, else a whole new row."""
+        state = self._state
+        request_id = request.request_id
+        if request_id in state.worker_rows:
+            draft.scheduled_requests.append(
+                ScheduledRequestData(
+                    request_id=request_id,
+                    new_block_ids=allocation.new_block_ids,
+                    num_scheduled_tokens=num_new_tokens,
+                    new_token_ids=tuple(state.unsent_token_ids.pop(request_id, ())),
+                    replaced_blocks=allocation.replaced_blocks,
+                )
+            )
+            return
+        state.worker_rows.add(request_id)
+        state.unsent_token_ids.pop(request_id, None)
+        draft.new_requests.append(
+            NewRequestData(
+                request_id=request_id,
+                token_ids=tuple(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=tuple(self._blocks.block_table(request_id)),
+                num_computed_tokens=request.num_computed_tokens,
+                num_scheduled_tokens=num_new_tokens,
+                num_beam_candidates=request.num_beam_candidates,
+                num_prompt_tokens=request.num_prompt_tokens,
+                eos_token_ids=request.eos_token_ids,
+            )
+        )

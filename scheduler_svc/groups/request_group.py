@@ -1,0 +1,234 @@
+"""What serves one client request: one scheduler request, or several (parallel sampling, beam search).
+
+Ownership: the engine loop owns every group; a group owns the scheduler request ids it created (its members)
+and the asyncio queue its gRPC stream reads. The scheduler knows nothing of groups: it sees independent
+requests that happen to share blocks (through `fork_request`). A group hears about each step's outcome for
+its members and decides what the client sees.
+
+- `SingleSequence` (n == 1, no beams): streams its one request's deltas.
+- `ParallelSampling` (n > 1 or best_of > 1): a prefill-only root computes all prompt tokens but the last; the
+  group then forks best_of children that share the root's blocks (copy-on-write for the partial last block),
+  each computing the last prompt token and sampling with its own seed. Streams when best_of == n; otherwise
+  the n children with the highest cumulative logprob are sent when all have finished.
+- `BeamSearch` lives in beam_search.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from scheduler_svc.core.request import FinishReason, Request
+from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.core.step_outcome import StepOutcome
+from scheduler_svc.core.token_logprobs import PromptLogprobChunk, PromptLogprobs, TokenLogprob
+from scheduler_svc.groups.stream_pacing import PacedQueue
+from scheduler_svc.text.output_stream import OutputDelta, OutputStream
+from scheduler_svc.text.tokenizer import Tokenizer
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last item on a group's queue: every sequence has sent its final message."""
+
+
+@dataclass
+class GroupContext:
+    """What a group may touch: the scheduler, the tokenizer, and the engine's member -> group index."""
+
+    scheduler: Scheduler
+    tokenizer: Tokenizer | None
+    owners: dict[str, RequestGroup]
+
+
+class RequestGroup(ABC):
+    def __init__(self, request_id: str, root: Request, context: GroupContext):
+        self.request_id = request_id
+        self.root = root
+        self.queue = PacedQueue()  # the engine flushes it (stream_pacing.py)
+        self.context = context
+        self.members: set[str] = set()
+        self.finished = False
+        # sampling.prompt_logprobs: the root's (a fan-out root computes the prompt; children only its last
+        # token), sent on each sequence's first message.
+        self._prompt_logprobs = PromptLogprobs()
+
+    @abstractmethod
+    def start(self) -> None:
+        """Adds the group's first request(s) to the scheduler."""
+
+    @abstractmethod
+    def on_step(self, request: Request, outcome: StepOutcome) -> None:
+        """A member computed tokens this step (it may have finished)."""
+
+    def on_prompt_logprobs(self, member_id: str, chunk: PromptLogprobChunk) -> None:
+        """A member computed prompt tokens this step (maybe a chunk that does not reach its end)."""
+        if member_id == self.root.request_id:
+            self._prompt_logprobs.add(chunk)
+
+    def abort(self, notify: bool) -> None:
+        """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence."""
+        for member in list(self.members):
+            self.context.scheduler.abort_request(member)
+            self._drop(member)
+        if notify:
+            for index in self._unfinished_indices():
+                self.queue.put_nowait(dataclasses.replace(_ABORTED, index=index))
+        self._end()
+
+    def _unfinished_indices(self) -> list[int]:
+        return [0]
+
+    def _add(self, request: Request, parent_id: str | None = None, num_shared_tokens: int = 0) -> None:
+        self.members.add(request.request_id)
+        self.context.owners[request.request_id] = self
+        if parent_id is None:
+            self.context.scheduler.add_request(request)
+        else:
+            self.context.scheduler.fork_request(parent_id, request, num_shared_tokens)
+
+    def _drop(self, member: str) -> None:
+        self.members.discard(member)
+        self.context.owners.pop(member, None)
+
+    def _release(self, member: str) -> None:
+        """Frees a member the client never sees the end of (a fan-out root, a dropped beam)."""
+        self.context.scheduler.release_request(member)
+        self._drop(member)
+
+    def _end(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.queue.put_nowait(StreamEnd())
+
+
+_ABORTED = OutputDelta(text="", token_ids=(), finish_reason=FinishReason.ABORT)
+
+
+class SingleSequence(RequestGroup):
+    def start(self) -> None:
+        self._stream = OutputStream(self.root, self.context.tokenizer)
+        self._cumulative_logprob = 0.0
+        self._sent_first = False
+        self._add(self.root)
+
+    def on_step(self, request: Request, outcome: StepOutcome) -> None:
+        self._cumulative_logprob += outcome.logprobs.get(request.request_id, 0.0)
+        delta = _advance(self._stream, request, self.context.scheduler, outcome)
+        if delta.token_ids and not self._sent_first:
+            self._sent_first = True
+            delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
+        if delta.finish_reason is not None:
+            delta = dataclasses.replace(delta, cumulative_logprob=self._cumulative_logprob)
+        if delta.text or delta.token_ids or delta.finish_reason is not None:
+            self.queue.put_nowait(delta)
+        if delta.finish_reason is not None:
+            self._drop(request.request_id)
+            self._end()
+
+
+class ParallelSampling(RequestGroup):
+    def start(self) -> None:
+        params = self.root.sampling_params
+        self._n, self._best_of = params.n, params.num_sequences
+        self._children: list[Request] = []
+        self._streams: dict[str, OutputStream] = {}
+        self._index: dict[str, int] = {}
+        self._logprob: dict[str, float] = {}
+        self._token_logprobs: dict[str, list[float]] = {}  # best_of > n: sent with each child's whole output
+        self._finals: dict[str, OutputDelta] = {}  # best_of > n: each child's whole output, sent at the end
+        self._token_ranks: dict[str, list[TokenLogprob]] = {}  # best_of > n, with sampling.logprobs
+        self._sent_first: set[str] = set()
+        if self.root.num_prompt_tokens == 1:
+            self._fork_children(parent_id=None)
+        else:
+            self.root.prefill_only = True
+            self._add(self.root)
+
+    def _unfinished_indices(self) -> list[int]:
+        if self._best_of > self._n:
+            return list(range(self._n))
+        return [self._index[c.request_id] for c in self._children if c.request_id not in self._finals]
+
+    def on_step(self, request: Request, outcome: StepOutcome) -> None:
+        if request.request_id == self.request_id and request.prefill_only:
+            self._fork_children(parent_id=request.request_id)
+            self._release(request.request_id)
+            return
+        child_id = request.request_id
+        self._logprob[child_id] += outcome.logprobs.get(child_id, 0.0)
+        delta = _advance(self._streams[child_id], request, self.context.scheduler, outcome)
+        self._token_logprobs[child_id].extend(delta.logprobs)
+        self._token_ranks[child_id].extend(delta.token_logprobs)
+        if delta.token_ids and child_id not in self._sent_first:
+            self._sent_first.add(child_id)
+            delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
+        streaming = self._best_of == self._n
+        if delta.finish_reason is not None:
+            self._drop(child_id)
+            self._finals[child_id] = delta
+        if streaming and (delta.text or delta.token_ids or delta.finish_reason is not None):
+            self.queue.put_nowait(dataclasses.replace(delta, index=self._index[child_id],
+                                                      cumulative_logprob=self._logprob[child_id]))
+        if len(self._finals) == self._best_of:
+            if not streaming:
+                self._send_best()
+            self._end()
+
+    def _fork_children(self, parent_id: str | None) -> None:
+        base_seed = self.root.sampling_params.seed
+        for i in range(self._best_of):
+            seed = (base_seed + (i + 1) * _SEED_STRIDE) & _SEED_MASK
+            child = Request(
+                request_id=f"{self.request_id}#{i}",
+                prompt_token_ids=list(self.root.prompt_token_ids),
+                sampling_params=dataclasses.replace(self.root.sampling_params, seed=seed),
+                eos_token_ids=self.root.eos_token_ids,
+                priority=self.root.priority,
+            )
+            self._children.append(child)
+            self._streams[child.request_id] = OutputStream(child, self.context.tokenizer)
+            self._index[child.request_id] = i
+            self._logprob[child.request_id] = 0.0
+            self._token_logprobs[child.request_id] = []
+            self._token_ranks[child.request_id] = []
+            self._add(child, parent_id, num_shared_tokens=self.root.num_prompt_tokens - 1 if parent_id else 0)
+
+    def _send_best(self) -> None:
+        ranked = sorted(self._children, key=lambda c: self._logprob[c.request_id], reverse=True)[: self._n]
+        for index, child in enumerate(ranked):
+            final = self._finals[child.request_id]
+            self.queue.put_nowait(OutputDelta(
+                text=self._streams[child.request_id].text,
+                token_ids=tuple(child.output_token_ids),
+                finish_reason=final.finish_reason,
+                prompt_tokens=final.prompt_tokens,
+                completion_tokens=final.completion_tokens,
+                index=index,
+                cumulative_logprob=self._logprob[child.request_id],
+                logprobs=_whole_logprobs(self._token_logprobs[child.request_id], child),
+                token_logprobs=_whole_logprobs(self._token_ranks[child.request_id], child),
+                prompt_logprobs=self._prompt_logprobs.tokens,
+            ))
+
+
+def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outcome: StepOutcome) -> OutputDelta:
+    delta, stopped_by_string = stream.advance(request)
+    if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
+        scheduler.finish_request(request.request_id, FinishReason.STOP)
+    logprob = outcome.logprobs.get(request.request_id)
+    if len(delta.token_ids) == 1 and logprob is not None:  # a step samples one token per sequence
+        delta = dataclasses.replace(delta, logprobs=(logprob,))
+    ranked = outcome.token_logprobs.get(request.request_id)
+    if len(delta.token_ids) == 1 and ranked is not None:
+        delta = dataclasses.replace(delta, token_logprobs=(ranked,))
+    return delta
+
+
+def _whole_logprobs(token_logprobs: list, request: Request) -> tuple:
+    """Per-token logprobs of a whole output, or none if any token's is unknown (they would not line up)."""
+    return tuple(token_logprobs) if len(token_logprobs) == request.num_output_tokens else ()

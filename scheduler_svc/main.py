@@ -1,0 +1,33 @@
+"""The scheduler service's entry point: `python -m scheduler_svc` (and `pagedserve scheduler`, which
+delegates here) parses the scheduler's flags into its one config and runs the service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Sequence
+
+from scheduler_svc.config import add_api_key_argument, add_scheduler_arguments, scheduler_config_from_args
+from service_runtime.service_process import service_main
+from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS
+
+DESCRIPTION = "start the scheduler service alone"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The standalone scheduler's flags: the scheduler flags `serve` shares, plus its own API key, the
+    ZeroMQ address to bind and how many worker ranks to wait for."""
+    add_scheduler_arguments(parser)
+    add_api_key_argument(parser)
+    parser.add_argument("--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to bind")
+    parser.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler_svc.service import run_scheduler_service
+
+    return asyncio.run(run_scheduler_service(scheduler_config_from_args(args)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return service_main("scheduler", DESCRIPTION, add_arguments, run, argv)

@@ -1,0 +1,154 @@
+"""Text <-> token ids for the scheduler, loaded from a Hugging Face directory or a GGUF file.
+
+Why not `transformers.AutoTokenizer`: in transformers 5 it imports torch, and the scheduler service never does.
+So this module builds the same fast tokenizer itself, from the `tokenizers` library (Rust), `jinja2` for chat
+templates and the `gguf` package for GGUF metadata, and is tested id for id against transformers.
+
+Who owns what: one `Tokenizer` per served model, created once at start-up and shared read-only by the gRPC edge
+(prompt encoding, chat templates) and the engine loop (incremental detokenization, stop checks). It holds no
+per-request state.
+
+What we follow, from transformers 5:
+- A directory's `tokenizer.json` is used as is, post-processor included: transformers 5 drops
+  `add_bos_token`/`add_eos_token` from `tokenizer_config.json` whenever `tokenizer.json` exists, so do we.
+- Named special tokens from the config (bos, eos, unk, pad, ...) become special added tokens when the backend does
+  not already have them, so they are matched whole in text and skipped by `decode(skip_special_tokens=True)`.
+- `clean_up_tokenization_spaces` is not applied: it is not prefix-stable, so streamed text could not equal the
+  final text (vLLM's fast detokenizer ignores it too). Modern configs set it to false anyway.
+Loading from a model's files is in `tokenizer_loading.py` (the GGUF conversion in `gguf_tokenizer.py`), chat
+templates are compiled in `chat_template.py`; both loaders build a `TokenizerSpec`, which this module owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+from scheduler_svc.text.chat_template import compile_chat_template
+
+# The template variables transformers passes from its special tokens map (SPECIAL_TOKENS_ATTRIBUTES).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Everything besides the backend that a model's files say about its tokenizer.
+
+    special_tokens: named special tokens by attribute name (`{"bos_token": "<|im_start|>", ...}`), which are also
+    the chat template's variables. extra_eos_token_ids: ids that end generation besides the eos token's own (from
+    generation_config.json, or a GGUF's end-of-turn ids).
+    """
+
+    special_tokens: dict[str, str]
+    extra_special_tokens: tuple[str, ...] = ()
+    extra_eos_token_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+
+
+class Tokenizer:
+    """A fast tokenizer plus the model's special tokens and chat template.
+
+    Why a wrapper and not the bare `tokenizers.Tokenizer`: the backend knows nothing of bos/eos ids, chat templates
+    or the extra stop ids of generation_config.json; this class is the one place that joins them, with the small
+    API the scheduler needs (the same names and results as transformers' tokenizer methods). It takes ownership of
+    `backend` (named special tokens missing from it are added).
+    """
+
+    def __init__(self, backend: BackendTokenizer, spec: TokenizerSpec) -> None:
+        self._backend = backend
+        self._special_tokens = dict(spec.special_tokens)
+        self._add_missing_special_tokens((*spec.special_tokens.values(), *spec.extra_special_tokens))
+        eos_id = self._token_id(spec.special_tokens.get("eos_token"))
+        eos_ids = ([eos_id] if eos_id is not None else []) + list(spec.extra_eos_token_ids)
+        self._eos_token_ids = tuple(dict.fromkeys(eos_ids))
+        self._bos_token_id = self._token_id(spec.special_tokens.get("bos_token"))
+        added = backend.get_added_tokens_decoder()
+        self._all_special_ids = tuple(sorted(token_id for token_id, token in added.items() if token.special))
+        self._chat_template_source = spec.chat_template
+        self._chat_template = compile_chat_template(spec.chat_template) if spec.chat_template else None
+
+    # ---- encoding / decoding ----
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        """Vocabulary strings of `ids` (byte-level spelling, e.g. 'Ġworld'); None for an id out of the vocabulary."""
+        return [self._backend.id_to_token(token_id) for token_id in ids]
+
+    # ---- chat ----
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template_source
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered as transformers' `apply_chat_template(tokenize=False)`."""
+        if self._chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt instead of messages")
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        # As transformers: keys whose value is None are dropped (OpenAI clients send content=None).
+        conversation = [{key: value for key, value in message.items() if value is not None} for message in messages]
+        return self._chat_template.render(
+            **self._special_tokens,
+            messages=conversation,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    # ---- special tokens ----
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end generation: the eos token's first, then generation_config.json's (or a GGUF's eot)."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def all_special_ids(self) -> tuple[int, ...]:
+        """Ids of every special added token, i.e. exactly those `decode(skip_special_tokens=True)` drops.
+
+        A superset of transformers' `all_special_ids`, which lists only the named ones (bos, eos, unk, pad, ...).
+        """
+        return self._all_special_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token strings, added tokens included (`len(tokenizer)` in transformers)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._backend.token_to_id(token)
+
+    def _add_missing_special_tokens(self, tokens: tuple[str, ...]) -> None:
+        added = {token.content for token in self._backend.get_added_tokens_decoder().values()}
+        missing = [token for token in dict.fromkeys(tokens) if token and token not in added]
+        if missing:
+            self._backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in missing])

@@ -1,0 +1,105 @@
+"""Translation between the scheduler's typed step output and the worker wire schema (protos/.../worker.proto).
+
+The only place that knows both shapes: the scheduler core stays free of protobuf, the worker free of the
+scheduler's classes.
+"""
+
+from __future__ import annotations
+
+from protos.pagedserve.v1 import worker_pb2
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import SchedulerOutput
+from scheduler_svc.core.scheduler_output import NewRequestData
+from scheduler_svc.core.step_outcome import StepOutcome
+from scheduler_svc.core.token_logprobs import PromptLogprobChunk, TokenLogprob
+
+
+def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
+    plan = worker_pb2.StepPlan(
+        step_id=output.step_id,
+        finished_request_ids=list(output.finished_request_ids),
+        preempted_request_ids=list(output.preempted_request_ids),
+        swap_out=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.swap_out],
+        swap_in=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.swap_in],
+        copy=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.copy],
+    )
+    for new in output.new_requests:
+        plan.new_requests.append(
+            worker_pb2.NewRequest(
+                request_id=new.request_id,
+                token_ids=new.token_ids,
+                sampling=_worker_sampling(new),
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=new.num_scheduled_tokens,
+                num_prompt_tokens=new.num_prompt_tokens,
+            )
+        )
+    for cached in output.scheduled_requests:
+        plan.scheduled_requests.append(
+            worker_pb2.ScheduledRequest(
+                request_id=cached.request_id,
+                new_block_ids=cached.new_block_ids,
+                num_scheduled_tokens=cached.num_scheduled_tokens,
+                new_token_ids=cached.new_token_ids,
+                replaced_blocks=[worker_pb2.BlockReplacement(index=i, block_id=b) for i, b in cached.replaced_blocks],
+            )
+        )
+    return worker_pb2.SchedulerToWorker(plan=plan)
+
+
+def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
+    params: SamplingParams = new.sampling_params
+    assert params.seed is not None, "the engine seeds every request at admission"
+    min_tokens_masked = params.stop_token_ids + (() if params.ignore_eos else new.eos_token_ids)
+    return worker_pb2.WorkerSamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
+        num_beam_candidates=new.num_beam_candidates,
+        min_p=params.min_p,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=[worker_pb2.LogitBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        min_tokens=params.min_tokens,
+        min_tokens_masked_ids=sorted(set(min_tokens_masked)) if params.min_tokens else [],
+        bad_words=[worker_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
+        num_logprobs=-1 if params.logprobs is None else params.logprobs,
+        num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+    )
+
+
+def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
+    sampled = result.sampled
+    request_ids, token_ids, logprobs = list(sampled.request_ids), list(sampled.token_ids), list(sampled.logprobs)
+    return StepOutcome(
+        sampled=dict(zip(request_ids, token_ids)),
+        logprobs=dict(zip(request_ids, logprobs)),
+        beam_candidates={
+            b.request_id: [(c.token_id, c.logprob) for c in b.candidates] for b in result.beam_candidates
+        },
+        token_logprobs=_token_logprobs(sampled, request_ids, token_ids, logprobs),
+        prompt_logprobs={
+            p.request_id: PromptLogprobChunk(
+                p.first_position, tuple(TokenLogprob(t.token_id, t.logprob, t.rank, _top(t.top)) for t in p.tokens)
+            )
+            for p in result.prompt_logprobs
+        },
+    )
+
+
+def _token_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str], token_ids: list[int],
+                    logprobs: list[float]) -> dict[str, TokenLogprob]:
+    """The rows that asked for logprobs (rank >= 1), each with its slice of the flat top lists."""
+    top_ids, top_logprobs = list(sampled.top_token_ids), list(sampled.top_logprobs)
+    out, start = {}, 0
+    for i, (rank, num_top) in enumerate(zip(sampled.ranks, sampled.num_top)):
+        if rank:
+            end = start + num_top
+            out[request_ids[i]] = TokenLogprob(token_ids[i], logprobs[i], rank,
+                                               tuple(zip(top_ids[start:end], top_logprobs[start:end])))
+        start += num_top
+    return out
+
+
+def _top(candidates) -> tuple[tuple[int, float], ...]:
+    return tuple((c.token_id, c.logprob) for c in candidates)

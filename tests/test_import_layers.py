@@ -1,0 +1,133 @@
+"""The floors of the code base hold: every import arrow runs down (README, "Architecture").
+
+Read from the source (every import statement, those inside functions too), so a lazy import that runs back
+up fails here as surely as one at the top of a module. Each rule names the floor it protects; a violation
+lists the importing file and the imported module.
+"""
+
+from __future__ import annotations
+
+import ast
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIRST_PARTY = ("client", "gateway", "kernels", "pagedserve", "protos", "scheduler_svc", "service_runtime",
+               "tests", "worker_svc", "benchmarks", "scripts")
+
+
+@cache
+def imports_of(package: str) -> tuple[tuple[str, str], ...]:
+    """(file, imported module) for every absolute import in the package's Python files (generated code aside)."""
+    found = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            found += [(str(path.relative_to(ROOT)), module) for module in modules]
+    return tuple(found)
+
+
+def violations(package: str, forbidden: tuple[str, ...], within: str | None = None) -> list[str]:
+    """Imports from `package` (or its sub-package / module `within`) of a module under any `forbidden` prefix."""
+    prefix = (within or package).replace(".", "/")
+    return [f"{path} imports {module}" for path, module in imports_of(package)
+            if (path.startswith(prefix + "/") or path == prefix + ".py")
+            and any(module == name or module.startswith(name + ".") for name in forbidden)]
+
+
+def others(*allowed: str) -> tuple[str, ...]:
+    return tuple(name for name in FIRST_PARTY if name not in allowed)
+
+
+# What each top-level package may import of the first-party ones (beside itself); anything else runs up.
+PACKAGE_FLOORS = {
+    "protos": others("protos"),
+    "service_runtime": others("service_runtime"),
+    "kernels": others("kernels"),
+    "client": others("client", "protos"),
+    "scheduler_svc": others("scheduler_svc", "protos", "service_runtime"),
+    "worker_svc": others("worker_svc", "kernels", "protos", "service_runtime"),
+    "gateway": others("gateway", "client", "protos", "service_runtime"),
+    "pagedserve": ("tests", "benchmarks", "scripts"),
+    "benchmarks": ("tests", "scripts"),
+    "scripts": ("tests", "benchmarks"),
+}
+
+SCHEDULER = "scheduler_svc."
+WIRE_AND_LOOP = ("grpc", "grpc_health", "zmq", "asyncio", "protos", "torch", "transformers", "numpy")
+# Inside the scheduler: each part and what it must not import (its own floor and those below it are fine).
+SCHEDULER_PARTS = {
+    "core": (*WIRE_AND_LOOP, "tokenizers", "jinja2", "gguf",
+             *(SCHEDULER + part for part in ("text", "worker_io", "groups", "api", "engine", "service", "metrics"))),
+    "text": (*WIRE_AND_LOOP, *(SCHEDULER + part for part in ("worker_io", "groups", "api", "engine", "service"))),
+    "worker_io": ("grpc", "torch", *(SCHEDULER + part for part in ("text", "groups", "api", "engine", "service"))),
+    "groups": ("grpc", "zmq", "protos", "torch", *(SCHEDULER + part for part in ("worker_io", "api", "engine", "service"))),
+    "engine": ("grpc", "zmq", "torch", SCHEDULER + "api", SCHEDULER + "service"),
+    "api": ("zmq", "torch", SCHEDULER + "service", SCHEDULER + "worker_io"),
+}
+
+WORKER = "worker_svc."
+WORKER_PARTS = {
+    "layers": (WORKER + "models", WORKER + "sampling", WORKER + "worker", WORKER + "persistent_batch"),
+    "models": (WORKER + "sampling", WORKER + "worker", WORKER + "persistent_batch", WORKER + "scheduler_link"),
+    "sampling": (WORKER + "models", WORKER + "layers", WORKER + "worker", WORKER + "scheduler_link"),
+}
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_FLOORS))
+def test_package_imports_only_the_floors_below_it(package):
+    assert violations(package, PACKAGE_FLOORS[package]) == []
+
+
+def test_nothing_but_the_tests_imports_the_test_suite():
+    assert [v for package in PACKAGE_FLOORS for v in violations(package, ("tests",))] == []
+
+
+def test_the_scheduler_never_imports_torch_or_transformers():
+    assert violations("scheduler_svc", ("torch", "transformers", "triton")) == []
+
+
+@pytest.mark.parametrize("part", sorted(SCHEDULER_PARTS))
+def test_scheduler_part_imports_only_what_lies_below_it(part):
+    assert violations("scheduler_svc", SCHEDULER_PARTS[part], within=SCHEDULER + part) == []
+
+
+def test_scheduler_core_uses_the_standard_library_alone():
+    """The core's property tests and simulations run it with nothing else: every import is stdlib or core."""
+    import sys
+
+    outside = [f"{path} imports {module}" for path, module in imports_of("scheduler_svc")
+               if path.startswith("scheduler_svc/core/")
+               and module.split(".")[0] not in sys.stdlib_module_names
+               and not module.startswith(SCHEDULER + "core")]
+    assert outside == []
+
+
+@pytest.mark.parametrize("part", sorted(WORKER_PARTS))
+def test_worker_part_imports_only_what_lies_below_it(part):
+    assert violations("worker_svc", WORKER_PARTS[part], within=WORKER + part) == []
+
+
+def test_the_rules_see_a_violation(tmp_path, monkeypatch):
+    """The checker itself: a core module that imported grpc, and a service that imported the CLI, are caught."""
+    for relative, source in (("scheduler_svc/core/bad.py", "def f():\n    import grpc\n"),
+                             ("worker_svc/bad.py", "from pagedserve.cli import main\n")):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(source)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    imports_of.cache_clear()
+    try:
+        assert violations("scheduler_svc", SCHEDULER_PARTS["core"], within=SCHEDULER + "core") == [
+            "scheduler_svc/core/bad.py imports grpc"]
+        assert violations("worker_svc", PACKAGE_FLOORS["worker_svc"]) == ["worker_svc/bad.py imports pagedserve.cli"]
+    finally:
+        imports_of.cache_clear()

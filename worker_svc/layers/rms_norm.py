@@ -1,0 +1,23 @@
+"""RMSNorm with the residual add fused in, through the layer ops (torch reference or Triton)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.layer_ops import LayerOps
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional residual add fused in: `norm(hidden, residual)` returns (normed, the sum)."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: LayerOps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.rms_norm(hidden, self.weight, self.eps, residual)

@@ -1,0 +1,36 @@
+"""The worker service's entry point: `python -m worker_svc` (and `pagedserve worker`, which delegates here)
+parses one rank's flags into the worker's one config and runs it."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from service_runtime.service_process import service_main
+from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
+from worker_svc.config import add_worker_arguments, worker_config_from_args
+
+DESCRIPTION = "start one worker process alone"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The standalone worker's flags: the worker flags `serve` shares, plus the model, the scheduler's
+    ZeroMQ address and this process's rank."""
+    parser.add_argument("--model", default=None, help="model directory, .gguf file or hub id")
+    parser.add_argument("--scheduler-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to connect")
+    add_worker_arguments(parser)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    add_heartbeat_argument(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.world_size != 1:
+        raise SystemExit("--world-size > 1 (tensor parallel) is not supported yet")
+    from worker_svc.worker import run_worker
+
+    return run_worker(worker_config_from_args(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return service_main("worker", DESCRIPTION, add_arguments, run, argv)
