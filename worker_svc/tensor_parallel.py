@@ -1,0 +1,76 @@
+"""This worker's place in its tensor-parallel group, and the group's collectives.
+
+Who owns what: the worker process creates one `TensorParallel` at start-up (`init_tensor_parallel`, one
+torch.distributed process group per engine: NCCL on CUDA, gloo on the CPU) and hands the same frozen object to
+the model it builds, the KV cache it sizes and the sampler's logits gather. Nothing reads it from a global:
+a layer gets it through its constructor, as it gets the attention backend.
+
+With `world_size == 1` there is no process group at all and every collective returns its input untouched,
+so the single-GPU path pays nothing for the parallel layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+    # The torch.distributed process group of the engine's ranks; None when world_size == 1.
+    group: Any = None
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    def shard(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of `size` along a split dimension; `size` must divide."""
+        if size % self.world_size:
+            raise ValueError(f"{size} does not divide over tensor-parallel size {self.world_size}")
+        length = size // self.world_size
+        return self.rank * length, length
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place (row-parallel outputs, masked vocab-parallel lookups)."""
+        if self.is_parallel:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's shard of the last dimension, concatenated in rank order (vocab-parallel logits)."""
+        if not self.is_parallel:
+            return tensor
+        shards = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(shards, tensor.contiguous(), group=self.group)
+        return torch.cat(shards, dim=-1)
+
+    def all_reduce_min(self, value: int, device: torch.device) -> int:
+        """The smallest of every rank's `value` (the KV pool size all ranks can hold)."""
+        if not self.is_parallel:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
+
+SINGLE_RANK = TensorParallel()
+
+
+def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device) -> TensorParallel:
+    """Joins the engine's process group (NCCL on CUDA, gloo on the CPU) at `init_method` (a tcp://host:port
+    every rank reaches); world_size 1 joins nothing."""
+    if world_size == 1:
+        return SINGLE_RANK
+    if init_method is None:
+        raise ValueError("tensor parallel needs --distributed-init-method (tcp://HOST:PORT reachable by every rank)")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return TensorParallel(rank=rank, world_size=world_size, group=dist.group.WORLD)
