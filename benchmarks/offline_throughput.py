@@ -2,11 +2,16 @@
 same run, and single-request decode latency (TPOT). One command on a lent GPU:
 
     python benchmarks/offline_throughput.py --shape qwen2.5-1.5b [--skip-hf] [--num-requests 256]
+        [--tensor-parallel-size N] [--tag NAME]
 
 W1 (DESIGN.md): 256 requests x 512 random prompt tokens x exactly 256 output tokens (EOS ignored), all
 submitted at once, greedy. Peers: HF `generate` in static batches of 64, and HF continuous batching
 (`generate_batch`). The floor: prefill FLOPs at the measured bf16 matmul rate plus, for each decode step,
 (weight bytes + KV bytes read) at the measured copy bandwidth. Writes JSON (and a bar chart PNG) to $OUT.
+
+With `--tensor-parallel-size N` the engine shards the model over N GPUs (`-tp N`) and the floor is that of N
+cards: each reads 1/N of the weights and KV and does 1/N of the FLOPs (the all-reduces are not in the floor,
+so the fraction of it says what they cost). Tokens per second per GPU is the total over N.
 """
 
 from __future__ import annotations
@@ -63,7 +68,7 @@ def measure_ceilings() -> dict:
     return {"copy_bandwidth_bytes_per_s": copy_bandwidth, "bf16_matmul_flops_per_s": matmul_flops}
 
 
-def w1_floor(shape: str, num_requests: int, ceilings: dict) -> dict:
+def w1_floor(shape: str, num_requests: int, ceilings: dict, num_gpus: int = 1) -> dict:
     s = SHAPES[shape]
     weights = parameter_bytes(shape)
     non_embedding_params = weights / 2 - s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
@@ -74,8 +79,10 @@ def w1_floor(shape: str, num_requests: int, ceilings: dict) -> dict:
     kv_token = kv_bytes_per_token(shape)
     decode_bytes = sum(weights + num_requests * (PROMPT_LEN + step) * kv_token for step in range(OUTPUT_LEN))
     decode_s = decode_bytes / ceilings["copy_bandwidth_bytes_per_s"]
+    prefill_s, decode_s = prefill_s / num_gpus, decode_s / num_gpus
     total = num_requests * OUTPUT_LEN
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "output_tokens_per_s": total / (prefill_s + decode_s)}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "num_gpus": num_gpus,
+            "output_tokens_per_s": total / (prefill_s + decode_s)}
 
 
 def prompts(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -199,15 +206,20 @@ def main() -> int:
     parser.add_argument("--hf-peers", default="hf_static_batch64,hf_generate_batch",
                         help="comma-separated Hugging Face runs (hf_static_batch64, hf_generate_batch)")
     parser.add_argument("--engine-flags", default="", help="extra `pagedserve serve` flags")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the engine shards over")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
     out_dir = Path(os.environ.get("OUT", "."))
     work = Path(tempfile.mkdtemp())
     ceilings = measure_ceilings()
     requests = prompts(args.num_requests, SHAPES[args.shape]["vocab_size"])
     summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "ceilings": ceilings,
-               "floor": w1_floor(args.shape, args.num_requests, ceilings), "runs": {}}
+               "tensor_parallel_size": tp, "floor": w1_floor(args.shape, args.num_requests, ceilings, tp), "runs": {}}
     print("ceilings", json.dumps(ceilings), "floor", json.dumps(summary["floor"]), flush=True)
-    summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, args.engine_flags.split())
+    engine_flags = [*(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *args.engine_flags.split()]
+    summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, engine_flags)
+    summary["runs"]["pagedserve"]["output_tokens_per_s_per_gpu"] = summary["runs"]["pagedserve"]["output_tokens_per_s"] / tp
     print("pagedserve", json.dumps(summary["runs"]["pagedserve"]), flush=True)
     if not args.skip_hf:
         summary["runs"].update(run_hf(args.shape, requests, args.hf_peers.split(",")))
@@ -217,7 +229,7 @@ def main() -> int:
         for name, run in summary["runs"].items() if name != "pagedserve" and "output_tokens_per_s" in run
     }
     summary["ratios"]["pagedserve_fraction_of_floor"] = engine / summary["floor"]["output_tokens_per_s"]
-    stem = f"w1_{args.shape}"
+    stem = f"w1_{args.shape}" + (f"_tp{tp}" if tp > 1 else "") + (f"_{args.tag}" if args.tag else "")
     (out_dir / f"{stem}.json").write_text(json.dumps(summary, indent=2))
     draw(summary, out_dir / f"{stem}.png")
     print(json.dumps(summary["ratios"], indent=2))
