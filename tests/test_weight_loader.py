@@ -13,7 +13,7 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 from worker_svc.models.registry import build_model
-from worker_svc.models.weight_loader import iter_weights, safetensors_files, unpermute_rotary_rows
+from worker_svc.models.weight_loader import iter_checkpoint, iter_weights, safetensors_files, unpermute_rotary_rows
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -93,10 +93,10 @@ def smollm2():
     def keep_some(weights):
         for name, tensor in weights:
             if name == "model.embed_tokens.weight" or ".layers.0." in name or ".layers.29." in name:
-                kept[name] = tensor
+                kept[name] = tensor.full()
             yield name, tensor
 
-    model.load_weights(keep_some(iter_weights(path, config)))
+    model.load_weights(keep_some(iter_checkpoint(path, config)))
     hf_model = AutoModelForCausalLM.from_pretrained(
         directory, gguf_file=SMOLLM2_FILE, dtype=torch.float32
     ).eval()

@@ -1,7 +1,8 @@
 """The worker's paged KV pool on the device and its swap pool in host memory, and the block ops on them.
 
 Owned by the worker process alone; the scheduler only ever sees block ids. Layout per layer: one tensor
-`[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]`, the same in both pools, so a swap or a copy is
+`[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]` (this rank's KV heads under tensor parallel;
+block ids mean the same slots on every rank), the same in both pools, so a swap or a copy is
 one indexed copy per layer over all moved blocks at once.
 """
 
@@ -10,11 +11,15 @@ from __future__ import annotations
 import torch
 
 from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
 
-def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                    tensor_parallel: TensorParallel = SINGLE_RANK) -> int:
+    """Bytes of one block of this rank's pool (its KV heads only)."""
     element_size = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * element_size
+    num_kv_heads = tensor_parallel.kv_heads(config.num_key_value_heads)
+    return 2 * config.num_hidden_layers * block_size * num_kv_heads * config.head_dim * element_size
 
 
 class KVCache:
@@ -26,8 +31,9 @@ class KVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        tensor_parallel: TensorParallel = SINGLE_RANK,
     ):
-        shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        shape = (2, num_blocks, block_size, tensor_parallel.kv_heads(config.num_key_value_heads), config.head_dim)
         swap_shape = (2, num_swap_blocks) + shape[2:]
         # Zeroed so that a padded read of a never-written slot yields finite values.
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

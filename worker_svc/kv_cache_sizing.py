@@ -15,6 +15,7 @@ from kernels.attention_metadata import AttentionMetadata
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.kv_cache import bytes_per_block
 from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ def num_kv_blocks(
     max_model_len: int,
     dtype: torch.dtype,
     device: torch.device,
+    tensor_parallel: TensorParallel = SINGLE_RANK,
 ) -> int:
-    per_block = bytes_per_block(model_config, block_size, dtype)
+    per_block = bytes_per_block(model_config, block_size, dtype, tensor_parallel)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type != "cuda":
@@ -40,7 +42,7 @@ def num_kv_blocks(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     _profile_forward(model, model_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks, block_size,
-                     dtype, device)
+                     dtype, device, tensor_parallel.kv_heads(model_config.num_key_value_heads))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     profile_cache_bytes = profile_blocks * per_block
@@ -58,9 +60,9 @@ def num_kv_blocks(
 
 @torch.inference_mode()
 def _profile_forward(model, model_config: ModelConfig, num_tokens: int, num_seqs: int, num_blocks: int,
-                     block_size: int, dtype, device) -> None:
+                     block_size: int, dtype, device, num_kv_heads: int) -> None:
     """One sequence of num_tokens tokens through a throwaway cache, then the logits of num_seqs rows."""
-    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    shape = (2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
     kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_hidden_layers)]
     positions = torch.arange(num_tokens, device=device)
     metadata = AttentionMetadata(

@@ -29,6 +29,21 @@ class TensorParallel:
     def is_parallel(self) -> bool:
         return self.world_size > 1
 
+    def kv_heads(self, num_kv_heads: int) -> int:
+        """KV heads this rank holds: an equal share, or one replicated head when there are fewer KV heads than
+        ranks (as vLLM does: each head then lives on world_size // num_kv_heads ranks)."""
+        if num_kv_heads >= self.world_size:
+            return self.shard(num_kv_heads)[1]
+        if self.world_size % num_kv_heads:
+            raise ValueError(f"{num_kv_heads} KV heads do not divide tensor-parallel size {self.world_size}")
+        return 1
+
+    def kv_head_start(self, num_kv_heads: int) -> int:
+        """The first KV head this rank holds (see `kv_heads`)."""
+        if num_kv_heads >= self.world_size:
+            return self.shard(num_kv_heads)[0]
+        return self.rank // (self.world_size // num_kv_heads)
+
     def shard(self, size: int) -> tuple[int, int]:
         """(start, length) of this rank's equal share of `size` along a split dimension; `size` must divide."""
         if size % self.world_size:

@@ -58,10 +58,12 @@ def shuffled_block_tables(
 
 
 def make_kv_caches(
-    model_config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+    model_config, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32, num_kv_heads: int | None = None
 ) -> list[torch.Tensor]:
-    """One NaN-filled `[2, num_blocks, block_size, Hkv, D]` cache per layer, so a stale read shows."""
-    shape = (2, num_blocks, block_size, model_config.num_key_value_heads, model_config.head_dim)
+    """One NaN-filled `[2, num_blocks, block_size, Hkv, D]` cache per layer, so a stale read shows; Hkv is
+    `num_kv_heads` (a tensor-parallel rank's share) or the model's."""
+    heads = model_config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    shape = (2, num_blocks, block_size, heads, model_config.head_dim)
     return [
         torch.full(shape, float("nan"), dtype=dtype)
         for _ in range(model_config.num_hidden_layers)
@@ -76,6 +78,7 @@ def greedy_generate_paged(
     block_size: int = 16,
     prefill_chunk: int | None = None,
     seed: int = 0,
+    num_kv_heads: int | None = None,
 ) -> list[list[int]]:
     """Greedy continuation of every prompt, all sequences batched together each step.
 
@@ -86,7 +89,7 @@ def greedy_generate_paged(
     capacity = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
     num_blocks = sum(capacity) + 3
     tables = shuffled_block_tables(capacity, num_blocks, rng)
-    kv_caches = make_kv_caches(model_config, num_blocks, block_size)
+    kv_caches = make_kv_caches(model_config, num_blocks, block_size, num_kv_heads=num_kv_heads)
     tokens = [list(p) for p in prompts]
     num_computed = [0] * len(prompts)
     generated: list[list[int]] = [[] for _ in prompts]
@@ -125,13 +128,14 @@ def prefill_logits_paged(
     block_size: int = 16,
     seed: int = 0,
     kv_cache_dtype: torch.dtype = torch.float32,
+    num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
     """Logits `[len(prompt), vocab]` of every prompt, all prefilled in one flattened batch."""
     rng = random.Random(seed)
     capacity = [-(-len(p) // block_size) for p in prompts]
     num_blocks = sum(capacity) + 3
     tables = shuffled_block_tables(capacity, num_blocks, rng)
-    kv_caches = make_kv_caches(model_config, num_blocks, block_size, kv_cache_dtype)
+    kv_caches = make_kv_caches(model_config, num_blocks, block_size, kv_cache_dtype, num_kv_heads)
     lens = [len(p) for p in prompts]
     metadata = build_metadata(tables, lens, lens, block_size)
     input_ids = torch.tensor([t for p in prompts for t in p])

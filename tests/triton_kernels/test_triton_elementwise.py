@@ -21,6 +21,7 @@ from worker_svc.layers.gated_mlp import GatedMLP
 from worker_svc.layers.rms_norm import RMSNorm
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import SINGLE_RANK
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 0.0}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -62,7 +63,7 @@ def test_references_equal_the_model_modules(dtype):
     ):
         assert torch.equal(got, want)
 
-    mlp = GatedMLP(config, ops).to(dtype)
+    mlp = GatedMLP(config, ops, SINGLE_RANK).to(dtype)
     nn.init.normal_(mlp.gate_up_proj.weight)
     gate, up = mlp.gate_up_proj.weight.chunk(2)
     expected = nn.functional.silu(hidden @ gate.T) * (hidden @ up.T)

@@ -5,5 +5,6 @@ in the shared layers"), and numerics that must follow transformers (cast order, 
 rounding) are written once. Each layer computes through the kernels' ops (torch reference or Triton), chosen
 by the worker, never by the layer.
 
-May import: torch, kernels/, worker_svc/model_config.py; never models/ or the rest of the worker.
+May import: torch, kernels/, worker_svc/model_config.py, worker_svc/tensor_parallel.py; never models/ or the
+rest of the worker.
 """

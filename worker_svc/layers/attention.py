@@ -7,28 +7,35 @@ from torch import nn
 
 from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
+from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import TensorParallel
 
 
 class Attention(nn.Module):
     """Self-attention with one fused QKV projection (one matmul, one read of the activations), rotary
     positions, and the paged KV cache through the attention backend. `qkv_proj` has a bias when the config's
-    `attention_bias` says so; `o_proj` has one when `output_bias` says so (the model file knows its family)."""
+    `attention_bias` says so; `o_proj` has one when `output_bias` says so (the model file knows its family).
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool):
+    Tensor parallel: each rank owns whole heads, its share of the query heads and of the KV heads (one
+    replicated KV head when there are fewer KV heads than ranks), so attention itself runs on this rank's
+    heads alone and its KV cache holds only them; o_proj's all-reduce joins the heads' outputs."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.num_heads = tp.shard(config.num_attention_heads)[1]
+        self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
+        self.head_dim = head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         self.backend = backend
         hidden = config.hidden_size
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = config.attention_bias
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=output_bias)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        q_shard = (tp.shard(config.num_attention_heads)[0] * head_dim, self.q_size)
+        kv_shard = (tp.kv_head_start(config.num_key_value_heads) * head_dim, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, output_bias, tp)
 
     def forward(
         self,

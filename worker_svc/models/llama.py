@@ -9,7 +9,7 @@ modules round (kernels/*_ref.py say where; the layers are in worker_svc/layers/)
 the kernel HF's sdpa uses on a GPU: tests/test_models.py holds our bf16 logits to HF's (bit-identical
 on the CPU).
 
-Parameter names equal HF's, so `load_weights` is a name-to-parameter copy.
+Parameter names equal HF's, so `load_weights` is a name-to-layer copy (each layer takes its slice).
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
 from kernels.attention_metadata import AttentionMetadata
 from kernels.layer_ops import LayerOps, torch_layer_ops
 from worker_svc.layers.attention import Attention
+from worker_svc.layers.checkpoint_tensor import CheckpointTensor, load_whole
 from worker_svc.layers.gated_mlp import GatedMLP
 from worker_svc.layers.rms_norm import RMSNorm
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
+from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
 
 class DecoderLayer(nn.Module):
@@ -34,11 +37,12 @@ class DecoderLayer(nn.Module):
     a layer takes (hidden, residual) and returns the MLP output and the residual stream before it, and the
     caller's next norm adds them. The first layer gets residual None (the embeddings are the stream)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel):
         super().__init__()
         # HF Llama's attention_bias also covers o_proj; Qwen2's o_proj never has one.
-        self.self_attn = Attention(config, backend, output_bias=config.attention_bias and config.architecture == "llama")
-        self.mlp = GatedMLP(config, ops)
+        output_bias = config.attention_bias and config.architecture == "llama"
+        self.self_attn = Attention(config, backend, output_bias, tp)
+        self.mlp = GatedMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -52,11 +56,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, ops, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config, ops)
@@ -66,8 +70,10 @@ class LlamaForCausalLM(nn.Module):
     """Decoder over a flattened token axis: `forward` returns hidden states, `compute_logits` the logits.
 
     `attention_backend` and `layer_ops` default to the torch references; the worker passes the Triton
-    ones on GPU. Checkpoints name q/k/v and gate/up separately (HF); `load_weights` stacks them into
-    the fused projections.
+    ones on GPU. Checkpoints name q/k/v and gate/up separately (HF); `load_weights` hands each to its part
+    of the fused projection. `tensor_parallel`: this rank's place in its group; every projection, the
+    embedding and the head are the parallel layers of worker_svc/layers/, so each rank holds and reads only
+    its shard.
     """
 
     def __init__(
@@ -75,16 +81,18 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         attention_backend: AttentionBackend | None = None,
         layer_ops: LayerOps | None = None,
+        tensor_parallel: TensorParallel = SINGLE_RANK,
     ):
         super().__init__()
         self.config = config
         backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
-        self.model = LlamaModel(config, backend, layer_ops if layer_ops is not None else torch_layer_ops())
+        ops = layer_ops if layer_ops is not None else torch_layer_ops()
+        self.model = LlamaModel(config, backend, ops, tensor_parallel)
         # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tensor_parallel)
         )
 
     def forward(
@@ -105,12 +113,12 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] in fp32 of the hidden states [N, hidden] the caller selected.
 
         The product runs in the model dtype and is then widened: HF's logits are rounded to it too."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our parameters (q/k/v and gate/up into their slice of the fused
-        projection); raise on unknown, misshapen or missing ones."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Load HF-named checkpoint tensors: each into its layer (its part of a fused projection, this rank's
+        slice of a parallel one); raise on unknown, misshapen or missing ones."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -118,41 +126,41 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, rows = self._fused_target(name)
+            target, part = self._fused_target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
-            param = params[target] if rows is None else params[target][rows[0] : rows[1]]
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
+            module_name, _, kind = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            try:
+                if hasattr(module, "load"):  # a parallel layer: it takes its own slice
+                    module.load(kind, tensor, part)
+                else:
+                    load_whole(params[target], tensor)
+            except ValueError as error:
+                raise ValueError(f"{name}: {error}") from None
             loaded.add(name)
         expected = {source for param in params for source in self._checkpoint_names(param)}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} parameters, e.g. {missing[:5]}")
 
-    def _fused_slices(self) -> dict[str, tuple[str, list[tuple[int, int]]]]:
-        """Checkpoint projection -> (fused projection, its rows in the fused output)."""
-        config = self.config
-        q_size = config.num_attention_heads * config.head_dim
-        kv_size = config.num_key_value_heads * config.head_dim
-        inter = config.intermediate_size
+    def _fused_slices(self) -> dict[str, tuple[str, int]]:
+        """Checkpoint projection -> (fused projection, its part in it)."""
         return {
-            "self_attn.q_proj": ("self_attn.qkv_proj", (0, q_size)),
-            "self_attn.k_proj": ("self_attn.qkv_proj", (q_size, q_size + kv_size)),
-            "self_attn.v_proj": ("self_attn.qkv_proj", (q_size + kv_size, q_size + 2 * kv_size)),
-            "mlp.gate_proj": ("mlp.gate_up_proj", (0, inter)),
-            "mlp.up_proj": ("mlp.gate_up_proj", (inter, 2 * inter)),
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+            "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+            "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+            "mlp.up_proj": ("mlp.gate_up_proj", 1),
         }
 
-    def _fused_target(self, name: str) -> tuple[str, tuple[int, int] | None]:
-        """Our parameter for a checkpoint tensor name, and its row range when it is a fused slice."""
-        for source, (fused, rows) in self._fused_slices().items():
+    def _fused_target(self, name: str) -> tuple[str, int]:
+        """Our parameter for a checkpoint tensor name, and its part when it is fused (else 0)."""
+        for source, (fused, part) in self._fused_slices().items():
             marker = f".{source}."
             if marker in name:
-                return name.replace(marker, f".{fused}."), rows
-        return name, None
+                return name.replace(marker, f".{fused}."), part
+        return name, 0
 
     def _checkpoint_names(self, param: str) -> list[str]:
         """The checkpoint tensors that fill our parameter `param`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -11,7 +12,8 @@ from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.registry import build_model
-from worker_svc.models.weight_loader import iter_weights
+from worker_svc.models.weight_loader import iter_checkpoint
+from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
 
 def load_model(
@@ -21,29 +23,30 @@ def load_model(
     attention_backend: AttentionBackend | None = None,
     load_format: str = "auto",
     layer_ops: LayerOps | None = None,
+    tensor_parallel: TensorParallel = SINGLE_RANK,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build on the meta device (no init cost, no fp32 copy), allocate in `dtype` on `device`, load.
 
     Every parameter is overwritten by the checkpoint (`load_weights` raises on missing ones), so the
     uninitialized allocation is never read. load_format "dummy" (as in vLLM) fills the weights with random
-    values instead: benchmarks of a model's shape need only its config.json.
+    values instead: benchmarks of a model's shape need only its config.json. Under tensor parallel each
+    rank builds and fills only its shards (`tensor_parallel`), reading its slices of the checkpoint.
     """
     config = ModelConfig.from_path(path)
     with torch.device("meta"):
-        model = build_model(config, attention_backend, layer_ops)
+        model = build_model(config, attention_backend, layer_ops, tensor_parallel)
     model = model.to(dtype).to_empty(device=device)
     if load_format == "dummy":
         _fill_random(model)
     else:
-        model.load_weights(iter_weights(path, config))
+        model.load_weights(iter_checkpoint(path, config))
     return model.eval(), config
 
 
 @torch.no_grad()
 def _fill_random(model: nn.Module) -> None:
-    """Random weights of a realistic scale: norms near 1, matrices N(0, 0.02); seeded, so ranks agree."""
-    generators: dict[torch.device, torch.Generator] = {}
+    """Random weights of a realistic scale: norms near 1, matrices N(0, 0.02); seeded by each parameter's
+    name, so every rank fills a replicated parameter (a norm) alike whatever the shapes of its shards."""
     for name, parameter in model.named_parameters():
-        device = parameter.device
-        generator = generators.setdefault(device, torch.Generator(device=device).manual_seed(0))
+        generator = torch.Generator(device=parameter.device).manual_seed(zlib.crc32(name.encode()))
         parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=generator)

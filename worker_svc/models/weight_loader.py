@@ -1,8 +1,12 @@
-"""Weight loading: stream (HF name, tensor) pairs from safetensors directories or GGUF files.
+"""Weight loading: stream (HF name, checkpoint tensor) pairs from safetensors directories or GGUF files.
 
 Why one iterator in HF naming: the model's `load_weights` knows one naming scheme and one orientation
 ([out, in]); everything format-specific (shards, GGUF dequantization, GGUF's name scheme, llama.cpp's
 q/k row permutation) is undone here, one tensor at a time so peak memory stays about one tensor.
+
+Tensors travel as `CheckpointTensor`s (layers/checkpoint_tensor.py): under tensor parallel a rank reads only
+its slice from a safetensors file. GGUF tensors are dequantized whole and then sliced (the `gguf` package
+reads a tensor whole, and a quantized block spans a row); GGUF models are the small ones.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from worker_svc.layers.checkpoint_tensor import CheckpointTensor
 from worker_svc.model_config import ModelConfig, find_gguf_file
 
 GGUF_LAYER_NAMES = {
@@ -35,13 +40,20 @@ GGUF_GLOBAL_NAMES = {
 GGUF_LAYER_PATTERN = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def iter_weights(path: str | Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at `path`, HF-named, HF-oriented ([out, in])."""
+def iter_checkpoint(path: str | Path, config: ModelConfig) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint at `path`, HF-named, HF-oriented ([out, in]), read when sliced."""
     gguf_file = find_gguf_file(path)
     if gguf_file is not None:
-        yield from iter_gguf_weights(gguf_file, config)
+        for name, tensor in iter_gguf_weights(gguf_file, config):
+            yield name, CheckpointTensor(tensor, tuple(tensor.shape))
     else:
-        yield from iter_safetensors_weights(Path(path))
+        yield from iter_safetensors_slices(Path(path))
+
+
+def iter_weights(path: str | Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at `path`, whole (`iter_checkpoint` reads slices)."""
+    for name, tensor in iter_checkpoint(path, config):
+        yield name, tensor.full()
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -58,13 +70,14 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors_weights(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_slices(directory: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     from safetensors import safe_open
 
     for file in safetensors_files(directory):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                source = handle.get_slice(name)
+                yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
 
 def iter_gguf_weights(file: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

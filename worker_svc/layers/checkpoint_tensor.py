@@ -1,0 +1,39 @@
+"""One checkpoint tensor as a layer loads it: whole, or only the rows or columns this rank holds.
+
+Why not a tensor: under tensor parallel each rank needs only its slice of most weights (rows of a
+column-parallel projection, columns of a row-parallel one, rows of the vocabulary). From safetensors the
+slice is read from the file alone (`safe_open(...).get_slice`), so no rank ever holds a whole sharded tensor:
+a 70B checkpoint needs about 70B / N of host memory per rank, not 70B. The loader (models/weight_loader.py)
+makes them; each parallel layer's `load` takes its slice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class CheckpointTensor:
+    """One checkpoint tensor, read whole or by the rows or columns a rank needs."""
+
+    def __init__(self, source: Any, shape: tuple[int, ...]):
+        self._source = source  # a torch.Tensor, or a safetensors slice that reads from the file on indexing
+        self.shape = shape
+
+    def full(self) -> torch.Tensor:
+        return self._source[...]
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        return self._source[start : start + count]
+
+    def columns(self, start: int, count: int) -> torch.Tensor:
+        return self._source[:, start : start + count]
+
+
+def load_whole(target: torch.Tensor, checkpoint: CheckpointTensor) -> None:
+    """Copies a replicated parameter (a norm's weight) whole; raises on a shape mismatch."""
+    if tuple(target.shape) != tuple(checkpoint.shape):
+        raise ValueError(f"checkpoint shape {tuple(checkpoint.shape)} != {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(checkpoint.full())
