@@ -168,8 +168,12 @@ def _protection_argv(args) -> list[str]:
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:
-    """Exits naming --tensor-parallel-size if the model's heads or the visible GPUs do not allow it."""
+    """Exits naming --tensor-parallel-size if the model's heads or the visible GPUs do not allow it (or naming
+    --distributed-executor-backend, whose `ray`, vLLM's multi-host placement, is not built yet)."""
     size = args.tensor_parallel_size
+    if args.distributed_executor_backend != "mp":
+        raise SystemExit(f"pagedserve: --distributed-executor-backend {args.distributed_executor_backend} is not "
+                         "supported yet; mp (one process per rank on this host) is")
     if size == 1:
         return
     refusal = heads_refusal(ModelConfig.from_path(model_path), size)

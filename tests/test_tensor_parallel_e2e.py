@@ -25,7 +25,7 @@ import pytest
 
 from client import Client, ServerUnavailableError
 from pagedserve.cli import build_parser
-from pagedserve.launcher import _scheduler_argv, worker_rank_argvs
+from pagedserve.launcher import _scheduler_argv, refuse_unfit_tensor_parallel, worker_rank_argvs
 from pagedserve.llm import server_argv
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import REPO_ROOT, assert_all_gone, free_port, launched_server, running_server
@@ -238,3 +238,11 @@ def test_more_ranks_than_visible_gpus_are_refused_naming_the_flag_and_both_numbe
     message = gpus_refusal(4, 0, 2)
     assert "--tensor-parallel-size 4" in message and "needs 4 GPUs" in message and "2 are visible" in message
     assert "from cuda:1" in gpus_refusal(2, 1, 2)
+
+
+def test_the_ray_executor_backend_is_refused_naming_the_flag(models):
+    args = build_parser().parse_args(["serve", "--model", str(models["llama"]), "-tp", "2",
+                                      "--distributed-executor-backend", "ray"])
+    with pytest.raises(SystemExit, match="--distributed-executor-backend ray is not supported yet"):
+        refuse_unfit_tensor_parallel(args, models["llama"])
+    refuse_unfit_tensor_parallel(build_parser().parse_args(["serve", "-tp", "2"]), models["llama"])  # mp: fits

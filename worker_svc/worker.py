@@ -71,6 +71,9 @@ class Worker:
         refusal = heads_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
         if refusal is not None:  # before joining the group: every rank refuses alike, none waits for the others
             raise SystemExit(refusal)
+        if config.world_size > 1:  # blocks until every rank has come: say where, for a rank that waits long
+            logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
+                        config.distributed_init_method)
         self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
                                                     self.device)
         self.model, self.model_config = self._load_model(model.path)
