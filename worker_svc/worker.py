@@ -68,10 +68,12 @@ class Worker:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         model = resolve_model(config.model)
-        refusal = heads_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
-        if refusal is not None:  # before joining the group: every rank refuses alike, none waits for the others
-            raise SystemExit(refusal)
-        if config.world_size > 1:  # blocks until every rank has come: say where, for a rank that waits long
+        if config.world_size > 1:
+            # Before joining the group: every rank refuses alike, none waits for the others.
+            refusal = heads_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
+            if refusal is not None:
+                raise SystemExit(refusal)
+            # Joining blocks until every rank has come: say where, for a rank that waits long.
             logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
                         config.distributed_init_method)
         self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
