@@ -173,6 +173,26 @@ def test_a_step_that_fails_on_a_nonzero_rank_is_reported_by_that_rank(models, tm
         health.close()
 
 
+def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_stack(tmp_path):
+    # A stopped rank stands for one hung in a collective: nothing closes its connection, only silence tells.
+    # Until the layers are sharded, rank 0 runs on without rank 1, so the streams must outlast the 3 s of
+    # silence: a context of 4096 positions, 3000 tokens each.
+    model = make_tiny_model(tmp_path, "llama", seed=3, num_key_value_heads=1, max_position_embeddings=4096)
+    with launched_server(tmp_path, "--model", str(model), "-tp", "2", "--num-kv-blocks", "1024",
+                         "--heartbeat-interval", "1") as server:
+        health = HealthWatch(server.target)
+        streams = start_streams(server.target, 4, max_tokens=3000)
+        rank1 = _rank_pid(server.children, 1)
+        stopped_at = time.monotonic()
+        os.kill(rank1, signal.SIGSTOP)
+        try:
+            assert_fault_handled(server, streams, health, stopped_at, "worker rank 1 missed 3 heartbeats")
+        finally:
+            if os.path.exists(f"/proc/{rank1}"):
+                os.kill(rank1, signal.SIGKILL)
+        health.close()
+
+
 # ---- refusals and command lines ----------------------------------------------------------------------------
 
 
