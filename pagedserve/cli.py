@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_arguments(serve)
     serve.add_argument("--worker-address", default=None,
                        help="ZeroMQ address between scheduler and worker (default: a private ipc socket)")
+    serve.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                       help="worker processes (one per GPU) the model is split over; must divide its attention heads")
+    serve.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                       help="how the ranks are started: mp, local processes (ray: not supported yet)")
     serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
     serve.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP gateway")
     serve.add_argument("--no-http", dest="enable_http", action="store_false", help="start no HTTP gateway")

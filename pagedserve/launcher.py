@@ -1,10 +1,17 @@
-"""`pagedserve serve`: runs the scheduler, one worker and the HTTP gateway (unless --no-http) as separate
-processes and supervises them.
+"""`pagedserve serve`: runs the scheduler, one worker per tensor-parallel rank and the HTTP gateway (unless
+--no-http) as separate processes and supervises them.
+
+Tensor parallel (`--tensor-parallel-size N`, `-tp N`): N worker processes, rank r started with `--rank r
+--world-size N`, on `cuda:r` (counted from --device's GPU) or all on the CPU, all given one
+`--distributed-init-method tcp://127.0.0.1:PORT` (a free port, where rank 0 hosts the torch.distributed
+rendezvous); the scheduler is told to wait for N workers (`--num-workers N`). A size the model's attention
+heads or the visible GPUs do not allow is refused here, before any process starts or any weight loads. Every
+rank is supervised like the others: any rank that exits stops the stack.
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
 drains, then tells the worker to exit), and if any child dies on its own (the scheduler exits 1 when it
-loses its worker), stops the others and exits 1 so a restart policy can bring the stack back. Children die
+loses a worker), stops the others and exits 1 so a restart policy can bring the stack back. Children die
 with the launcher (see service_runtime/service_process.py); a child still running 10 s after its SIGTERM is killed.
 
 The gateway is a gRPC client of the scheduler like any other; it is ready when its /health says the
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +32,8 @@ import time
 
 from pagedserve.health_probe import grpc_serving, http_ok
 from service_runtime.model_source import resolve_model
+from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, heads_refusal, rank_device
 
 _POLL_SECONDS = 0.2
 # Each role's package, whose `__main__` is that service's entry point.
@@ -32,12 +42,14 @@ SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gatewa
 
 def serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
+    refuse_unfit_tensor_parallel(args, model.path)
     model_argv = [] if args.model is None else ["--model", args.model]
     with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir:
         address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
-        scheduler = _start("scheduler", _scheduler_argv(args, model_argv, address))
-        worker = _start("worker", _worker_argv(args, model_argv, address))
-        children = {"scheduler": scheduler, "worker": worker}
+        children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address))}
+        init_method = f"tcp://127.0.0.1:{_free_loopback_port()}" if args.tensor_parallel_size > 1 else None
+        for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
+            children[f"worker rank {rank}"] = _start("worker", argv)
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args))
         stop_requested = []
@@ -61,7 +73,9 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 if name in children:
                     children[name].send_signal(signal.SIGTERM)
             code = _wait(children["scheduler"], args.shutdown_timeout + 10)
-            _wait(children["worker"], 15)
+            for name in children:
+                if name.startswith("worker"):
+                    _wait(children[name], 15)
             if "gateway" in children:
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
@@ -93,6 +107,13 @@ def _start(role: str, argv: list[str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def _free_loopback_port() -> int:
+    """A port free now on loopback (rank 0 binds it moments later; vLLM picks its rendezvous port alike)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _wait(child: subprocess.Popen, timeout: float) -> int | None:
     try:
         return child.wait(timeout=timeout)
@@ -117,7 +138,7 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
-            "--heartbeat-interval", str(args.heartbeat_interval)]
+            "--heartbeat-interval", str(args.heartbeat_interval), "--num-workers", str(args.tensor_parallel_size)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if not args.enable_prefix_caching:
@@ -146,8 +167,38 @@ def _protection_argv(args) -> list[str]:
     return argv
 
 
-def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
-    argv = [*model_argv, "--scheduler-address", address, "--device", args.device, "--dtype", args.dtype,
+def refuse_unfit_tensor_parallel(args, model_path) -> None:
+    """Exits naming --tensor-parallel-size if the model's heads or the visible GPUs do not allow it (or naming
+    --distributed-executor-backend, whose `ray`, vLLM's multi-host placement, is not built yet)."""
+    size = args.tensor_parallel_size
+    if args.distributed_executor_backend != "mp":
+        raise SystemExit(f"pagedserve: --distributed-executor-backend {args.distributed_executor_backend} is not "
+                         "supported yet; mp (one process per rank on this host) is")
+    if size == 1:
+        return
+    refusal = heads_refusal(ModelConfig.from_path(model_path), size)
+    if refusal is None and args.device.startswith("cuda"):
+        import torch  # only here: the launcher otherwise never needs it
+
+        refusal = gpus_refusal(size, first_gpu_index(args.device), torch.cuda.device_count())
+    if refusal is not None:
+        raise SystemExit(f"pagedserve: {refusal}")
+
+
+def worker_rank_argvs(args, model_argv: list[str], address: str, init_method: str | None) -> list[list[str]]:
+    """Each rank's worker command line: the same flags, its own --rank and device, one rendezvous."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return [_worker_argv(args, model_argv, address, args.device)]
+    return [[*_worker_argv(args, model_argv, address, rank_device(args.device, rank), rank == size - 1),
+             "--rank", str(rank), "--world-size", str(size), "--distributed-init-method", init_method]
+            for rank in range(size)]
+
+
+def _worker_argv(args, model_argv: list[str], address: str, device: str, injects_fault: bool = True) -> list[str]:
+    """One worker's flags. `injects_fault`: whether this rank gets --fail-at-step (tests): the last rank, so
+    that with several ranks the fault is a non-zero rank's."""
+    argv = [*model_argv, "--scheduler-address", address, "--device", device, "--dtype", args.dtype,
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
             "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space),
             "--load-format", args.load_format, "--attention-backend", args.attention_backend,
@@ -156,7 +207,7 @@ def _worker_argv(args, model_argv: list[str], address: str) -> list[str]:
         argv.append("--no-cuda-graphs")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.fail_at_step is not None:
+    if args.fail_at_step is not None and injects_fault:
         argv += ["--fail-at-step", str(args.fail_at_step)]
     return argv
 

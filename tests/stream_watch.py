@@ -3,14 +3,19 @@ recording how and when they ended, so a test can kill or signal processes and th
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import Client, PagedServeError
+from client import Client, PagedServeError, ServerUnavailableError
 from pagedserve.launcher import SERVICE_MODULES
+from pagedserve.testing.server_harness import assert_all_gone
+
+FAULT_BOUND_S = 10.0
 
 
 class StreamWatch:
@@ -96,3 +101,26 @@ def process_with_role(pids: list[int], role: str) -> int:
         if b"-m" in argv and argv[argv.index(b"-m") + 1] == module:
             return pid
     raise LookupError(f"no {role} among {pids}")
+
+
+def assert_fault_handled(server, streams: list[StreamWatch], health: HealthWatch, fault_at: float | None,
+                         reason: str | re.Pattern) -> None:
+    """What a worker fault must do to a server: every stream ends UNAVAILABLE naming `reason` (a substring or
+    a pattern) within FAULT_BOUND_S of the fault (fault_at None: the fault came inside the server, at a step;
+    the first stream to end marks it), health turns NOT_SERVING, a new request is refused, the server exits
+    non-zero with the scheduler's exit 1, and no process is left."""
+    for stream in streams:
+        stream.join(FAULT_BOUND_S + 20)
+    errors = [stream.error for stream in streams]
+    assert all(isinstance(error, ServerUnavailableError) for error in errors), errors
+    matches = reason.search if isinstance(reason, re.Pattern) else (lambda details: reason in details)
+    assert all(matches(error.details) for error in errors), [error.details for error in errors]
+    ends = [stream.ended_at for stream in streams]
+    slowest = max(ends) - (min(ends) if fault_at is None else fault_at)
+    assert slowest <= FAULT_BOUND_S, f"the last stream ended {slowest:.1f} s after the fault"
+    assert health.wait_for("NOT_SERVING", 5), health.statuses
+    with Client(server.target, max_retries=0) as client, pytest.raises(ServerUnavailableError):
+        client.generate([1, 2, 3], max_tokens=4)
+    assert server.process.wait(timeout=30) != 0, server.log()[-3000:]
+    assert "pagedserve: scheduler exit code 1" in server.log(), server.log()[-3000:]
+    assert_all_gone(server.children, timeout=2.0)

@@ -10,13 +10,11 @@ import time
 
 import pytest
 
-from client import Client, ServerUnavailableError
-from pagedserve.testing.server_harness import assert_all_gone, launched_server
+from pagedserve.testing.server_harness import launched_server
 from pagedserve.testing.tiny_models import make_tiny_model
-from tests.stream_watch import HealthWatch, process_with_role, start_streams
+from tests.stream_watch import HealthWatch, assert_fault_handled, process_with_role, start_streams
 
 NUM_STREAMS = 8
-FAULT_BOUND_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -28,30 +26,12 @@ def _serve_args(model, *extra: str) -> list[str]:
     return ["--model", str(model), "--num-kv-blocks", "256", *extra]
 
 
-def _assert_fault_handled(server, streams, health: HealthWatch, fault_at: float | None, reason: str) -> None:
-    """fault_at None: the fault came inside the server, at a step; the first stream to end marks it."""
-    for stream in streams:
-        stream.join(FAULT_BOUND_S + 20)
-    errors = [stream.error for stream in streams]
-    assert all(isinstance(error, ServerUnavailableError) for error in errors), errors
-    assert all(reason in error.details for error in errors), [error.details for error in errors]
-    ends = [stream.ended_at for stream in streams]
-    slowest = max(ends) - (min(ends) if fault_at is None else fault_at)
-    assert slowest <= FAULT_BOUND_S, f"the last stream ended {slowest:.1f} s after the fault"
-    assert health.wait_for("NOT_SERVING", 5), health.statuses
-    with Client(server.target, max_retries=0) as client, pytest.raises(ServerUnavailableError):
-        client.generate([1, 2, 3], max_tokens=4)
-    assert server.process.wait(timeout=30) != 0, server.log()[-3000:]
-    assert "pagedserve: scheduler exit code 1" in server.log(), server.log()[-3000:]
-    assert_all_gone(server.children, timeout=2.0)
-
-
 def test_a_killed_worker_ends_every_stream_unavailable_and_the_server_exits_nonzero(model, tmp_path):
     with launched_server(tmp_path, *_serve_args(model)) as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
         os.kill(process_with_role(server.children, "worker"), signal.SIGKILL)
-        _assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 disconnected")
+        assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 disconnected")
         health.close()
 
 
@@ -61,7 +41,7 @@ def test_a_forward_pass_that_raises_ends_every_stream_unavailable_naming_the_err
     with launched_server(tmp_path, *_serve_args(model, "--fail-at-step", "60")) as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
-        _assert_fault_handled(server, streams, health, None, "failed on purpose (--fail-at-step)")
+        assert_fault_handled(server, streams, health, None, "failed on purpose (--fail-at-step)")
         health.close()
 
 
@@ -72,7 +52,7 @@ def test_a_stopped_worker_misses_its_heartbeats_and_is_killed_with_the_stack(mod
         worker = process_with_role(server.children, "worker")
         os.kill(worker, signal.SIGSTOP)
         try:
-            _assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 missed 3 heartbeats")
+            assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 missed 3 heartbeats")
         finally:
             if os.path.exists(f"/proc/{worker}"):
                 os.kill(worker, signal.SIGKILL)
@@ -86,5 +66,5 @@ def test_a_worker_lost_while_draining_still_ends_the_streams_unavailable_and_exi
         server.process.send_signal(signal.SIGTERM)
         assert health.wait_for("NOT_SERVING", 10), health.statuses
         os.kill(process_with_role(server.children, "worker"), signal.SIGKILL)
-        _assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 disconnected")
+        assert_fault_handled(server, streams, health, time.monotonic(), "worker rank 0 disconnected")
         health.close()

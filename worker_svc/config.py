@@ -21,8 +21,11 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_space: float = 1.0  # GiB
     swap_space: float = 4.0  # GiB of (pinned) host memory for swapped-out blocks
+    # Tensor parallel: this process's rank of `world_size`, and where the ranks meet to form their
+    # torch.distributed group (tcp://HOST:PORT that every rank reaches; rank 0 listens there). None: one rank.
     rank: int = 0
     world_size: int = 1
+    distributed_init_method: str | None = None
     # "auto": the checkpoint; "dummy": random weights (benchmarks of a model's shape from its config.json).
     load_format: str = "auto"
     # "auto": Triton kernels on a GPU, the torch reference on the CPU.
@@ -69,6 +72,12 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
+    rank, world_size = getattr(args, "rank", 0), getattr(args, "world_size", 1)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise SystemExit(f"--rank {rank} is not a rank of --world-size {world_size} (0 <= rank < world size)")
+    init_method = getattr(args, "distributed_init_method", None)
+    if world_size > 1 and init_method is None:
+        raise SystemExit("--world-size > 1 needs --distributed-init-method tcp://HOST:PORT (reachable by every rank)")
     return WorkerConfig(
         scheduler_address=args.scheduler_address,
         model=args.model,
@@ -78,8 +87,9 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         swap_space=args.swap_space,
-        rank=getattr(args, "rank", 0),
-        world_size=getattr(args, "world_size", 1),
+        rank=rank,
+        world_size=world_size,
+        distributed_init_method=init_method,
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,

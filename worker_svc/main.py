@@ -15,18 +15,18 @@ DESCRIPTION = "start one worker process alone"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The standalone worker's flags: the worker flags `serve` shares, plus the model, the scheduler's
-    ZeroMQ address and this process's rank."""
+    ZeroMQ address and this process's place in its tensor-parallel group."""
     parser.add_argument("--model", default=None, help="model directory, .gguf file or hub id")
     parser.add_argument("--scheduler-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to connect")
     add_worker_arguments(parser)
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0, help="this worker's tensor-parallel rank")
+    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks in all")
+    parser.add_argument("--distributed-init-method", default=None,
+                        help="tcp://HOST:PORT where the ranks form their torch.distributed group (rank 0 listens)")
     add_heartbeat_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.world_size != 1:
-        raise SystemExit("--world-size > 1 (tensor parallel) is not supported yet")
     from worker_svc.worker import run_worker
 
     return run_worker(worker_config_from_args(args))

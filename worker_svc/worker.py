@@ -4,6 +4,16 @@ It never decides anything: each `StepPlan` says which rows to drop, which blocks
 compute; the worker executes it and answers with the sampled tokens. Its state is a pure function of the
 plans received, so a plan log replays a bug. The link (scheduler_link.py) is a ZeroMQ DEALER connected to the
 scheduler's ROUTER, owned by an IO thread that also exchanges heartbeats; every frame is a protobuf envelope.
+
+Tensor parallel (`--world-size N`, one process per rank): every rank receives every plan and runs every step
+the same way: the same row updates, block moves and forward pass (whose layers talk to the other ranks
+through the `TensorParallel` group, joined here before the model loads), and the same sampling. Why every
+rank samples instead of rank 0 broadcasting its tokens: the logits are gathered whole to every rank by the
+model's vocab-parallel head and every request's randomness is keyed by its (seed, position), which the
+scheduler always sets, so each rank draws the same tokens without a collective; the persistent batch's next
+input token (a decode's own last sample, on the device, possibly still in flight) is therefore already on
+every rank. So only rank 0 sends each step's result; the other ranks send nothing per step but heartbeats,
+and a WorkerError if a step fails on them. The ranks agree on one KV pool size (the smallest) at setup.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.sampling.logits_processors import LogitsAdjustments, SparseLogits
@@ -36,6 +47,8 @@ from worker_svc.sampling.prompt_logprobs import prompt_logprobs
 from worker_svc.sampling.sampler import SamplerOutput, SamplingTensors, sample
 from worker_svc.sampling.sampling_inputs import build_sampling_tensors
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
+from worker_svc.tensor_parallel import init_tensor_parallel
+from worker_svc.tensor_parallel_fit import heads_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +68,17 @@ class Worker:
         self.device = torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         model = resolve_model(config.model)
-        self.model, self.model_config = load_model(model.path, self.dtype, self.device,
-                                                   attention_backend=make_attention_backend(config),
-                                                   layer_ops=make_layer_ops(config),
-                                                   load_format=config.load_format)
+        if config.world_size > 1:
+            # Before joining the group: every rank refuses alike, none waits for the others.
+            refusal = heads_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
+            if refusal is not None:
+                raise SystemExit(refusal)
+            # Joining blocks until every rank has come: say where, for a rank that waits long.
+            logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
+                        config.distributed_init_method)
+        self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
+                                                    self.device)
+        self.model, self.model_config = self._load_model(model.path)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
@@ -69,12 +89,24 @@ class Worker:
         # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
         self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
 
+    def _load_model(self, path) -> tuple[torch.nn.Module, ModelConfig]:
+        """The one place the tensor-parallel group meets the model. `load_model` takes no `tensor_parallel=`
+        yet (the parallel layers add it, with KVCache's): until then every rank loads and runs the whole model,
+        which gives every rank the same logits, as the sharded model will."""
+        return load_model(path, self.dtype, self.device, attention_backend=make_attention_backend(self.config),
+                          layer_ops=make_layer_ops(self.config), load_format=self.config.load_format)
+
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
+        """Sizes and allocates the pools; every rank allocates the same number of blocks (the smallest any
+        rank can hold: the scheduler's block ids must mean the same slots on every rank)."""
+        tensor_parallel = self.tensor_parallel
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
                                self.dtype, self.device)
         swap_blocks = int(self.config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
                                                                           self.dtype)
+        blocks = tensor_parallel.all_reduce_min(blocks, self.device)
+        swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, self.device)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
         if self.device.type == "cuda":
@@ -326,6 +358,12 @@ def run_worker(config: WorkerConfig) -> int:
         max_position_embeddings=worker.model_config.max_position_embeddings,
     )
     link.send(worker_pb2.WorkerToScheduler(hello=hello))
+    answers_steps = config.rank == 0  # the other ranks' results would repeat rank 0's (module docstring)
+
+    def answer(result: worker_pb2.StepResult) -> None:
+        if answers_steps:
+            link.send(worker_pb2.WorkerToScheduler(result=result))
+
     step_id = 0
     in_flight: LaunchedStep | None = None  # launched, result not sent yet
     waited = 0.0  # seconds spent waiting for the scheduler's next message (logged at shutdown)
@@ -335,12 +373,12 @@ def run_worker(config: WorkerConfig) -> int:
             message = link.receive() if in_flight is None else _next_plan_or_done(link, in_flight)
             waited += time.perf_counter() - started
             if message is None:  # the step in flight is done and no plan is waiting
-                link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                answer(worker.finish(in_flight))
                 in_flight = None
                 continue
             kind = message.WhichOneof("kind")
             if in_flight is not None and (kind != "plan" or not worker.can_overlap(message.plan)):
-                link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                answer(worker.finish(in_flight))
                 in_flight = None
             if kind == "setup":
                 link.send(worker_pb2.WorkerToScheduler(ready=worker.setup(message.setup)))
@@ -351,7 +389,7 @@ def run_worker(config: WorkerConfig) -> int:
                 step_id = message.plan.step_id
                 launched = worker.launch(message.plan, previous=in_flight)
                 if in_flight is not None:
-                    link.send(worker_pb2.WorkerToScheduler(result=worker.finish(in_flight)))
+                    answer(worker.finish(in_flight))
                 in_flight = launched
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s", config.rank,

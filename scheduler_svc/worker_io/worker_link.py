@@ -3,8 +3,11 @@
 One ROUTER socket, bound by the scheduler; each worker rank connects a DEALER whose identity is its rank.
 Every frame is one serialized `WorkerToScheduler` / `SchedulerToWorker` envelope (protobuf, never pickle),
 so neither side imports the other's package. The engine loop uses the link one step at a time: `execute`
-sends the same plan to every rank and waits for every rank's result, which keeps tensor-parallel ranks in
-lockstep.
+sends the same plan to every rank and waits for rank 0's result. Why one answer for N ranks: tensor-parallel
+ranks run every step together (their collectives keep them in lockstep) and sample identically (seeded
+requests, logits gathered to every rank), so the other ranks' results would repeat rank 0's; they send only
+heartbeats, and a WorkerError if a step fails. A rank that dies or falls silent is seen by the socket monitor
+or its heartbeats like rank 0, so any rank's death fails the link.
 
 Ownership: one pump task alone receives. It drops every frame that is not a valid envelope from a worker
 that said hello (logged, never raised: anyone who reaches the port can send bytes), keeps heartbeats and the
@@ -108,7 +111,7 @@ class WorkerLink:
         )
 
     async def execute(self, plan: worker_pb2.SchedulerToWorker) -> worker_pb2.StepResult:
-        """Runs one step on every rank; returns rank 0's result (the ranks sample identically)."""
+        """Runs one step on every rank; returns rank 0's result (the only rank that answers a step)."""
         await self.send_plan(plan)
         return await self.receive_result(plan.plan.step_id)
 
@@ -119,15 +122,16 @@ class WorkerLink:
             await self._send(rank, plan)
 
     async def receive_result(self, step_id: int) -> worker_pb2.StepResult:
-        """Waits for every rank's result of `step_id`, the oldest step sent and not received; returns rank 0's."""
-        results: dict[int, worker_pb2.StepResult] = {}
-        while len(results) < self._num_workers:
-            arrival = await self._next()
-            self._expect(arrival, "result")
-            if arrival.message.result.step_id != step_id:
-                raise WorkerFailure(f"expected the result of step {step_id}, got step {arrival.message.result.step_id}")
-            results[self._ranks[arrival.identity]] = arrival.message.result
-        return results[0]
+        """Waits for rank 0's result of `step_id`, the oldest step sent and not received (the other ranks run
+        the step and answer nothing unless it fails)."""
+        arrival = await self._next()
+        self._expect(arrival, "result")
+        rank = self._ranks[arrival.identity]
+        if rank != 0:
+            raise WorkerFailure(f"worker rank {rank} sent a step result; only rank 0 answers steps")
+        if arrival.message.result.step_id != step_id:
+            raise WorkerFailure(f"expected the result of step {step_id}, got step {arrival.message.result.step_id}")
+        return arrival.message.result
 
     async def wait_failed(self) -> WorkerFailure:
         """Returns once a worker failed or went away: why."""

@@ -1,0 +1,54 @@
+"""Whether a model and a machine can run at a tensor-parallel size, decided before any weight loads.
+
+Why a module of its own, without torch: `pagedserve serve` refuses a bad --tensor-parallel-size before it
+starts a process (one clear message, instead of N ranks each failing in its own log, or blocking in a process
+group whose peers never come), and each worker checks again, since docker compose starts workers without the
+launcher. Both read the same rules here, so their messages are the same.
+
+The rules: attention heads are split evenly over the ranks (each rank owns whole heads), so the head count
+must divide; on GPUs each rank owns one GPU, so there must be as many visible. Fewer KV heads than ranks is
+allowed: the model replicates them, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from worker_svc.model_config import ModelConfig
+
+FLAG = "--tensor-parallel-size"
+
+
+def heads_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: str = FLAG) -> str | None:
+    """Why `model_config` cannot be split over `tensor_parallel_size` ranks, or None if it can (`flag`: how
+    the size was given: `serve`'s --tensor-parallel-size, a standalone worker's --world-size)."""
+    heads = model_config.num_attention_heads
+    if tensor_parallel_size < 1:
+        return f"{flag} must be at least 1 (got {tensor_parallel_size})"
+    if heads % tensor_parallel_size:
+        return (f"{flag} {tensor_parallel_size} does not divide the model's {heads} attention heads "
+                f"(num_attention_heads); use a size that divides {heads}")
+    return None
+
+
+def gpus_refusal(tensor_parallel_size: int, first_gpu: int, visible_gpus: int) -> str | None:
+    """Why ranks on GPUs first_gpu .. first_gpu + size - 1 cannot start on a machine with `visible_gpus`
+    visible GPUs, or None if they can."""
+    needed = first_gpu + tensor_parallel_size
+    if needed <= visible_gpus:
+        return None
+    on = f" from cuda:{first_gpu}" if first_gpu else ""
+    return (f"{FLAG} {tensor_parallel_size} needs {tensor_parallel_size} GPUs{on} (one per rank), "
+            f"but {visible_gpus} {'is' if visible_gpus == 1 else 'are'} visible")
+
+
+def first_gpu_index(device: str) -> int:
+    """The GPU index of a `--device` of "cuda" (0) or "cuda:N" (N)."""
+    _, _, index = device.partition(":")
+    return int(index) if index else 0
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device when the engine's `--device` is `device`: the rank-th GPU from the given one on
+    CUDA, the CPU for every rank otherwise."""
+    if device.startswith("cuda"):
+        return f"cuda:{first_gpu_index(device) + rank}"
+    return device
