@@ -22,6 +22,7 @@ keep flowing while the scheduler drains them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -44,12 +45,21 @@ def serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     model_argv = [] if args.model is None else ["--model", args.model]
-    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir:
-        address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
+    ray_group = None
+    if args.distributed_executor_backend == "ray":
+        from pagedserve.ray_executor import RayWorkerGroup
+
+        ray_group = RayWorkerGroup(args.tensor_parallel_size, use_gpus=args.device.startswith("cuda"))
+    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_group):
+        if ray_group is None:
+            address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
+            init_method = f"tcp://127.0.0.1:{_free_loopback_port()}" if args.tensor_parallel_size > 1 else None
+        else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
+            address = args.worker_address or f"tcp://{ray_group.head_address()}:{_free_loopback_port()}"
+            init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
         children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address))}
-        init_method = f"tcp://127.0.0.1:{_free_loopback_port()}" if args.tensor_parallel_size > 1 else None
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
-            children[f"worker rank {rank}"] = _start("worker", argv)
+            children[f"worker rank {rank}"] = _start("worker", argv) if ray_group is None else ray_group.start(rank, argv)
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args))
         stop_requested = []
@@ -93,6 +103,16 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 print("pagedserve: not ready in time", file=sys.stderr, flush=True)
                 return 1
         time.sleep(_POLL_SECONDS)
+
+
+@contextlib.contextmanager
+def _shut_down_after(ray_group):
+    """Gives the Ray placement group (and a local Ray instance this launcher started) back on the way out."""
+    try:
+        yield
+    finally:
+        if ray_group is not None:
+            ray_group.shutdown()
 
 
 def _local_address(host: str, port: int) -> str:
@@ -168,16 +188,13 @@ def _protection_argv(args) -> list[str]:
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:
-    """Exits naming --tensor-parallel-size if the model's heads or the visible GPUs do not allow it (or naming
-    --distributed-executor-backend, whose `ray`, vLLM's multi-host placement, is not built yet)."""
+    """Exits naming --tensor-parallel-size if the model's heads or this host's visible GPUs do not allow it
+    (with Ray the ranks' GPUs are the cluster's: its placement group refuses what it cannot place)."""
     size = args.tensor_parallel_size
-    if args.distributed_executor_backend != "mp":
-        raise SystemExit(f"pagedserve: --distributed-executor-backend {args.distributed_executor_backend} is not "
-                         "supported yet; mp (one process per rank on this host) is")
     if size == 1:
         return
     refusal = heads_refusal(ModelConfig.from_path(model_path), size)
-    if refusal is None and args.device.startswith("cuda"):
+    if refusal is None and args.device.startswith("cuda") and args.distributed_executor_backend == "mp":
         import torch  # only here: the launcher otherwise never needs it
 
         refusal = gpus_refusal(size, first_gpu_index(args.device), torch.cuda.device_count())
@@ -185,12 +202,22 @@ def refuse_unfit_tensor_parallel(args, model_path) -> None:
         raise SystemExit(f"pagedserve: {refusal}")
 
 
+def rank_devices(args) -> list[str]:
+    """Each rank's --device. mp: rank r on the r-th GPU from --device's (cuda:r), or the CPU. ray: each rank
+    on the one GPU Ray gave its actor (its `cuda`), or the CPU."""
+    size = args.tensor_parallel_size
+    if args.distributed_executor_backend == "ray":
+        return ["cuda" if args.device.startswith("cuda") else "cpu"] * size
+    return [rank_device(args.device, rank) for rank in range(size)]
+
+
 def worker_rank_argvs(args, model_argv: list[str], address: str, init_method: str | None) -> list[list[str]]:
     """Each rank's worker command line: the same flags, its own --rank and device, one rendezvous."""
     size = args.tensor_parallel_size
+    devices = rank_devices(args)
     if size == 1:
-        return [_worker_argv(args, model_argv, address, args.device)]
-    return [[*_worker_argv(args, model_argv, address, rank_device(args.device, rank), rank == size - 1),
+        return [_worker_argv(args, model_argv, address, devices[0])]
+    return [[*_worker_argv(args, model_argv, address, devices[rank], rank == size - 1),
              "--rank", str(rank), "--world-size", str(size), "--distributed-init-method", init_method]
             for rank in range(size)]
 

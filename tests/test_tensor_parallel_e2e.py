@@ -5,9 +5,9 @@ request samples the same tokens with one rank or two; a non-zero rank that dies 
 with a clear error and takes the stack down in bounded time; a size the model's heads do not allow is refused
 before anything loads.
 
-Until the sharded layers land, each rank computes the whole model (identical logits), so these tests prove
-the process side: rank start-up and rendezvous, plans reaching every rank, rank 0 alone answering, the
-agreed KV pool, and fault handling; after the merge the same tests run the sharded model.
+Each rank holds and computes its shard of the model (worker_svc/layers/: tests/test_parallel_layers.py checks
+the layers alone); these tests add the processes: rank start-up and rendezvous, plans reaching every rank,
+rank 0 alone answering, the agreed KV pool, fault handling, and the Ray executor.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import _scheduler_argv, refuse_unfit_tensor_parallel, worker_rank_argvs
+from pagedserve.launcher import _scheduler_argv, worker_rank_argvs
 from pagedserve.llm import server_argv
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import REPO_ROOT, free_port, launched_server, running_server
@@ -240,9 +240,15 @@ def test_more_ranks_than_visible_gpus_are_refused_naming_the_flag_and_both_numbe
     assert "from cuda:1" in gpus_refusal(2, 1, 2)
 
 
-def test_the_ray_executor_backend_is_refused_naming_the_flag(models):
-    args = build_parser().parse_args(["serve", "--model", str(models["llama"]), "-tp", "2",
-                                      "--distributed-executor-backend", "ray"])
-    with pytest.raises(SystemExit, match="--distributed-executor-backend ray is not supported yet"):
-        refuse_unfit_tensor_parallel(args, models["llama"])
-    refuse_unfit_tensor_parallel(build_parser().parse_args(["serve", "-tp", "2"]), models["llama"])  # mp: fits
+def test_the_ray_backend_places_the_ranks_and_gives_the_tokens_of_mp(models, llama_tp2, tmp_path):
+    """`--distributed-executor-backend ray`: a private local Ray instance, a placement group of two CPU
+    bundles, each rank a Ray actor running the worker; the scheduler on TCP. Same greedy tokens as the mp
+    server, and nothing of the stack or of Ray is left once it stops."""
+    prompts = _random_prompts(4, seed=11)
+    with running_server(tmp_path, "--model", str(models["llama"]), "-tp", "2", *SMALL_POOL,
+                        "--distributed-executor-backend", "ray", ready_timeout=240) as server:
+        on_ray = _generate_all(server, prompts)
+        log = server.log()
+    assert [r.token_ids for r in on_ray] == [r.token_ids for r in _generate_all(llama_tp2, prompts)]
+    assert "Started a local Ray instance" in log
+    assert re.search(r"rank 1: joining the tensor-parallel group of 2 at tcp://", log)

@@ -12,10 +12,13 @@ so the single-GPU path pays nothing for the parallel layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+_JOIN_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -87,5 +90,7 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    # A rank that never comes (a worker not started) fails the others after this long, not torch's 30 minutes.
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=_JOIN_TIMEOUT_S))
     return TensorParallel(rank=rank, world_size=world_size, group=dist.group.WORLD)

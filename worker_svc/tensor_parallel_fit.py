@@ -6,8 +6,9 @@ group whose peers never come), and each worker checks again, since docker compos
 launcher. Both read the same rules here, so their messages are the same.
 
 The rules: attention heads are split evenly over the ranks (each rank owns whole heads), so the head count
-must divide; on GPUs each rank owns one GPU, so there must be as many visible. Fewer KV heads than ranks is
-allowed: the model replicates them, as vLLM does.
+must divide, and so must the KV heads, or the ranks must be a multiple of them (fewer KV heads than ranks: the
+model replicates each on N / num_key_value_heads ranks, as vLLM does); on GPUs each rank owns one GPU, so
+there must be as many visible.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def heads_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: st
     if heads % tensor_parallel_size:
         return (f"{flag} {tensor_parallel_size} does not divide the model's {heads} attention heads "
                 f"(num_attention_heads); use a size that divides {heads}")
+    kv_heads = model_config.num_key_value_heads
+    if (kv_heads % tensor_parallel_size if kv_heads >= tensor_parallel_size else tensor_parallel_size % kv_heads):
+        return (f"{flag} {tensor_parallel_size} and the model's {kv_heads} KV heads (num_key_value_heads) do not "
+                f"split evenly: the size must divide {kv_heads} or be a multiple of it")
     return None
 
 

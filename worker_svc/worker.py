@@ -78,7 +78,9 @@ class Worker:
                         config.distributed_init_method)
         self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
                                                     self.device)
-        self.model, self.model_config = self._load_model(model.path)
+        self.model, self.model_config = load_model(
+            model.path, self.dtype, self.device, attention_backend=make_attention_backend(config),
+            layer_ops=make_layer_ops(config), load_format=config.load_format, tensor_parallel=self.tensor_parallel)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
@@ -89,25 +91,19 @@ class Worker:
         # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
         self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
 
-    def _load_model(self, path) -> tuple[torch.nn.Module, ModelConfig]:
-        """The one place the tensor-parallel group meets the model. `load_model` takes no `tensor_parallel=`
-        yet (the parallel layers add it, with KVCache's): until then every rank loads and runs the whole model,
-        which gives every rank the same logits, as the sharded model will."""
-        return load_model(path, self.dtype, self.device, attention_backend=make_attention_backend(self.config),
-                          layer_ops=make_layer_ops(self.config), load_format=self.config.load_format)
-
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         """Sizes and allocates the pools; every rank allocates the same number of blocks (the smallest any
         rank can hold: the scheduler's block ids must mean the same slots on every rank)."""
         tensor_parallel = self.tensor_parallel
         blocks = num_kv_blocks(self.config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
-                               self.dtype, self.device)
+                               self.dtype, self.device, tensor_parallel)
         swap_blocks = int(self.config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
-                                                                          self.dtype)
+                                                                          self.dtype, tensor_parallel)
         blocks = tensor_parallel.all_reduce_min(blocks, self.device)
         swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, self.device)
-        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device,
+                                tensor_parallel)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
         if self.device.type == "cuda":
             self._warm_up_sampler()

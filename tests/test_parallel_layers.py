@@ -1,0 +1,168 @@
+"""The tensor-parallel layers against their unsharded selves: two gloo ranks on the CPU compute what one rank
+computes (worker_svc/layers/parallel_linear.py, vocab_parallel_embedding.py), a whole model sharded over two
+ranks gives the single rank's logits and greedy tokens, and each rank reads only its slices of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
+from pagedserve.testing.tiny_models import make_tiny_model
+from worker_svc.layers.checkpoint_tensor import CheckpointTensor
+from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from worker_svc.models.model_loader import load_model
+from worker_svc.models.registry import build_model
+from worker_svc.models.weight_loader import iter_checkpoint
+from worker_svc.model_config import ModelConfig
+from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel, init_tensor_parallel
+
+WORLD_SIZE = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_ranks(target, *args) -> None:
+    """Runs `target(tp, *args)` in WORLD_SIZE processes joined in one gloo group; a failure in any fails the test."""
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_rank_main, args=(target, init_method, args), nprocs=WORLD_SIZE, join=True)
+
+
+def _rank_main(rank: int, target, init_method: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    tp = init_tensor_parallel(rank, WORLD_SIZE, init_method, torch.device("cpu"))
+    try:
+        target(tp, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_layers(tp: TensorParallel) -> None:
+    generator = torch.Generator().manual_seed(0)
+    hidden, heads, kv_heads, head_dim, vocab = 8, 4, 1, 4, 11  # fewer KV heads than ranks; vocab not divisible
+    x = torch.randn(5, hidden, generator=generator)
+    q, k, v = (torch.randn(n * head_dim, hidden, generator=generator) for n in (heads, kv_heads, kv_heads))
+    bias = torch.randn((heads + 2 * kv_heads) * head_dim, generator=generator)
+
+    local_heads, kv_start = tp.shard(heads)[1], tp.kv_head_start(kv_heads)
+    q_shard = (tp.shard(heads)[0] * head_dim, local_heads * head_dim)
+    kv_shard = (kv_start * head_dim, tp.kv_heads(kv_heads) * head_dim)
+    qkv = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=True)
+    offset = 0
+    for part, weight in enumerate((q, k, v)):
+        qkv.load("weight", CheckpointTensor(weight, tuple(weight.shape)), part)
+        part_bias = bias[offset : offset + weight.shape[0]]
+        qkv.load("bias", CheckpointTensor(part_bias, tuple(part_bias.shape)), part)
+        offset += weight.shape[0]
+    expected = torch.cat([x @ w.T for w in (q, k, v)], dim=-1) + bias
+    q_out, k_out, v_out = qkv(x).split([q_shard[1], kv_shard[1], kv_shard[1]], dim=-1)
+    torch.testing.assert_close(q_out, expected[:, q_shard[0] : q_shard[0] + q_shard[1]])
+    kv_rows = slice(heads * head_dim + kv_shard[0], heads * head_dim + kv_shard[0] + kv_shard[1])
+    torch.testing.assert_close(k_out, expected[:, kv_rows])  # the replicated KV head, whole on both ranks
+
+    inter = 6
+    down, down_bias = torch.randn(hidden, inter, generator=generator), torch.randn(hidden, generator=generator)
+    row = RowParallelLinear(inter, hidden, bias=True, tp=tp)
+    row.load("weight", CheckpointTensor(down, tuple(down.shape)))
+    row.load("bias", CheckpointTensor(down_bias, tuple(down_bias.shape)))
+    y = torch.randn(5, inter, generator=generator)
+    start, count = tp.shard(inter)
+    torch.testing.assert_close(row(y[:, start : start + count]), y @ down.T + down_bias)
+
+    table = torch.randn(vocab, hidden, generator=generator)
+    embedding = VocabParallelEmbedding(vocab, hidden, tp)
+    embedding.load("weight", CheckpointTensor(table, tuple(table.shape)))
+    ids = torch.tensor([0, 5, 6, 10, 3])
+    torch.testing.assert_close(embedding(ids), table[ids])
+    torch.testing.assert_close(embedding.logits(x), x @ table.T)
+
+
+def test_parallel_layers_compute_what_one_rank_computes():
+    run_ranks(_check_layers)
+
+
+def _check_model(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -> None:
+    config = ModelConfig.from_path(model_dir)
+    whole, _ = load_model(model_dir, torch.float32, "cpu")
+    sharded, _ = load_model(model_dir, torch.float32, "cpu", tensor_parallel=tp)
+    local_kv_heads = tp.kv_heads(config.num_key_value_heads)
+    want = prefill_logits_paged(whole, config, prompts)
+    got = prefill_logits_paged(sharded, config, prompts, num_kv_heads=local_kv_heads)
+    for ours, reference in zip(got, want):
+        torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
+    assert (greedy_generate_paged(sharded, config, prompts, 8, prefill_chunk=5, num_kv_heads=local_kv_heads)
+            == greedy_generate_paged(whole, config, prompts, 8, prefill_chunk=5))
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2)])
+def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, kv_heads):
+    """Llama with one KV head (replicated on both ranks) and two (split), Qwen2 with its qkv bias and tied
+    embeddings; vocab 512 split by rows; prefill and chunked greedy decode through the paged cache."""
+    model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
+    prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 5, 480, 2, 61, 99, 100, 3, 4, 8]]
+    run_ranks(_check_model, str(model_dir), prompts)
+
+
+class RecordingTensor(CheckpointTensor):
+    """A checkpoint tensor that counts the elements read from it."""
+
+    def __init__(self, inner: CheckpointTensor, read: dict[str, int], name: str):
+        super().__init__(inner, inner.shape)
+        self._read, self._name = read, name
+
+    def _note(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._read[self._name] = self._read.get(self._name, 0) + tensor.numel()
+        return tensor
+
+    def full(self) -> torch.Tensor:
+        return self._note(self._source.full())
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        return self._note(self._source.rows(start, count))
+
+    def columns(self, start: int, count: int) -> torch.Tensor:
+        return self._note(self._source.columns(start, count))
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
+    """Rank 1 of 2 (no collective is needed to load) reads half of every sharded tensor and the whole of the
+    replicated ones (norms), from safetensors slices."""
+    model_dir = make_tiny_model(tmp_path, "llama", num_key_value_heads=2)
+    config = ModelConfig.from_path(model_dir)
+    with torch.device("meta"):
+        model = build_model(config, tensor_parallel=TensorParallel(rank=1, world_size=2))
+    model = model.to_empty(device="cpu")
+    read: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+
+    def recorded():
+        for name, tensor in iter_checkpoint(model_dir, config):
+            sizes[name] = int(torch.Size(tensor.shape).numel())
+            yield name, RecordingTensor(tensor, read, name)
+
+    model.load_weights(recorded())
+    for name, size in sizes.items():
+        expected = size if "norm" in name else size // 2
+        assert read[name] == expected, name
+
+
+def test_one_rank_builds_plain_layers_with_no_collective():
+    """With one rank the parallel layers are the plain matmul and lookup: the same numbers as nn.Linear."""
+    linear = nn.Linear(6, 4)
+    column = ColumnParallelLinear.split(6, [4], bias=True, tp=SINGLE_RANK)
+    column.load("weight", CheckpointTensor(linear.weight.detach(), (4, 6)))
+    column.load("bias", CheckpointTensor(linear.bias.detach(), (4,)))
+    x = torch.randn(3, 6)
+    assert torch.equal(column(x), linear(x))
