@@ -116,7 +116,8 @@ class RayWorkerGroup:
         except ImportError:
             raise SystemExit("--distributed-executor-backend ray needs Ray: pip install 'pagedserve[ray]'") from None
         self._ray = ray
-        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+        # log_to_driver: the ranks' log lines reach the launcher's stderr, prefixed by their actor, as with mp.
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
         self._placement = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         try:
