@@ -32,8 +32,13 @@ class CheckpointTensor:
 
 
 def load_whole(target: torch.Tensor, checkpoint: CheckpointTensor) -> None:
-    """Copies a replicated parameter (a norm's weight) whole; raises on a shape mismatch."""
-    if tuple(target.shape) != tuple(checkpoint.shape):
-        raise ValueError(f"checkpoint shape {tuple(checkpoint.shape)} != {tuple(target.shape)}")
+    """Copies a replicated parameter (a norm's weight) whole."""
+    copy_into(target, checkpoint.full())
+
+
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copies a checkpoint tensor (or this rank's slice of one) into a parameter; raises on a shape mismatch."""
+    if tuple(target.shape) != tuple(source.shape):
+        raise ValueError(f"checkpoint shape {tuple(source.shape)} != {tuple(target.shape)}")
     with torch.no_grad():
-        target.copy_(checkpoint.full())
+        target.copy_(source)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker_svc.layers.checkpoint_tensor import CheckpointTensor
+from worker_svc.layers.checkpoint_tensor import CheckpointTensor, copy_into
 from worker_svc.tensor_parallel import TensorParallel
 
 
@@ -46,7 +46,7 @@ class ColumnParallelLinear(nn.Module):
         """Copies this rank's rows of `part` from the checkpoint's weight or bias."""
         start, rows = self.shards[part]
         offset = self.offsets[part]
-        _copy(getattr(self, kind)[offset : offset + rows], checkpoint.rows(start, rows), kind)
+        copy_into(getattr(self, kind)[offset : offset + rows], checkpoint.rows(start, rows))
 
 
 class RowParallelLinear(nn.Module):
@@ -67,13 +67,7 @@ class RowParallelLinear(nn.Module):
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
         if kind == "bias":
-            _copy(self.bias, checkpoint.full(), kind)
+            copy_into(self.bias, checkpoint.full())
         else:
-            _copy(self.weight, checkpoint.columns(self.input_start, self.weight.shape[1]), kind)
+            copy_into(self.weight, checkpoint.columns(self.input_start, self.weight.shape[1]))
 
-
-def _copy(target: torch.Tensor, source: torch.Tensor, kind: str) -> None:
-    if target.shape != source.shape:
-        raise ValueError(f"{kind}: checkpoint slice shape {tuple(source.shape)} != {tuple(target.shape)}")
-    with torch.no_grad():
-        target.copy_(source)
