@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker_svc.worker import run_worker
+    from worker_svc.serving_loop import run_worker
 
     return run_worker(worker_config_from_args(args))
 
