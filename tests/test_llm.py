@@ -103,3 +103,15 @@ def test_each_output_carries_its_tokens_logprobs_streamed_or_ranked(llm):
         assert len(output.logprobs) == len(output.token_ids) == 6
         assert all(logprob <= 0 for logprob in output.logprobs)
         assert sum(output.logprobs) == pytest.approx(output.cumulative_logprob, abs=1e-4)
+
+
+def test_tensor_parallel_size_shards_the_offline_engine_with_the_same_greedy_tokens(llm, model_dir):
+    """`LLM(tensor_parallel_size=2)`, vLLM's keyword: two gloo ranks behind the offline API answer what the
+    one-rank engine answers."""
+    prompts = [[5, 6, 7, 8], [9, 10, 300, 2, 41]]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    with LLM(model=str(model_dir), tensor_parallel_size=2, **SERVER_OPTIONS) as sharded:
+        on_two = sharded.generate(prompts, params, use_tqdm=False)
+        log = sharded._log_tail()  # the server's log: its scheduler waited for two ranks
+    assert "waiting for 2 worker(s)" in log
+    assert [r.token_ids for r in on_two] == [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
