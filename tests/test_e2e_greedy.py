@@ -1,5 +1,5 @@
 """End to end through the real processes (client -> gRPC -> scheduler -> ZeroMQ -> worker -> back): greedy
-output equals transformers' token for token on tiny random Llama and Qwen2 models, alone, concurrently, and
+output equals transformers' token for token on tiny random Llama, Qwen2 and Qwen3 models, alone, concurrently, and
 under preemption by recompute and by swap."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _prompts(count: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])] for i in range(count)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models"), request.param, seed=3)
 

@@ -37,7 +37,7 @@ def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model_pair(request, tmp_path_factory):
     """(arch, our model, our config, HF model) for one tiny random checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -51,9 +51,10 @@ def model_pair(request, tmp_path_factory):
 def test_config_reads_tiny_checkpoint(model_pair):
     arch, _, config, hf_model = model_pair
     assert config.architecture == arch
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    head_dim = 32 if arch == "qwen3" else 16  # Qwen3's is explicit, not hidden / heads
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, head_dim)
     assert config.attention_bias == (arch == "qwen2")
-    assert config.tie_word_embeddings == (arch == "qwen2")
+    assert config.tie_word_embeddings == (arch != "llama")
     assert config.rope_theta == hf_model.config.rope_parameters["rope_theta"]
 
 

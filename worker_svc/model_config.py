@@ -16,6 +16,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -25,7 +26,8 @@ LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_m
 class ModelConfig:
     """Everything the native model code needs to build and run a Llama-family model.
 
-    `architecture` is "llama" (Llama 2/3, Mistral without sliding window, SmolLM2, TinyLlama) or "qwen2".
+    `architecture` is "llama" (Llama 2/3, Mistral without sliding window, SmolLM2, TinyLlama), "qwen2" or
+    "qwen3" (dense; its per-head q/k norms are the model class's, models/qwen3.py).
     `attention_bias` means q/k/v projections have a bias (Qwen2); for "llama" it also gives o_proj one,
     as in HF's LlamaAttention. `rope_scaling` is None or the llama3 parameters as sorted (key, value)
     pairs (hashable; see `rope_scaling_params`). `eos_token_ids` is a tuple (HF allows int or list).

@@ -7,7 +7,9 @@ from torch import nn
 
 from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
+from kernels.layer_ops import LayerOps
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.rms_norm import RMSNorm
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel import TensorParallel
@@ -20,9 +22,13 @@ class Attention(nn.Module):
 
     Tensor parallel: each rank owns whole heads, its share of the query heads and of the KV heads (one
     replicated KV head when there are fewer KV heads than ranks), so attention itself runs on this rank's
-    heads alone and its KV cache holds only them; o_proj's all-reduce joins the heads' outputs."""
+    heads alone and its KV cache holds only them; o_proj's all-reduce joins the heads' outputs.
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel):
+    `qk_norm` (Qwen3, Gemma 3): an RMSNorm over each query and key head (weights [head_dim], shared by the
+    heads) before rotary, `q_norm` and `k_norm` as in the checkpoint."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel,
+                 qk_norm: LayerOps | None = None):
         super().__init__()
         self.num_heads = tp.shard(config.num_attention_heads)[1]
         self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
@@ -36,6 +42,8 @@ class Attention(nn.Module):
         kv_shard = (tp.kv_head_start(config.num_key_value_heads) * head_dim, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, output_bias, tp)
+        self.q_norm = None if qk_norm is None else RMSNorm(head_dim, config.rms_norm_eps, qk_norm)
+        self.k_norm = None if qk_norm is None else RMSNorm(head_dim, config.rms_norm_eps, qk_norm)
 
     def forward(
         self,
@@ -50,6 +58,9 @@ class Attention(nn.Module):
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            query = self.q_norm(query.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
+            key = self.k_norm(key.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
         query, key = rotary(positions, query, key)
         self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         output = self.backend.paged_attention(query, kv_cache, metadata, self.scale)

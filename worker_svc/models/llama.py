@@ -37,11 +37,12 @@ class DecoderLayer(nn.Module):
     a layer takes (hidden, residual) and returns the MLP output and the residual stream before it, and the
     caller's next norm adds them. The first layer gets residual None (the embeddings are the stream)."""
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
+                 qk_norm: bool = False):
         super().__init__()
-        # HF Llama's attention_bias also covers o_proj; Qwen2's o_proj never has one.
-        output_bias = config.attention_bias and config.architecture == "llama"
-        self.self_attn = Attention(config, backend, output_bias, tp)
+        # HF Llama's and Qwen3's attention_bias also covers o_proj; Qwen2's o_proj never has one.
+        output_bias = config.attention_bias and config.architecture in ("llama", "qwen3")
+        self.self_attn = Attention(config, backend, output_bias, tp, qk_norm=ops if qk_norm else None)
         self.mlp = GatedMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -56,11 +57,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
+                 qk_norm: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops, tp) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, ops, tp, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config, ops)
@@ -76,6 +78,9 @@ class LlamaForCausalLM(nn.Module):
     its shard.
     """
 
+    # Per-head RMSNorm of queries and keys before rotary (a subclass's family, e.g. Qwen3; qwen3.py).
+    qk_norm = False
+
     def __init__(
         self,
         config: ModelConfig,
@@ -87,7 +92,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
         ops = layer_ops if layer_ops is not None else torch_layer_ops()
-        self.model = LlamaModel(config, backend, ops, tensor_parallel)
+        self.model = LlamaModel(config, backend, ops, tensor_parallel, self.qk_norm)
         # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.
         self.lm_head = (
             None

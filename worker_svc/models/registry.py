@@ -13,9 +13,10 @@ from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
+from worker_svc.models.qwen3 import Qwen3ForCausalLM
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+MODEL_CLASSES = {"llama": LlamaForCausalLM, "qwen2": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 def build_model(
