@@ -58,12 +58,6 @@ class RankHost:
         if self._process.poll() is None:
             self._process.send_signal(signum)
 
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self._process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
 
 class RayRankProcess:
     """The launcher's handle on one rank's worker on the cluster, shaped like the `Popen` it supervises."""
