@@ -167,3 +167,19 @@ def test_one_rank_builds_plain_layers_with_no_collective():
     column.load("bias", CheckpointTensor(linear.bias.detach(), (4,)))
     x = torch.randn(3, 6)
     assert torch.equal(column(x), linear(x))
+
+
+def test_sizes_the_model_cannot_split_evenly_are_refused_naming_the_flag(tmp_path):
+    """Checked before any process joins a group (worker_svc/tensor_parallel_fit.py): attention heads, KV heads
+    (dividing the size or divided by it) and the MLP width must split evenly."""
+    import dataclasses
+
+    from worker_svc.tensor_parallel_fit import heads_refusal
+
+    config = ModelConfig.from_path(make_tiny_model(tmp_path, "llama"))  # 4 heads, 2 KV heads, MLP 128
+    assert heads_refusal(config, 2) is None and heads_refusal(config, 4) is None  # 4 ranks: KV heads replicated
+    assert "does not divide the model's 4 attention heads" in heads_refusal(config, 3)
+    six_heads = dataclasses.replace(config, num_attention_heads=6, num_key_value_heads=4)
+    assert "--tensor-parallel-size 3" in heads_refusal(dataclasses.replace(six_heads, num_key_value_heads=2), 3)
+    assert "4 KV heads (num_key_value_heads) do not split evenly" in heads_refusal(six_heads, 6)
+    assert "intermediate_size 130" in heads_refusal(dataclasses.replace(config, intermediate_size=130), 4)

@@ -65,7 +65,8 @@ def warm_up_kernels(model, kv_caches: list[torch.Tensor], block_size: int, max_b
                     max_num_seqs: int, device: torch.device) -> int:
     """Runs every warm-up batch once; returns how many forward passes it ran."""
     start = time.perf_counter()
-    batches = warm_up_batches(max_num_seqs, model.config.num_key_value_heads)
+    # The cache's KV heads, not the model's: a tensor-parallel rank holds only its share (its splits differ).
+    batches = warm_up_batches(max_num_seqs, kv_caches[0].shape[3])
     for query_lens, seq_lens, num_decodes in batches:
         metadata = synthetic_metadata(query_lens, seq_lens, block_size, max_blocks_per_seq, num_decodes, device)
         positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(device)

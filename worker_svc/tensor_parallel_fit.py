@@ -31,6 +31,9 @@ def heads_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: st
     if (kv_heads % tensor_parallel_size if kv_heads >= tensor_parallel_size else tensor_parallel_size % kv_heads):
         return (f"{flag} {tensor_parallel_size} and the model's {kv_heads} KV heads (num_key_value_heads) do not "
                 f"split evenly: the size must divide {kv_heads} or be a multiple of it")
+    if model_config.intermediate_size % tensor_parallel_size:
+        return (f"{flag} {tensor_parallel_size} does not divide the model's MLP width "
+                f"(intermediate_size {model_config.intermediate_size})")
     return None
 
 
