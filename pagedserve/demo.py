@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 
 from client import Client
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from pagedserve.free_port import free_port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--no-http"]
     if args.model:
         command += ["--model", args.model]

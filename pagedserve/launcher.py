@@ -25,16 +25,16 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
+from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
 from service_runtime.model_source import resolve_model
 from worker_svc.model_config import ModelConfig
-from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, heads_refusal, rank_device
+from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
 _POLL_SECONDS = 0.2
 # Each role's package, whose `__main__` is that service's entry point.
@@ -53,9 +53,9 @@ def serve(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_group):
         if ray_group is None:
             address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
-            init_method = f"tcp://127.0.0.1:{_free_loopback_port()}" if args.tensor_parallel_size > 1 else None
+            init_method = f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
         else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
-            address = args.worker_address or f"tcp://{ray_group.head_address()}:{_free_loopback_port()}"
+            address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
             init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
         children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address))}
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
@@ -127,13 +127,6 @@ def _start(role: str, argv: list[str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _free_loopback_port() -> int:
-    """A port free now on loopback (rank 0 binds it moments later; vLLM picks its rendezvous port alike)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _wait(child: subprocess.Popen, timeout: float) -> int | None:
     try:
         return child.wait(timeout=timeout)
@@ -193,7 +186,7 @@ def refuse_unfit_tensor_parallel(args, model_path) -> None:
     size = args.tensor_parallel_size
     if size == 1:
         return
-    refusal = heads_refusal(ModelConfig.from_path(model_path), size)
+    refusal = shard_refusal(ModelConfig.from_path(model_path), size)
     if refusal is None and args.device.startswith("cuda") and args.distributed_executor_backend == "mp":
         import torch  # only here: the launcher otherwise never needs it
 

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from client.async_client import AsyncClient
 from client.sampling_params import SamplingParams
 from client.sync_client import Client
 from client.types import GenerationResult
+from pagedserve.free_port import free_port
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[Mapping[str, str]]
@@ -55,7 +55,7 @@ class LLM:
         argv = server_argv(model, server_options)
         self._log = tempfile.NamedTemporaryFile(prefix="pagedserve-llm-", suffix=".log", delete=False)
         self.log_path = self._log.name
-        port = _free_loopback_port()
+        port = free_port()
         self.target = f"127.0.0.1:{port}"
         self._process = subprocess.Popen(
             [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-http",
@@ -208,12 +208,6 @@ def _run_coroutine(coroutine):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _stop_server(process: subprocess.Popen, log, log_path: str) -> None:

@@ -21,7 +21,6 @@ returncode).
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,9 +40,9 @@ class RankHost:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return probe.getsockname()[1]
+        from pagedserve.free_port import free_port
+
+        return free_port("")  # on every interface: the other ranks' hosts reach it
 
     def start(self, argv: list[str]) -> int:
         # --exit-with-parent: the worker dies with this actor (Ray kills it with the placement group).

@@ -5,38 +5,30 @@ ranks gives the single rank's logits and greedy tokens, and each rank reads only
 
 from __future__ import annotations
 
-import socket
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from pagedserve.free_port import free_port
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
 from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.layers.checkpoint_tensor import CheckpointTensor
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 from worker_svc.models.registry import build_model
 from worker_svc.models.weight_loader import iter_checkpoint
-from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel, init_tensor_parallel
 
 WORLD_SIZE = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def run_ranks(target, *args) -> None:
     """Runs `target(tp, *args)` in WORLD_SIZE processes joined in one gloo group; a failure in any fails the test."""
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     mp.spawn(_rank_main, args=(target, init_method, args), nprocs=WORLD_SIZE, join=True)
 
 
@@ -174,12 +166,12 @@ def test_sizes_the_model_cannot_split_evenly_are_refused_naming_the_flag(tmp_pat
     (dividing the size or divided by it) and the MLP width must split evenly."""
     import dataclasses
 
-    from worker_svc.tensor_parallel_fit import heads_refusal
+    from worker_svc.tensor_parallel_fit import shard_refusal
 
     config = ModelConfig.from_path(make_tiny_model(tmp_path, "llama"))  # 4 heads, 2 KV heads, MLP 128
-    assert heads_refusal(config, 2) is None and heads_refusal(config, 4) is None  # 4 ranks: KV heads replicated
-    assert "does not divide the model's 4 attention heads" in heads_refusal(config, 3)
+    assert shard_refusal(config, 2) is None and shard_refusal(config, 4) is None  # 4 ranks: KV heads replicated
+    assert "does not divide the model's 4 attention heads" in shard_refusal(config, 3)
     six_heads = dataclasses.replace(config, num_attention_heads=6, num_key_value_heads=4)
-    assert "--tensor-parallel-size 3" in heads_refusal(dataclasses.replace(six_heads, num_key_value_heads=2), 3)
-    assert "4 KV heads (num_key_value_heads) do not split evenly" in heads_refusal(six_heads, 6)
-    assert "intermediate_size 130" in heads_refusal(dataclasses.replace(config, intermediate_size=130), 4)
+    assert "--tensor-parallel-size 3" in shard_refusal(dataclasses.replace(six_heads, num_key_value_heads=2), 3)
+    assert "4 KV heads (num_key_value_heads) do not split evenly" in shard_refusal(six_heads, 6)
+    assert "intermediate_size 130" in shard_refusal(dataclasses.replace(config, intermediate_size=130), 4)

@@ -18,8 +18,9 @@ from worker_svc.model_config import ModelConfig
 FLAG = "--tensor-parallel-size"
 
 
-def heads_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: str = FLAG) -> str | None:
-    """Why `model_config` cannot be split over `tensor_parallel_size` ranks, or None if it can (`flag`: how
+def shard_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: str = FLAG) -> str | None:
+    """Why `model_config` cannot be split over `tensor_parallel_size` ranks (its heads, KV heads or MLP width),
+    or None if it can (`flag`: how
     the size was given: `serve`'s --tensor-parallel-size, a standalone worker's --world-size)."""
     heads = model_config.num_attention_heads
     if tensor_parallel_size < 1:

@@ -46,7 +46,7 @@ from worker_svc.sampling.prompt_logprobs import prompt_logprobs
 from worker_svc.sampling.sampler import SamplerOutput, SamplingTensors, sample
 from worker_svc.sampling.sampling_inputs import build_sampling_tensors
 from worker_svc.tensor_parallel import init_tensor_parallel
-from worker_svc.tensor_parallel_fit import heads_refusal
+from worker_svc.tensor_parallel_fit import shard_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Worker:
         model = resolve_model(config.model)
         if config.world_size > 1:
             # Before joining the group: every rank refuses alike, none waits for the others.
-            refusal = heads_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
+            refusal = shard_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
             if refusal is not None:
                 raise SystemExit(refusal)
             # Joining blocks until every rank has come: say where, for a rank that waits long.

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,17 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
 from client.channel import channel_credentials
+from pagedserve.free_port import free_port  # noqa: F401 (tests import it from here)
 from pagedserve.health_probe import http_ok
 
 # The directory that holds the packages (a checkout, or site-packages): servers start there, so `python -m
 # pagedserve` finds this copy of the code.
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class ServerProcess:
