@@ -30,6 +30,8 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -39,5 +41,5 @@ class TorchReferenceBackend:
     def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
         paged_attention_ref.write_kv_cache(key, value, kv_cache, slot_mapping)
 
-    def paged_attention(self, query, kv_cache, metadata, scale) -> torch.Tensor:
-        return paged_attention_ref.paged_attention(query, kv_cache, metadata, scale)
+    def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None):
+        return paged_attention_ref.paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap)

@@ -52,12 +52,16 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries `[T, Hq, D]` over its paged context.
 
     Query j of a sequence with `q_len` new tokens and context `L` sits at position `L - q_len + j` and
-    sees keys `0 ..` that position. Query head h reads KV head `h // (Hq // Hkv)` (GQA, as HF's
-    repeat_kv). Tokens outside every sequence (padding) get zeros.
+    sees keys `0 ..` that position, or with a `sliding_window` W only the last W of them (keys
+    `p - W + 1 .. p`, transformers' sliding-window mask). Query head h reads KV head `h // (Hq // Hkv)`
+    (GQA, as HF's repeat_kv). `logit_softcap` c (Gemma 2) bounds the scaled scores: `c * tanh(s / c)`,
+    before the mask. Tokens outside every sequence (padding) get zeros.
     """
     num_q_heads = query.shape[1]
     num_kv_heads = kv_cache.shape[3]
@@ -75,9 +79,13 @@ def paged_attention(
         value = value.float().repeat_interleave(group_size, dim=1).transpose(0, 1)
         seq_query = query[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
         scores = torch.matmul(seq_query, key.transpose(1, 2)) * scale  # [Hq, q_len, L]
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
         key_positions = torch.arange(seq_len, device=query.device)
         visible = key_positions[None, :] <= query_positions[:, None]
+        if sliding_window is not None:
+            visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.exp(scores - scores.amax(-1, keepdim=True))
         weighted = torch.matmul(probs.to(kv_cache.dtype).float(), value) / probs.sum(-1, keepdim=True)

@@ -74,9 +74,13 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros."""
         assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
+        if sliding_window is not None or logit_softcap is not None:
+            raise NotImplementedError("the Triton attention kernels have no sliding window or soft-capping yet")
         output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
         num_decodes = metadata.num_decode_seqs

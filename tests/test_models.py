@@ -50,7 +50,7 @@ def model_pair(request, tmp_path_factory):
 
 def test_config_reads_tiny_checkpoint(model_pair):
     arch, _, config, hf_model = model_pair
-    assert config.architecture == arch
+    assert config.model_type == arch
     head_dim = 32 if arch == "qwen3" else 16  # Qwen3's is explicit, not hidden / heads
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, head_dim)
     assert config.attention_bias == (arch == "qwen2")
@@ -128,28 +128,42 @@ def write_config(tmp_path, **raw) -> ModelConfig:
 
 
 MISTRAL = dict(
-    architectures=["MistralForCausalLM"], vocab_size=100, hidden_size=64, intermediate_size=128,
+    architectures=["MistralForCausalLM"], model_type="mistral", vocab_size=100, hidden_size=64, intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
     rope_theta=10000.0, eos_token_id=[2, 7],
 )
 
 
-def test_mistral_with_short_sliding_window_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="sliding-window"):
-        write_config(tmp_path, **MISTRAL, sliding_window=256)
+def test_mistral_sliding_window_slides_every_layer(tmp_path):
+    config = write_config(tmp_path, **MISTRAL, sliding_window=256)
+    assert config.layer_types == ("sliding_attention",) * 2 and config.sliding_window == 256
+    assert [config.layer_sliding_window(i) for i in range(2)] == [256, 256]
+
+
+def test_a_window_as_long_as_the_context_slides_nothing(tmp_path):
+    config = write_config(tmp_path, **MISTRAL, sliding_window=1024)
+    assert config.sliding_window is None and config.layer_sliding_window(0) is None
 
 
 def test_mistral_without_sliding_window_is_llama(tmp_path):
     config = write_config(tmp_path, **MISTRAL, sliding_window=None)
-    assert config.architecture == "llama" and config.eos_token_ids == (2, 7)
-    assert config.head_dim == 16 and config.rope_scaling is None
+    assert config.architecture == "MistralForCausalLM" and config.eos_token_ids == (2, 7)
+    assert config.head_dim == 16 and config.rope_scaling is None and config.sliding_window is None
 
 
 def test_qwen2_with_disabled_sliding_window_is_accepted(tmp_path):
-    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 128,
+    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 128,
            "use_sliding_window": False, "eos_token_id": 5}
     config = write_config(tmp_path, **raw)
-    assert config.architecture == "qwen2" and config.attention_bias and config.eos_token_ids == (5,)
+    assert config.model_type == "qwen2" and config.attention_bias and config.eos_token_ids == (5,)
+    assert config.sliding_window is None
+
+
+def test_qwen2_slides_from_max_window_layers_on(tmp_path):
+    raw = {**MISTRAL, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "sliding_window": 128,
+           "use_sliding_window": True, "max_window_layers": 1}
+    config = write_config(tmp_path, **raw)
+    assert config.layer_types == ("full_attention", "sliding_attention") and config.sliding_window == 128
 
 
 def test_unknown_rope_scaling_is_refused(tmp_path):

@@ -22,21 +22,25 @@ CHUNKED = [(40, 9), (33, 17), (32, 16), (20, 3)]
 MIXED = [(17, 1), (40, 9), (5, 5), (16, 1), (33, 33), (48, 31)]
 
 
-def dense_causal_attention(query, key, value, scale):
-    """query [q_len, Hq, D] at the last q_len positions of key/value [L, Hkv, D]; SDPA with a mask."""
+def dense_causal_attention(query, key, value, scale, window=None, softcap=None):
+    """query [q_len, Hq, D] at the last q_len positions of key/value [L, Hkv, D]: a band mask (causal, and
+    within `window` when given) and tanh soft-capped scores, written out densely."""
     query_len, context_len = query.shape[0], key.shape[0]
     group_size = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(group_size, dim=1)
-    value = value.repeat_interleave(group_size, dim=1)
+    key = key.repeat_interleave(group_size, dim=1).transpose(0, 1)
+    value = value.repeat_interleave(group_size, dim=1).transpose(0, 1)
     visible = torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len)
-    out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-        attn_mask=visible, scale=scale,
-    )
-    return out.transpose(0, 1)
+    if window is not None:
+        visible &= ~torch.ones(query_len, context_len, dtype=torch.bool).tril(context_len - query_len - window)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query.transpose(0, 1), key, value, attn_mask=visible, scale=scale)
+        return out.transpose(0, 1)
+    scores = torch.tanh(query.transpose(0, 1) @ key.transpose(1, 2) * scale / softcap) * softcap
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (probs @ value).transpose(0, 1)
 
 
-def run_case(cases, group_size, num_padding_tokens=0, dtype=torch.float32, seed=0):
+def run_case(cases, group_size, num_padding_tokens=0, dtype=torch.float32, seed=0, window=None, softcap=None):
     """Cache the old part of each context, write the new part through write_kv_cache, attend."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -68,10 +72,10 @@ def run_case(cases, group_size, num_padding_tokens=0, dtype=torch.float32, seed=
     write_kv_cache(new_keys, new_values, kv_cache, metadata.slot_mapping)
     query = torch.randn(sum(query_lens) + num_padding_tokens, num_q_heads, HEAD_DIM, dtype=dtype)
     scale = HEAD_DIM**-0.5
-    output = paged_attention(query, kv_cache, metadata, scale)
+    output = paged_attention(query, kv_cache, metadata, scale, window, softcap)
     starts = metadata.query_start_loc.tolist()
     expected = [
-        dense_causal_attention(query[starts[i] : starts[i + 1]].float(), k.float(), v.float(), scale)
+        dense_causal_attention(query[starts[i] : starts[i + 1]].float(), k.float(), v.float(), scale, window, softcap)
         for i, (k, v) in enumerate(contexts)
     ]
     return output, torch.cat(expected), kv_cache, tables, seq_lens
@@ -86,6 +90,16 @@ def test_paged_attention_matches_dense_causal_attention(cases, group_size):
     num_real = expected.shape[0]
     assert not torch.isnan(output).any()
     torch.testing.assert_close(output[:num_real], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(1, None), (7, None), (16, None), (17, 5.0), (None, 0.5)])
+def test_sliding_window_and_soft_capping_match_dense_attention(window, softcap):
+    """Windows shorter than, equal to and past a block, across decodes, prefills and chunks."""
+    output, expected, _, _, _ = run_case(MIXED + DECODES, 4, window=window, softcap=softcap)
+    torch.testing.assert_close(output[: expected.shape[0]], expected, atol=1e-5, rtol=1e-5)
+    if window is not None:  # the window changes the answer on these contexts
+        unwindowed, _, _, _, _ = run_case(MIXED + DECODES, 4)
+        assert not torch.allclose(output, unwindowed, atol=1e-3)
 
 
 @pytest.mark.parametrize("group_size", [1, 4])

@@ -77,7 +77,7 @@ def test_gguf_is_found_as_file_or_as_sole_file_of_a_directory(tmp_path):
     (tmp_path / SMOLLM2_FILE).symlink_to(smollm2_dir() / SMOLLM2_FILE)
     from_dir = ModelConfig.from_path(tmp_path)
     assert from_dir == ModelConfig.from_path(tmp_path / SMOLLM2_FILE)
-    assert from_dir.architecture == "llama"
+    assert from_dir.model_type == "llama"
 
 
 @pytest.fixture(scope="module")

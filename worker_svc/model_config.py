@@ -8,32 +8,39 @@ scaling) happens here, once, with a clear message instead of silently wrong toke
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+from worker_svc.models.registry import MODEL_CLASSES
+
+# GGUF `general.architecture` -> the HF architecture whose class reads it.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Everything the native model code needs to build and run a Llama-family model.
+    """What the native model code, the cache sizing and the launcher need of any decoder-only model.
 
-    `architecture` is "llama" (Llama 2/3, Mistral without sliding window, SmolLM2, TinyLlama), "qwen2" or
-    "qwen3" (dense; its per-head q/k norms are the model class's, models/qwen3.py).
+    `architecture` is the HF architectures name the registry serves it with (models/registry.py), e.g.
+    "MistralForCausalLM"; `model_type` is config.json's (the family: "llama", "mistral", "qwen2", ...; a GGUF's
+    `general.architecture`). The fields every family has are parsed here; what only one family has (OPT's
+    `do_layer_norm_before`, Gemma's soft-capping) its model file reads from `hf_config`, the checkpoint's
+    config.json as read (empty for GGUF), so adding an architecture does not touch this file.
     `attention_bias` means q/k/v projections have a bias (Qwen2); for "llama" it also gives o_proj one,
     as in HF's LlamaAttention. `rope_scaling` is None or the llama3 parameters as sorted (key, value)
     pairs (hashable; see `rope_scaling_params`). `eos_token_ids` is a tuple (HF allows int or list).
+    `layer_types` gives each layer's attention ("full_attention" or "sliding_attention", as transformers
+    names them); `sliding_window` is the window of the sliding ones (None when no layer slides): a query
+    at position p sees keys p - sliding_window + 1 .. p.
     """
 
     architecture: str
+    model_type: str
     name: str
     vocab_size: int
     hidden_size: int
@@ -50,6 +57,14 @@ class ModelConfig:
     attention_bias: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The window layer `layer_index` attends through, or None for full attention."""
+        sliding = self.layer_types and self.layer_types[layer_index] == SLIDING_ATTENTION
+        return self.sliding_window if sliding else None
 
     def rope_scaling_params(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
@@ -64,24 +79,24 @@ class ModelConfig:
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         architectures = raw.get("architectures") or []
-        supported = [a for a in architectures if a in HF_ARCHITECTURES]
+        supported = [a for a in architectures if a in MODEL_CLASSES]
         if not supported:
-            raise ValueError(
-                f"unsupported architectures {architectures}; supported: {sorted(HF_ARCHITECTURES)}"
-            )
-        architecture = HF_ARCHITECTURES[supported[0]]
-        refuse_sliding_window(raw)
+            raise ValueError(f"unsupported architectures {architectures}; supported: {sorted(MODEL_CLASSES)}")
+        model_type = raw.get("model_type", "")
         if raw.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         rope_theta, rope_scaling = parse_hf_rope(raw)
         num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
+        layer_types, sliding_window = parse_layer_types(raw, num_layers)
         return cls(
-            architecture=architecture,
+            architecture=supported[0],
+            model_type=model_type,
             name=raw.get("_name_or_path") or Path(path).name,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
+            intermediate_size=raw.get("intermediate_size") or raw.get("ffn_dim"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
@@ -89,10 +104,13 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw["max_position_embeddings"],
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "qwen2" or bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "opt")),
+            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=as_token_ids(raw.get("eos_token_id")),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            hf_config=MappingProxyType(raw),
         )
 
     @classmethod
@@ -107,7 +125,7 @@ class ModelConfig:
 
         arch = field("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {GGUF_ARCHITECTURES}")
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCHITECTURES)}")
         tensor_names = {tensor.name for tensor in reader.tensors}
         scaling_type = field(f"{arch}.rope.scaling.type", "none")
         if scaling_type not in ("none", None) or "rope_freqs.weight" in tensor_names:
@@ -121,13 +139,15 @@ class ModelConfig:
         vocab_size = field(f"{arch}.vocab_size")
         if vocab_size is None:
             vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+        num_layers = field(f"{arch}.block_count")
         return cls(
-            architecture=arch,
+            architecture=GGUF_ARCHITECTURES[arch],
+            model_type=arch,
             name=field("general.name") or Path(path).stem,
             vocab_size=int(vocab_size),
             hidden_size=hidden_size,
             intermediate_size=field(f"{arch}.feed_forward_length"),
-            num_hidden_layers=field(f"{arch}.block_count"),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_key_value_heads=field(f"{arch}.attention.head_count_kv", num_heads),
             head_dim=field(f"{arch}.attention.key_length") or hidden_size // num_heads,
@@ -139,6 +159,7 @@ class ModelConfig:
             attention_bias=arch == "qwen2",
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=as_token_ids(field("tokenizer.ggml.eos_token_id")),
+            layer_types=(FULL_ATTENTION,) * num_layers,
         )
 
 
@@ -159,17 +180,27 @@ def find_gguf_file(path: str | Path) -> Path | None:
     return candidates[0]
 
 
-def refuse_sliding_window(raw: dict) -> None:
-    """Raise when the checkpoint attends through a window shorter than its context (not implemented)."""
+def parse_layer_types(raw: dict, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(each layer's attention type, the sliding window or None), as transformers reads config.json.
+
+    `layer_types` when present (transformers >= 4.54 writes it for Qwen2, Gemma 2/3); else Qwen2's older
+    `use_sliding_window` + `max_window_layers` (layers from that index on slide); else a `sliding_window`
+    (Mistral, Mixtral: every layer slides). A window no shorter than the context slides nothing."""
     window = raw.get("sliding_window")
-    enabled = raw.get("use_sliding_window", True)  # Mistral has no flag; Qwen2 has one
-    if "sliding_attention" in (raw.get("layer_types") or []):
-        enabled, window = True, window or 0
-    if enabled and window is not None and window < raw["max_position_embeddings"]:
-        raise ValueError(
-            f"sliding-window attention (window {window} < max_position_embeddings "
-            f"{raw['max_position_embeddings']}) is not supported"
-        )
+    types = raw.get("layer_types")
+    if types is None:
+        enabled = window is not None and raw.get("use_sliding_window", True)
+        first_sliding = raw.get("max_window_layers") or 0 if "use_sliding_window" in raw else 0
+        types = [SLIDING_ATTENTION if enabled and i >= first_sliding else FULL_ATTENTION for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(f"layer_types {types} is not {num_layers} of {FULL_ATTENTION!r} / {SLIDING_ATTENTION!r}")
+    if SLIDING_ATTENTION not in types:
+        return tuple(types), None
+    if not window or window <= 0:
+        raise ValueError(f"sliding_attention layers need a positive sliding_window (config has {window!r})")
+    if window >= raw["max_position_embeddings"]:  # no context is longer: the window never cuts
+        return (FULL_ATTENTION,) * num_layers, None
+    return tuple(types), int(window)
 
 
 def parse_hf_rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:

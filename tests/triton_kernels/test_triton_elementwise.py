@@ -29,7 +29,7 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 
 def tiny_config(head_dim=64, hidden_size=96, intermediate_size=80) -> ModelConfig:
     return ModelConfig(
-        architecture="llama", name="tiny", vocab_size=32, hidden_size=hidden_size,
+        architecture="LlamaForCausalLM", model_type="llama", name="tiny", vocab_size=32, hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_hidden_layers=1, num_attention_heads=8,
         num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
         rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=True,

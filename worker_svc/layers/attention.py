@@ -25,15 +25,22 @@ class Attention(nn.Module):
     heads alone and its KV cache holds only them; o_proj's all-reduce joins the heads' outputs.
 
     `qk_norm` (Qwen3, Gemma 3): an RMSNorm over each query and key head (weights [head_dim], shared by the
-    heads) before rotary, `q_norm` and `k_norm` as in the checkpoint."""
+    heads) before rotary, `q_norm` and `k_norm` as in the checkpoint.
+
+    Per layer, from the model file: `sliding_window` (this layer attends to the last W positions only),
+    `logit_softcap` (Gemma 2's tanh bound on the scores) and `scale` (default head_dim^-0.5; Gemma's is
+    query_pre_attn_scalar^-0.5). `forward` takes rotary None for models with other positions (OPT)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel,
-                 qk_norm: LayerOps | None = None):
+                 qk_norm: LayerOps | None = None, *, sliding_window: int | None = None,
+                 logit_softcap: float | None = None, scale: float | None = None):
         super().__init__()
         self.num_heads = tp.shard(config.num_attention_heads)[1]
         self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
         self.head_dim = head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.backend = backend
         hidden = config.hidden_size
         self.q_size = self.num_heads * head_dim
@@ -49,7 +56,7 @@ class Attention(nn.Module):
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
@@ -61,7 +68,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             query = self.q_norm(query.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_heads, self.head_dim)
             key = self.k_norm(key.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = rotary(positions, query, key)
+        if rotary is not None:
+            query, key = rotary(positions, query, key)
         self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        output = self.backend.paged_attention(query, kv_cache, metadata, self.scale)
+        output = self.backend.paged_attention(
+            query, kv_cache, metadata, self.scale, self.sliding_window, self.logit_softcap
+        )
         return self.o_proj(output.reshape(num_tokens, self.q_size))

@@ -38,11 +38,14 @@ class DecoderLayer(nn.Module):
     caller's next norm adds them. The first layer gets residual None (the embeddings are the stream)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
-                 qk_norm: bool = False):
+                 qk_norm: bool, layer_index: int):
         super().__init__()
         # HF Llama's and Qwen3's attention_bias also covers o_proj; Qwen2's o_proj never has one.
-        output_bias = config.attention_bias and config.architecture in ("llama", "qwen3")
-        self.self_attn = Attention(config, backend, output_bias, tp, qk_norm=ops if qk_norm else None)
+        output_bias = config.attention_bias and config.model_type in ("llama", "qwen3")
+        self.self_attn = Attention(  # Mistral's layers and Qwen2's upper ones may slide
+            config, backend, output_bias, tp, qk_norm=ops if qk_norm else None,
+            sliding_window=config.layer_sliding_window(layer_index),
+        )
         self.mlp = GatedMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -62,7 +65,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops, tp, qk_norm) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, ops, tp, qk_norm, index) for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config, ops)

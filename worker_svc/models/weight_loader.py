@@ -90,7 +90,7 @@ def iter_gguf_weights(file: Path, config: ModelConfig) -> Iterator[tuple[str, to
         hf_shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(hf_shape)
         weights = torch.from_numpy(weights.copy()).float()
-        if config.architecture == "llama":
+        if config.model_type == "llama":
             if ".attn_q." in tensor.name:
                 weights = unpermute_rotary_rows(weights, config.num_attention_heads)
             elif ".attn_k." in tensor.name:
