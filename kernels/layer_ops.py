@@ -1,4 +1,5 @@
-"""LayerOps: the elementwise operations of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul).
+"""LayerOps: the elementwise operations of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul, and
+Gemma's RMSNorm and GELU-and-mul).
 
 Why a set passed into the model, like the attention backend: on a GPU each of these is one fused Triton
 kernel instead of five to ten torch launches (a decode step of a 28-layer model is otherwise hundreds of
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels import gelu_and_mul_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 # (hidden [T, H], weight [H], eps, residual [T, H] | None) -> (normed, new_residual)
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
@@ -22,6 +23,8 @@ RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # gate_up [T, 2 * I] -> [T, I]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+# (gate_up [T, 2 * I], approximate "tanh" | "none") -> [T, I]
+GeluAndMulFn = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,16 @@ class LayerOps:
     rms_norm: RmsNormFn
     rotary_embedding: RotaryFn
     silu_and_mul: SiluAndMulFn
+    gemma_rms_norm: RmsNormFn  # Gemma's (1 + w) in fp32
+    gelu_and_mul: GeluAndMulFn
 
 
 def torch_layer_ops() -> LayerOps:
     """The references: exact HF math, any device."""
-    return LayerOps("torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul)
+    return LayerOps(
+        "torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul,
+        rmsnorm_ref.gemma_rms_norm, gelu_and_mul_ref.gelu_and_mul,
+    )
 
 
 def triton_layer_ops() -> LayerOps:
@@ -42,5 +50,6 @@ def triton_layer_ops() -> LayerOps:
     from kernels import triton_rmsnorm, triton_rotary, triton_silu_and_mul
 
     return LayerOps(
-        "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul
+        "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul,
+        triton_rmsnorm.gemma_rms_norm, triton_silu_and_mul.gelu_and_mul,
     )

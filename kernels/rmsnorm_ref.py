@@ -30,3 +30,19 @@ def rms_norm(
     variance = normed.pow(2).mean(-1, keepdim=True)
     normed = normed * torch.rsqrt(variance + eps)
     return weight * normed.to(input_dtype), hidden
+
+
+def gemma_rms_norm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm (same contract as `rms_norm`): the weight is stored as an offset from 1 and the
+    product is taken in fp32 before the one rounding, `(normed * (1 + w)).to(dtype)` (Llama rounds the
+    normalized row first): HF's GemmaRMSNorm, also the q/k norm of Gemma 3."""
+    if residual is not None:
+        hidden = hidden + residual
+    normed = hidden.float()
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).type_as(hidden), hidden

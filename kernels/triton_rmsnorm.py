@@ -31,6 +31,7 @@ def _rms_norm_kernel(
     hidden_size,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -44,9 +45,13 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + token * stride_residual_out + cols, hidden, mask=mask)
     hidden = hidden.to(tl.float32)
     variance = tl.sum(hidden * hidden, 0) / hidden_size
-    normed = (hidden * tl.rsqrt(variance + eps)).to(activation_dtype).to(tl.float32)
+    normed = hidden * tl.rsqrt(variance + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(normed_ptr + token * stride_normed + cols, (weight * normed).to(normed_ptr.dtype.element_ty), mask=mask)
+    if UNIT_OFFSET:  # Gemma: (1 + w) times the fp32 row, one rounding
+        normed = normed * (1.0 + weight)
+    else:  # Llama: round the row, then times w
+        normed = weight * normed.to(activation_dtype).to(tl.float32)
+    tl.store(normed_ptr + token * stride_normed + cols, normed.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -55,12 +60,25 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as kernels/rmsnorm_ref.py: (normed, new_residual) of hidden [T, H]."""
+    """Same contract as kernels/rmsnorm_ref.py's `rms_norm`: (normed, new_residual) of hidden [T, H]."""
+    return _launch(hidden, weight, eps, residual, unit_offset=False)
+
+
+def gemma_rms_norm(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as kernels/rmsnorm_ref.py's `gemma_rms_norm` (weight offset from 1, fp32 product)."""
+    return _launch(hidden, weight, eps, residual, unit_offset=True)
+
+
+def _launch(hidden, weight, eps, residual, unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, hidden_size = hidden.shape
     assert hidden.stride(1) == 1 and weight.is_contiguous()
-    normed = torch.empty(
-        (num_tokens, hidden_size), dtype=torch.promote_types(weight.dtype, hidden.dtype), device=hidden.device
-    )
+    out_dtype = hidden.dtype if unit_offset else torch.promote_types(weight.dtype, hidden.dtype)
+    normed = torch.empty((num_tokens, hidden_size), dtype=out_dtype, device=hidden.device)
     if residual is None:
         new_residual = hidden
         residual_in = residual_out = hidden  # unused when HAS_RESIDUAL is False
@@ -76,6 +94,7 @@ def rms_norm(
         hidden.stride(0), residual_in.stride(0), normed.stride(0), residual_out.stride(0),
         hidden_size, eps,
         HAS_RESIDUAL=residual is not None,
+        UNIT_OFFSET=unit_offset,
         BLOCK=block,
         num_warps=min(max(block // 256, 1), 16),
     )

@@ -1,6 +1,8 @@
-"""SiLU(gate) * up in Triton over a fused `[T, 2 * I]` gate_up row; grid (tokens, column tiles).
+"""SiLU(gate) * up (and Gemma's tanh-GELU(gate) * up) in Triton over a fused `[T, 2 * I]` gate_up row; grid
+(tokens, column tiles).
 
-Torch reference: kernels/silu_and_mul_ref.py (`silu_and_mul`), which is llama.py's MLP activation.
+Torch references: kernels/silu_and_mul_ref.py (`silu_and_mul`, llama.py's MLP activation) and
+kernels/gelu_and_mul_ref.py (`gelu_and_mul`, Gemma's; the exact-erf GELU runs the reference).
 
 Rounding follows torch: SiLU is computed in fp32 and rounded to the activation dtype, then the product
 rounds again. Arithmetic is explicit fp32, so no interpreter upcast flag is needed.
@@ -12,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gelu_and_mul_ref
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -20,6 +24,7 @@ def _silu_and_mul_kernel(
     stride_gate_up,
     stride_out,
     intermediate_size,
+    GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -29,12 +34,28 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + intermediate_size + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    if GELU_TANH:  # 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        activated = gate / (1.0 + tl.exp(-2.0 * inner))
+    else:
+        activated = gate / (1.0 + tl.exp(-gate))
+    activated = activated.to(dtype).to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, (activated * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """Same contract as kernels/silu_and_mul_ref.py: [T, 2 * I] -> [T, I]."""
+    return _launch(gate_up, gelu_tanh=False, block=block)
+
+
+def gelu_and_mul(gate_up: torch.Tensor, approximate: str = "tanh", block: int = 1024) -> torch.Tensor:
+    """Same contract as kernels/gelu_and_mul_ref.py; the exact ("none") GELU runs the reference."""
+    if approximate != "tanh":
+        return gelu_and_mul_ref.gelu_and_mul(gate_up, approximate)
+    return _launch(gate_up, gelu_tanh=True, block=block)
+
+
+def _launch(gate_up: torch.Tensor, gelu_tanh: bool, block: int) -> torch.Tensor:
     num_tokens, width = gate_up.shape
     intermediate_size = width // 2
     assert gate_up.stride(1) == 1
@@ -42,6 +63,7 @@ def silu_and_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if num_tokens == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(intermediate_size, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), intermediate_size, BLOCK=block, num_warps=4,
+        gate_up, out, gate_up.stride(0), out.stride(0), intermediate_size,
+        GELU_TANH=gelu_tanh, BLOCK=block, num_warps=4,
     )
     return out

@@ -1,6 +1,7 @@
 """End to end through the real processes (client -> gRPC -> scheduler -> ZeroMQ -> worker -> back): greedy
-output equals transformers' token for token on tiny random Llama, Qwen2 and Qwen3 models, alone, concurrently, and
-under preemption by recompute and by swap."""
+output equals transformers' token for token on tiny random models of each architecture family (Llama, Qwen2,
+Qwen3, Gemma 1/2/3; the Gemma 2/3 ones with an 8-token sliding window, far shorter than the prompts), alone,
+concurrently, from prefix-cache hits with chunked prefill, and under preemption by recompute and by swap."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _prompts(count: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])] for i in range(count)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models"), request.param, seed=3)
 
@@ -57,6 +58,20 @@ def test_greedy_matches_transformers_alone_and_concurrently(tiny_model, tmp_path
         _assert_matches_transformers(tiny_model, prompts[1:], concurrent)
         stats = server.wait_all_blocks_free()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_prefix_cache_hits_and_chunked_prefill_match_transformers(tiny_model, tmp_path):
+    """Prompts sharing a 35-token prefix after one that cached it, in chunks of at most 12 tokens (each chunk
+    crosses the 8-token window of the windowed layers, and the cached prefix is longer than the window)."""
+    rng = random.Random(4)
+    shared = [rng.randrange(512) for _ in range(35)]
+    prompts = [shared + [rng.randrange(512) for _ in range(n)] for n in (4, 11, 1, 19)]
+    with running_server(tmp_path, "--model", str(tiny_model), "--max-num-batched-tokens", "12") as server:
+        first = _generate_all(server, prompts[:1])
+        rest = _generate_all(server, prompts[1:])
+        stats = server.wait_all_blocks_free()
+    _assert_matches_transformers(tiny_model, prompts, first + rest)
+    assert stats.prefix_cache_hit_tokens >= 3 * 32, "the later prompts must reuse the first one's full blocks"
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

@@ -11,6 +11,7 @@ import torch
 from pagedserve.testing.hf_reference import bf16_prefill_errors
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
 from pagedserve.testing.tiny_models import make_tiny_model
+from worker_svc.layers.rotary_embedding import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 
@@ -37,7 +38,11 @@ def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([prompt])).logits[0].float()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
+MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
 def model_pair(request, tmp_path_factory):
     """(arch, our model, our config, HF model) for one tiny random checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -50,12 +55,16 @@ def model_pair(request, tmp_path_factory):
 
 def test_config_reads_tiny_checkpoint(model_pair):
     arch, _, config, hf_model = model_pair
-    assert config.model_type == arch
+    assert config.model_type == MODEL_TYPES.get(arch, arch)
     head_dim = 32 if arch == "qwen3" else 16  # Qwen3's is explicit, not hidden / heads
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, head_dim)
     assert config.attention_bias == (arch == "qwen2")
     assert config.tie_word_embeddings == (arch != "llama")
-    assert config.rope_theta == hf_model.config.rope_parameters["rope_theta"]
+    rope = hf_model.config.rope_parameters
+    assert config.rope_theta == rope.get("full_attention", rope)["rope_theta"]
+    windowed = arch in ("gemma2", "gemma3")
+    assert list(config.layer_types) == hf_model.config.layer_types if windowed else config.sliding_window is None
+    assert config.sliding_window == (8 if windowed else None)
 
 
 def test_batched_paged_prefill_logits_match_hf(model_pair):
@@ -99,7 +108,8 @@ def test_load_model_in_bf16_keeps_rotary_cache_fp32_and_stays_close(model_pair, 
     path = make_tiny_model(tmp_path, arch=arch, seed=0)
     bf16_model, _ = load_model(path, torch.bfloat16, "cpu")
     assert bf16_model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
-    assert bf16_model.model.rotary_emb.cos_sin_cache.dtype == torch.float32
+    rotaries = [module for module in bf16_model.modules() if isinstance(module, RotaryEmbedding)]
+    assert rotaries and all(rotary.cos_sin_cache.dtype == torch.float32 for rotary in rotaries)
     prompts = make_prompts(config.vocab_size, [17])
     ours_fp32 = prefill_logits_paged(model, config, prompts)[0]
     ours_bf16 = prefill_logits_paged(bf16_model, config, prompts, kv_cache_dtype=torch.bfloat16)[0]

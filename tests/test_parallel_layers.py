@@ -98,11 +98,13 @@ def _check_model(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -
             == greedy_generate_paged(whole, config, prompts, 8, prefill_chunk=5))
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1)])
+@pytest.mark.parametrize(
+    "arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1), ("gemma2", 2), ("gemma3", 1)]
+)
 def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, kv_heads):
     """Llama with one KV head (replicated on both ranks) and two (split), Qwen2 with its qkv bias and tied
-    embeddings, Qwen3 with its q/k norms; vocab 512 split by rows; prefill and chunked greedy decode through
-    the paged cache."""
+    embeddings, Qwen3 with its q/k norms, Gemma 2 (soft-caps, windows) and 3 (q/k norms, rope per layer type);
+    vocab 512 split by rows; prefill and chunked greedy decode through the paged cache."""
     model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
     prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 5, 480, 2, 61, 99, 100, 3, 4, 8]]
     run_ranks(_check_model, str(model_dir), prompts)

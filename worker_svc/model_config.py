@@ -207,6 +207,8 @@ def parse_hf_rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]
     """(rope_theta, llama3 scaling or None) from either `rope_parameters` (transformers >= 5) or the
     older `rope_theta` + `rope_scaling` keys."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if FULL_ATTENTION in params:  # keyed by layer type (Gemma 3): the model file reads each; here the global one
+        params = dict(params[FULL_ATTENTION])
     rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":

@@ -33,16 +33,22 @@ def _load(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype = tor
     return model.eval()
 
 
-def rounded_probs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def rounded_probs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                            sliding_window=None, softcap=None, **kwargs):
     """A transformers attention function (query [B, Hq, S, D], key/value [B, Hkv, L, D]; causal, no
     padding) with flash attention's rounding: scores and softmax in fp32, the unnormalized
-    probabilities rounded to the activation dtype for P @ V, the fp32 row sum dividing the result."""
+    probabilities rounded to the activation dtype for P @ V, the fp32 row sum dividing the result.
+    `sliding_window` and `softcap` (tanh of the scaled scores) as flash attention takes them."""
     groups = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(groups, dim=1)
     value = value.float().repeat_interleave(groups, dim=1)
     scores = torch.matmul(query.float(), key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_len, key_len = scores.shape[-2:]
     visible = torch.ones(query_len, key_len, dtype=torch.bool, device=scores.device).tril(key_len - query_len)
+    if sliding_window is not None:
+        visible &= ~torch.ones_like(visible).tril(key_len - query_len - sliding_window)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
     output = torch.matmul(probs.to(query.dtype).float(), value) / probs.sum(-1, keepdim=True)

@@ -31,24 +31,48 @@ ARCH_DEFAULTS = {
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False),
     # head_dim 32, not hidden / heads (16): Qwen3's is explicit.
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False, head_dim=32),
+    # Gemma: explicit head_dim (its default is 256), tied; 2 and 3 alternate windowed (8 tokens, shorter than
+    # the tests' prompts) and global layers, scale by query_pre_attn_scalar (not head_dim); 2 soft-caps at
+    # values the random scores reach (greedy output changes without the attention cap); 3 gives each layer
+    # type its own rope base. Smaller initializers: sqrt(hidden)-scaled embeddings at 0.2 saturate the
+    # caps and the output repeats one token.
+    "gemma": dict(head_dim=16, hidden_act="gelu_pytorch_tanh"),
+    "gemma2": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        initializer_range=0.05,
+    ),
+    "gemma3": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=8, initializer_range=0.1,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    ),
+}
+
+
+CONFIG_CLASSES = {
+    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+    "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig",
 }
 
 
 def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
-    """Save a random tiny HF model (`arch` "llama", "qwen2" or "qwen3") under `tmp_dir`; return its directory.
+    """Save a random tiny HF model (`arch` a key of CONFIG_CLASSES) under `tmp_dir`; return its directory.
 
     Defaults: vocab 512, hidden 64, 3 layers, 4 heads / 2 KV heads (GQA), head_dim 16, max positions
     512, initializer_range 0.2, bos 1 and no EOS (so generation always runs to its token limit; pass
     `eos_token_id=...` to have one). Llama: untied lm_head. Qwen2: q/k/v bias, tied embeddings,
-    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
+    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Gemma 1/2/3: see ARCH_DEFAULTS. `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
     except `max_shard_size` (e.g. "100KB"), which is passed to `save_pretrained` to get sharded files.
     Weights are a pure function of (arch, seed, overrides); the directory name is too, so calls with
     different arguments can share one `tmp_dir`.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     max_shard_size = overrides.pop("max_shard_size", None)
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_class = getattr(transformers, CONFIG_CLASSES[arch])
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **overrides}
     digest = hashlib.sha1(
         json.dumps([kwargs, max_shard_size], sort_keys=True, default=str).encode()

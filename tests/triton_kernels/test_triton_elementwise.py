@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels import gelu_and_mul_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 from kernels.layer_ops import torch_layer_ops
-from kernels.triton_rmsnorm import rms_norm
+from kernels.triton_rmsnorm import gemma_rms_norm, rms_norm
 from kernels.triton_rotary import rotary_embedding
-from kernels.triton_silu_and_mul import silu_and_mul
+from kernels.triton_silu_and_mul import gelu_and_mul, silu_and_mul
 from worker_svc.layers.gated_mlp import GatedMLP
 from worker_svc.layers.rms_norm import RMSNorm
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
@@ -135,3 +135,39 @@ def test_silu_and_mul_over_several_column_tiles(dtype):
     torch.manual_seed(0)
     gate_up = torch.randn(4, 2 * 300, dtype=dtype) * 4
     assert_close(silu_and_mul(gate_up, block=128), silu_and_mul_ref.silu_and_mul(gate_up))
+
+
+@DTYPES
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_multiplies_one_plus_weight_before_rounding(dtype, with_residual):
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 96, dtype=dtype) * 3
+    residual = torch.randn(6, 96, dtype=dtype) if with_residual else None
+    weight = torch.randn(96, dtype=dtype) * 0.3
+    normed, new_residual = gemma_rms_norm(hidden, weight, 1e-6, residual=residual)
+    expected, expected_residual = rmsnorm_ref.gemma_rms_norm(hidden, weight, 1e-6, residual=residual)
+    assert_close(normed, expected)
+    assert_close(new_residual, expected_residual)
+    assert not torch.allclose(normed.float(), rmsnorm_ref.rms_norm(hidden, weight, 1e-6, residual)[0].float())
+
+
+def test_gemma_rms_norm_reference_is_transformers_norm():
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    torch.manual_seed(0)
+    hf_norm = GemmaRMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf_norm.weight.normal_(0, 0.3)
+    hidden = torch.randn(5, 96, dtype=torch.bfloat16) * 2
+    with torch.no_grad():
+        assert torch.equal(rmsnorm_ref.gemma_rms_norm(hidden, hf_norm.weight, 1e-6)[0], hf_norm(hidden))
+
+
+@DTYPES
+def test_tanh_gelu_and_mul_over_several_column_tiles(dtype):
+    torch.manual_seed(0)
+    gate_up = torch.randn(4, 2 * 300, dtype=dtype) * 4
+    assert_close(gelu_and_mul(gate_up, "tanh", block=128), gelu_and_mul_ref.gelu_and_mul(gate_up, "tanh"))
+    exact = gelu_and_mul_ref.gelu_and_mul(gate_up, "none")
+    assert_close(gelu_and_mul(gate_up, "none"), exact)
+    assert not torch.equal(exact, gelu_and_mul_ref.gelu_and_mul(gate_up, "tanh"))

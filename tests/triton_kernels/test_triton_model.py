@@ -74,4 +74,25 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
 
         return counted
 
-    return dataclasses.replace(ops, **{name: wrap(name) for name in ("rms_norm", "rotary_embedding", "silu_and_mul")})
+    names = ("rms_norm", "rotary_embedding", "silu_and_mul", "gemma_rms_norm", "gelu_and_mul")
+    return dataclasses.replace(ops, **{name: wrap(name) for name in names})
+
+
+def test_triton_kernel_set_gemma_matches_transformers(tmp_path):
+    """Gemma's (1 + w) norms and tanh GeGLU through the Triton set: prefill logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path, arch="gemma", seed=0, num_hidden_layers=2)
+    calls: Counter[str] = Counter()
+    model, config = load_model(path, torch.float32, "cpu", attention_backend=TritonAttentionBackend(),
+                               layer_ops=counting(triton_layer_ops(), calls))
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = torch.randint(3, config.vocab_size, (21,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits_paged(model, config, [prompt])[0], expected, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert greedy_generate_paged(model, config, [prompt], max_new_tokens=5)[0] == out[0, len(prompt):].tolist()
+    forwards = 1 + 5
+    assert calls == {"gemma_rms_norm": 5 * forwards, "rotary_embedding": 2 * forwards, "gelu_and_mul": 2 * forwards}

@@ -25,7 +25,7 @@ class Attention(nn.Module):
     heads alone and its KV cache holds only them; o_proj's all-reduce joins the heads' outputs.
 
     `qk_norm` (Qwen3, Gemma 3): an RMSNorm over each query and key head (weights [head_dim], shared by the
-    heads) before rotary, `q_norm` and `k_norm` as in the checkpoint.
+    heads) before rotary, `q_norm` and `k_norm` as in the checkpoint; Gemma's kind with `qk_norm_unit_offset`.
 
     Per layer, from the model file: `sliding_window` (this layer attends to the last W positions only),
     `logit_softcap` (Gemma 2's tanh bound on the scores) and `scale` (default head_dim^-0.5; Gemma's is
@@ -33,7 +33,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel,
                  qk_norm: LayerOps | None = None, *, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, scale: float | None = None):
+                 logit_softcap: float | None = None, scale: float | None = None, qk_norm_unit_offset: bool = False):
         super().__init__()
         self.num_heads = tp.shard(config.num_attention_heads)[1]
         self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
@@ -49,8 +49,9 @@ class Attention(nn.Module):
         kv_shard = (tp.kv_head_start(config.num_key_value_heads) * head_dim, self.kv_size)
         self.qkv_proj = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, output_bias, tp)
-        self.q_norm = None if qk_norm is None else RMSNorm(head_dim, config.rms_norm_eps, qk_norm)
-        self.k_norm = None if qk_norm is None else RMSNorm(head_dim, config.rms_norm_eps, qk_norm)
+        eps, offset = config.rms_norm_eps, qk_norm_unit_offset
+        self.q_norm = None if qk_norm is None else RMSNorm(head_dim, eps, qk_norm, offset)
+        self.k_norm = None if qk_norm is None else RMSNorm(head_dim, eps, qk_norm, offset)
 
     def forward(
         self,

@@ -83,6 +83,9 @@ class LlamaForCausalLM(nn.Module):
 
     # Per-head RMSNorm of queries and keys before rotary (a subclass's family, e.g. Qwen3; qwen3.py).
     qk_norm = False
+    # The decoder stack (a subclass's family may arrange its layers otherwise, e.g. gemma.py); built from
+    # (config, backend, ops, tp, qk_norm), it has embed_tokens, layers, norm and rotary_emb.
+    model_class = LlamaModel
 
     def __init__(
         self,
@@ -95,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
         ops = layer_ops if layer_ops is not None else torch_layer_ops()
-        self.model = LlamaModel(config, backend, ops, tensor_parallel, self.qk_norm)
+        self.model = self.model_class(config, backend, ops, tensor_parallel, self.qk_norm)
         # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.
         self.lm_head = (
             None

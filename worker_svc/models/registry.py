@@ -29,6 +29,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
 }
 
 
