@@ -72,7 +72,10 @@ def test_batched_paged_prefill_logits_match_hf(model_pair):
     prompts = make_prompts(config.vocab_size, PROMPT_LENS)
     ours = prefill_logits_paged(model, config, prompts, block_size=16, seed=3)
     for prompt, logits in zip(prompts, ours):
-        torch.testing.assert_close(logits, hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
+        expected = hf_logits(hf_model, prompt)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+        # Prompt logprobs are these rows' log-softmax: within 1e-4 of transformers' too.
+        torch.testing.assert_close(logits.log_softmax(-1), expected.log_softmax(-1), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("prefill_chunk", [None, 7], ids=["whole_prefill", "chunked_prefill"])
