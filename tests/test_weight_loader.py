@@ -13,7 +13,14 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 from worker_svc.models.registry import build_model
-from worker_svc.models.weight_loader import iter_checkpoint, iter_weights, safetensors_files, unpermute_rotary_rows
+from worker_svc.models.weight_loader import (
+    GGUF_GLOBAL_NAMES,
+    GGUF_LAYER_NAMES,
+    iter_checkpoint,
+    iter_weights,
+    safetensors_files,
+    unpermute_rotary_rows,
+)
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -131,3 +138,68 @@ def test_gguf_model_logits_match_transformers(smollm2):
     scale = expected.abs().max()
     torch.testing.assert_close(ours / scale, expected / scale, atol=1e-3, rtol=0)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+def write_qwen3_gguf(model_dir: Path, path: Path) -> None:
+    """A float32 GGUF of a tiny HF Qwen3 written as llama.cpp's converter names and describes it (no tokenizer:
+    the worker reads none; q/k are not permuted for Qwen's rotary)."""
+    import gguf
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_dir)
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_key_length(hf.head_dim)
+    writer.add_value_length(hf.head_dim)
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_rope_freq_base(hf.rope_parameters["rope_theta"])
+    writer.add_vocab_size(hf.vocab_size)
+    writer.add_bos_token_id(1)
+    names = {v: k for k, v in {**GGUF_LAYER_NAMES, **GGUF_GLOBAL_NAMES}.items()}
+    for name, tensor in hf_state_dict(model_dir).items():
+        if name == "lm_head.weight":
+            continue  # tied: llama.cpp writes no output tensor
+        stem, _, kind = name.rpartition(".")
+        layer = stem.split(".")[2] if stem.startswith("model.layers.") else None
+        key = stem.split(".", 3)[3] if layer is not None else stem
+        gguf_name = f"blk.{layer}.{names[key]}.{kind}" if layer is not None else f"{names[key]}.{kind}"
+        writer.add_tensor(gguf_name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3_gguf_loads_as_its_safetensors_do(tmp_path):
+    model_dir = make_tiny_model(tmp_path, "qwen3", seed=4)
+    gguf_path = tmp_path / "tiny-qwen3.gguf"
+    write_qwen3_gguf(model_dir, gguf_path)
+    config = ModelConfig.from_path(gguf_path)
+    assert (config.architecture, config.model_type, config.head_dim) == ("Qwen3ForCausalLM", "qwen3", 32)
+    assert config.tie_word_embeddings and not config.attention_bias
+    from_gguf, _ = load_model(gguf_path, torch.float32, "cpu")
+    from_safetensors, safetensors_config = load_model(model_dir, torch.float32, "cpu")
+    prompt = [[1, 17, 300, 42, 9, 255, 7, 88, 19, 400]]
+    torch.testing.assert_close(
+        prefill_logits_paged(from_gguf, config, prompt)[0],
+        prefill_logits_paged(from_safetensors, safetensors_config, prompt)[0], atol=1e-5, rtol=1e-5,
+    )
+
+
+def test_gguf_of_an_architecture_we_do_not_read_is_refused_naming_it(tmp_path):
+    import gguf
+
+    path = tmp_path / "gemma.gguf"
+    writer = gguf.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gemma2'.*qwen3"):
+        ModelConfig.from_path(path)

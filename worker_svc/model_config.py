@@ -17,7 +17,7 @@ from typing import Any
 from worker_svc.models.registry import MODEL_CLASSES
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
