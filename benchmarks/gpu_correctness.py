@@ -14,7 +14,7 @@ tell a faithful implementation from a wrong one there. With the same widths, hea
 kernels at 4 layers, transformers' own error is well under it, and the bound tests our kernels. The report
 gives both floors beside our error.
 
-    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b] [--num-layers 4]
+    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b] [--num-layers 4] [--override sliding_window=64]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def greedy_with_ties(hf, prompt: list[int], nudge: bool = False) -> tuple[list[i
     """transformers' greedy tokens for `prompt` (with the first token's embedding nudged one bf16 ulp, as in
     `nudged_logits`, when asked), and the first position whose top-2 logits lie within 1e-2."""
     ids = torch.tensor([prompt], device="cuda")
-    handle = hf.model.embed_tokens.register_forward_hook(_nudge_prompt) if nudge else None
+    handle = hf.get_input_embeddings().register_forward_hook(_nudge_prompt) if nudge else None
     try:
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
@@ -100,7 +100,7 @@ def nudged_logits(hf, input_ids: torch.Tensor) -> torch.Tensor:
     one-ulp difference to bf16's whole error (0.029 on the CPU for a 28-layer Qwen2.5-1.5B shape, as
     far as bf16 from fp32), so an implementation that differs from transformers in a single rounding
     can come no closer than this."""
-    handle = hf.model.embed_tokens.register_forward_hook(_nudge_prompt)
+    handle = hf.get_input_embeddings().register_forward_hook(_nudge_prompt)
     try:
         return hf(input_ids).logits[0].float()
     finally:
@@ -111,13 +111,19 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--num-layers", type=int, default=None, help="default: the shape's")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
+                        help="a config key of the shape to change, e.g. sliding_window=64 (so the prompts, up to 300 "
+                             "tokens, cross the window)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(os.environ.get("OUT", "."))
     work = Path(tempfile.mkdtemp())
     model_dir = work / args.shape
-    reference_config = hf_config(args.shape, **({"num_hidden_layers": args.num_layers} if args.num_layers else {}))
+    overrides = {key: json.loads(value) for key, _, value in (item.partition("=") for item in args.override)}
+    if args.num_layers:
+        overrides["num_hidden_layers"] = args.num_layers
+    reference_config = hf_config(args.shape, **overrides)
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(reference_config, dtype=torch.bfloat16).eval()
@@ -173,7 +179,9 @@ def main() -> int:
         "hf_one_bit_changed_first_divergence": [_first_difference(n, e) for n, e in zip(nudged, expected)],
         "hf_one_bit_changed_greedy_agree": nudged_agree,
     }
-    name = f"gpu_correctness_{args.shape}_{config.num_hidden_layers}l.json"
+    summary["overrides"] = overrides
+    suffix = "".join(f"_{key}{value}" for key, value in overrides.items() if key != "num_hidden_layers")
+    name = f"gpu_correctness_{args.shape}_{config.num_hidden_layers}l{suffix}.json"
     (out_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     return 0 if summary["prefill_ok"] and summary["greedy_ok"] else 1
