@@ -1,6 +1,6 @@
 """End to end through the real processes (client -> gRPC -> scheduler -> ZeroMQ -> worker -> back): greedy
 output equals transformers' token for token on tiny random models of each architecture family (Llama, Qwen2,
-Qwen3, Gemma 1/2/3; the Gemma 2/3 ones with an 8-token sliding window, far shorter than the prompts), alone,
+Qwen3, Gemma 1/2/3, OPT; the Gemma 2/3 ones with an 8-token sliding window, far shorter than the prompts), alone,
 concurrently, from prefix-cache hits with chunked prefill, and under preemption by recompute and by swap."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _prompts(count: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])] for i in range(count)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "opt"])
 def tiny_model(request, tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models"), request.param, seed=3)
 

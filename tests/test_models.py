@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.testing.hf_reference import bf16_prefill_errors
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
-from pagedserve.testing.tiny_models import make_tiny_model
+from pagedserve.testing.tiny_models import OPT_350M_OVERRIDES, make_tiny_model
 from worker_svc.layers.rotary_embedding import RotaryEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
@@ -40,14 +40,22 @@ def hf_logits(hf_model, prompt: list[int]) -> torch.Tensor:
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3"]
 MODEL_TYPES = {"gemma3": "gemma3_text"}
+# OPT's variants: pre-norm (125m) and post-norm with projections in and out (350m).
+OPT_VARIANTS = {"opt": {}, "opt-350m": OPT_350M_OVERRIDES}
 
 
-@pytest.fixture(scope="module", params=ARCHITECTURES)
+def tiny_checkpoint(directory, name: str, **overrides):
+    if name in OPT_VARIANTS:
+        return make_tiny_model(directory, "opt", seed=0, **OPT_VARIANTS[name], **overrides)
+    return make_tiny_model(directory, arch=name, seed=0, **overrides)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES + list(OPT_VARIANTS))
 def model_pair(request, tmp_path_factory):
     """(arch, our model, our config, HF model) for one tiny random checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param, seed=0)
+    path = tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     model, config = load_model(path, torch.float32, "cpu")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, model, config, hf_model
@@ -55,6 +63,10 @@ def model_pair(request, tmp_path_factory):
 
 def test_config_reads_tiny_checkpoint(model_pair):
     arch, _, config, hf_model = model_pair
+    if arch in OPT_VARIANTS:
+        assert (config.model_type, config.num_key_value_heads, config.head_dim) == ("opt", 4, 16)
+        assert config.intermediate_size == 128 and config.tie_word_embeddings and config.rope_scaling is None
+        return
     assert config.model_type == MODEL_TYPES.get(arch, arch)
     head_dim = 32 if arch == "qwen3" else 16  # Qwen3's is explicit, not hidden / heads
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, head_dim)
@@ -108,11 +120,12 @@ def test_llama3_rope_scaling_matches_hf(tmp_path):
 
 def test_load_model_in_bf16_keeps_rotary_cache_fp32_and_stays_close(model_pair, tmp_path):
     arch, model, config, _ = model_pair
-    path = make_tiny_model(tmp_path, arch=arch, seed=0)
+    path = tiny_checkpoint(tmp_path, arch)
     bf16_model, _ = load_model(path, torch.bfloat16, "cpu")
-    assert bf16_model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    assert all(parameter.dtype == torch.bfloat16 for parameter in bf16_model.parameters())
     rotaries = [module for module in bf16_model.modules() if isinstance(module, RotaryEmbedding)]
-    assert rotaries and all(rotary.cos_sin_cache.dtype == torch.float32 for rotary in rotaries)
+    assert all(rotary.cos_sin_cache.dtype == torch.float32 for rotary in rotaries)
+    assert rotaries or arch in OPT_VARIANTS  # OPT's positions are learned
     prompts = make_prompts(config.vocab_size, [17])
     ours_fp32 = prefill_logits_paged(model, config, prompts)[0]
     ours_bf16 = prefill_logits_paged(bf16_model, config, prompts, kv_cache_dtype=torch.bfloat16)[0]
@@ -126,7 +139,7 @@ def test_bf16_prefill_logits_round_where_transformers_rounds(model_pair, tmp_pat
     bf16-vs-fp32 errors of 0.017-0.037; with attention probabilities kept in fp32 it was 0.012-0.017
     (0.43-0.76 of bf16's error)."""
     arch, _, config, _ = model_pair
-    path = make_tiny_model(tmp_path, arch=arch, seed=0)
+    path = tiny_checkpoint(tmp_path, arch)
     bf16_model, _ = load_model(path, torch.bfloat16, "cpu")
     prompts = make_prompts(config.vocab_size, [*PROMPT_LENS, 70])
     ours = prefill_logits_paged(bf16_model, config, prompts, kv_cache_dtype=torch.bfloat16)

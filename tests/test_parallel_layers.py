@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedserve.free_port import free_port
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
-from pagedserve.testing.tiny_models import make_tiny_model
+from pagedserve.testing.tiny_models import OPT_350M_OVERRIDES, make_tiny_model
 from worker_svc.layers.checkpoint_tensor import CheckpointTensor
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -99,13 +99,18 @@ def _check_model(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -
 
 
 @pytest.mark.parametrize(
-    "arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1), ("gemma2", 2), ("gemma3", 1)]
+    "arch,kv_heads",
+    [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1), ("gemma2", 2), ("gemma3", 1), ("opt", None)],
 )
 def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, kv_heads):
     """Llama with one KV head (replicated on both ranks) and two (split), Qwen2 with its qkv bias and tied
     embeddings, Qwen3 with its q/k norms, Gemma 2 (soft-caps, windows) and 3 (q/k norms, rope per layer type);
+    OPT (no GQA: its 4 heads split; biases, learned positions and LayerNorms replicated, 350m's projections);
     vocab 512 split by rows; prefill and chunked greedy decode through the paged cache."""
-    model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
+    if arch == "opt":
+        model_dir = make_tiny_model(tmp_path, "opt", **OPT_350M_OVERRIDES)
+    else:
+        model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
     prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 5, 480, 2, 61, 99, 100, 3, 4, 8]]
     run_ranks(_check_model, str(model_dir), prompts)
 

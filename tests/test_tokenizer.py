@@ -15,6 +15,7 @@ import gguf
 import jinja2
 import pytest
 
+from pagedserve.testing.tiny_tokenizers import write_opt_tokenizer
 from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
 from service_runtime.model_source import resolve_model
 
@@ -175,6 +176,25 @@ def test_directory_without_tokenizer_json(tmp_path):
     assert read_eos_token_ids(str(tmp_path)) == (7,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 6]}))
     assert read_eos_token_ids(str(tmp_path)) == (5, 6)
+
+
+@pytest.mark.parametrize("add_bos_token", [True, False], ids=["opt", "gpt2"])
+def test_vocab_and_merges_directory_matches_transformers(tmp_path, add_bos_token):
+    """OPT's files (vocab.json + merges.txt, GPT2Tokenizer, add_bos_token with "</s>" as BOS) and GPT-2's (no
+    BOS): ids with and without special tokens, and text, equal transformers'."""
+    directory = write_opt_tokenizer(tmp_path)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": add_bos_token}))
+    ours = load_tokenizer(str(directory))
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    for text in [*TEXTS, "</s> is special, <pad> too", ""]:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == reference.encode(text, add_special_tokens=special)
+        ids = reference.encode(text)
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids)
+    assert ours.encode("Hi")[:1] == ([2] if add_bos_token else ours.encode("Hi", add_special_tokens=False)[:1])
+    assert ours.eos_token_ids == (2,)
 
 
 # ---- sentencepiece-style ("llama") GGUF ----

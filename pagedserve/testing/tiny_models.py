@@ -49,11 +49,18 @@ ARCH_DEFAULTS = {
                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
     ),
 }
+# OPT names its sizes otherwise and has no GQA: its own base (a 3-layer pre-norm opt-125m in miniature, with
+# OPT's special token ids); OPT_350M_OVERRIDES give 350m's post-norm layers and projections in and out.
+OPT_350M_OVERRIDES = dict(do_layer_norm_before=False, word_embed_proj_dim=32, init_std=0.1)
+OPT_CONFIG = dict(
+    vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+    max_position_embeddings=512, init_std=0.2, bos_token_id=2, eos_token_id=None, pad_token_id=1,
+)
 
 
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
-    "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig",
+    "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "opt": "OPTConfig",
 }
 
 
@@ -73,7 +80,8 @@ def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
 
     max_shard_size = overrides.pop("max_shard_size", None)
     config_class = getattr(transformers, CONFIG_CLASSES[arch])
-    kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **overrides}
+    base = OPT_CONFIG if arch == "opt" else {**BASE_CONFIG, **ARCH_DEFAULTS[arch]}
+    kwargs = {**base, **overrides}
     digest = hashlib.sha1(
         json.dumps([kwargs, max_shard_size], sort_keys=True, default=str).encode()
     ).hexdigest()[:10]

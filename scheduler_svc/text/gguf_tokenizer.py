@@ -19,11 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import gguf
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
 from scheduler_svc.text.tokenizer import TokenizerSpec
+from scheduler_svc.text.vocab_merges_tokenizer import bos_eos_post_processor
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -101,7 +102,7 @@ def load_gguf_tokenizer(path: str) -> tuple[BackendTokenizer, TokenizerSpec]:
     # Older sentencepiece files carry no flag, and llama.cpp adds BOS unless told otherwise (so does transformers).
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", tokenizer_type == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-    backend.post_processor = _bos_eos_post_processor(
+    backend.post_processor = bos_eos_post_processor(
         _token_and_id(metadata, "bos_token_id") if add_bos else None,
         _token_and_id(metadata, "eos_token_id") if add_eos else None,
     )
@@ -216,13 +217,6 @@ def _add_typed_tokens(backend: BackendTokenizer, tokens: list[str], token_types:
 def _token_and_id(metadata: dict[str, Any], key: str) -> tuple[str, int] | None:
     token_id = metadata.get(f"tokenizer.ggml.{key}")
     return None if token_id is None else (metadata["tokenizer.ggml.tokens"][token_id], token_id)
-
-
-def _bos_eos_post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> processors.PostProcessor:
-    """Add BOS / EOS (token, id) around a sequence, as the file's add_bos_token / add_eos_token flags say."""
-    single = " ".join(([f"{bos[0]}:0"] if bos else []) + ["$A:0"] + ([f"{eos[0]}:0"] if eos else []))
-    pair = " ".join([single] + ([f"{bos[0]}:1"] if bos else []) + ["$B:1"] + ([f"{eos[0]}:1"] if eos else []))
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
 
 
 def _bytes_to_unicode() -> dict[int, str]:

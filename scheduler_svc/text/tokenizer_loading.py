@@ -1,5 +1,6 @@
-"""A model's `Tokenizer` from its files: a Hugging Face directory (tokenizer.json and its configs) or a GGUF file
-(`gguf_tokenizer.py`), and the stop ids of a directory that has no tokenizer.
+"""A model's `Tokenizer` from its files: a Hugging Face directory (tokenizer.json and its configs, or vocab.json +
+merges.txt: `vocab_merges_tokenizer.py`) or a GGUF file (`gguf_tokenizer.py`), and the stop ids of a directory
+that has no tokenizer.
 
 Why apart from tokenizer.py: the loaders depend on the Tokenizer and its `TokenizerSpec`, never the other way,
 so the GGUF conversion and the directory reader import tokenizer.py and nothing imports them back.
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from scheduler_svc.text.gguf_tokenizer import load_gguf_tokenizer
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer, TokenizerSpec
+from scheduler_svc.text.vocab_merges_tokenizer import has_vocab_and_merges, vocab_merges_backend
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -38,14 +40,18 @@ def read_eos_token_ids(model_path: str) -> tuple[int, ...]:
 
 
 def _load_directory_tokenizer(directory: str) -> Tokenizer | None:
+    """tokenizer.json if there is one, else vocab.json + merges.txt (OPT, GPT-2), else None."""
     tokenizer_file = os.path.join(directory, "tokenizer.json")
-    if not os.path.isfile(tokenizer_file):
+    if not os.path.isfile(tokenizer_file) and not has_vocab_and_merges(directory):
         return None
-    backend = BackendTokenizer.from_file(tokenizer_file)
     config = _read_json(os.path.join(directory, "tokenizer_config.json"))
     # Older repos keep the special tokens in special_tokens_map.json; tokenizer_config.json wins where both say.
     token_map = {**_read_json(os.path.join(directory, "special_tokens_map.json")), **config}
     special_tokens = {name: _token_content(token_map[name]) for name in NAMED_SPECIAL_TOKENS if token_map.get(name)}
+    if os.path.isfile(tokenizer_file):
+        backend = BackendTokenizer.from_file(tokenizer_file)
+    else:
+        backend = vocab_merges_backend(directory, config, special_tokens)
     extra = token_map.get("extra_special_tokens") or token_map.get("additional_special_tokens") or ()
     if isinstance(extra, dict):  # transformers 5 may store {name: token}
         extra = list(extra.values())

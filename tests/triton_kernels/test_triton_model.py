@@ -78,11 +78,20 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
     return dataclasses.replace(ops, **{name: wrap(name) for name in names})
 
 
-def test_triton_kernel_set_gemma_matches_transformers(tmp_path):
-    """Gemma's (1 + w) norms and tanh GeGLU through the Triton set: prefill logits and greedy tokens."""
+# Layer-op calls per forward of a 2-layer model: Gemma's (1 + w) norms and tanh GeGLU; OPT's LayerNorm and
+# ReLU are torch's, its positions learned (no layer op at all: only the Triton attention runs).
+FAMILY_CALLS = {
+    "gemma": {"gemma_rms_norm": 5, "rotary_embedding": 2, "gelu_and_mul": 2},
+    "opt": {},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILY_CALLS))
+def test_triton_kernel_set_other_families_match_transformers(arch, tmp_path):
+    """Prefill logits and greedy tokens of Gemma and OPT (biased q/k/v, no rotary) on the Triton set."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path, arch="gemma", seed=0, num_hidden_layers=2)
+    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2)
     calls: Counter[str] = Counter()
     model, config = load_model(path, torch.float32, "cpu", attention_backend=TritonAttentionBackend(),
                                layer_ops=counting(triton_layer_ops(), calls))
@@ -95,4 +104,4 @@ def test_triton_kernel_set_gemma_matches_transformers(tmp_path):
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert greedy_generate_paged(model, config, [prompt], max_new_tokens=5)[0] == out[0, len(prompt):].tolist()
     forwards = 1 + 5
-    assert calls == {"gemma_rms_norm": 5 * forwards, "rotary_embedding": 2 * forwards, "gelu_and_mul": 2 * forwards}
+    assert calls == {name: count * forwards for name, count in FAMILY_CALLS[arch].items()}

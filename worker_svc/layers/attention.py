@@ -29,11 +29,13 @@ class Attention(nn.Module):
 
     Per layer, from the model file: `sliding_window` (this layer attends to the last W positions only),
     `logit_softcap` (Gemma 2's tanh bound on the scores) and `scale` (default head_dim^-0.5; Gemma's is
-    query_pre_attn_scalar^-0.5). `forward` takes rotary None for models with other positions (OPT)."""
+    query_pre_attn_scalar^-0.5), `qkv_bias` (default: the config's attention_bias; OPT's enable_bias). `forward`
+    takes rotary None for models with other positions (OPT)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel,
                  qk_norm: LayerOps | None = None, *, sliding_window: int | None = None,
-                 logit_softcap: float | None = None, scale: float | None = None, qk_norm_unit_offset: bool = False):
+                 logit_softcap: float | None = None, scale: float | None = None, qk_norm_unit_offset: bool = False,
+                 qkv_bias: bool | None = None):
         super().__init__()
         self.num_heads = tp.shard(config.num_attention_heads)[1]
         self.num_kv_heads = tp.kv_heads(config.num_key_value_heads)
@@ -47,7 +49,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * head_dim
         q_shard = (tp.shard(config.num_attention_heads)[0] * head_dim, self.q_size)
         kv_shard = (tp.kv_head_start(config.num_key_value_heads) * head_dim, self.kv_size)
-        self.qkv_proj = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=config.attention_bias)
+        bias = config.attention_bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = ColumnParallelLinear(hidden, [q_shard, kv_shard, kv_shard], bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, hidden, output_bias, tp)
         eps, offset = config.rms_norm_eps, qk_norm_unit_offset
         self.q_norm = None if qk_norm is None else RMSNorm(head_dim, eps, qk_norm, offset)

@@ -32,6 +32,7 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "OPTForCausalLM": ("opt", "OPTForCausalLM"),
 }
 
 
