@@ -1,10 +1,15 @@
-"""LayerOps: the elementwise operations of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul).
+"""LayerOps: the operations of a decoder layer beside attention (RMSNorm + residual, rotary, SiLU-and-mul,
+the fused mixture-of-experts MLP).
 
 Why a set passed into the model, like the attention backend: on a GPU each of these is one fused Triton
 kernel instead of five to ten torch launches (a decode step of a 28-layer model is otherwise hundreds of
 tiny elementwise kernels that read and write the activations again and again); on the CPU the torch
 references run, which are the model's exact Hugging Face math. Both sets share one contract per op, set
 in the reference modules (kernels/*_ref.py), so the model code is the same whichever set it gets.
+
+`fused_moe` sits here rather than in an op set of its own: it is chosen exactly as the others are (torch on the
+CPU, Triton on a GPU, the same `--attention-backend` switch), and every model already receives this one set,
+so a MoE model needs no new constructor argument, registry signature or worker wiring.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels import fused_moe_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 # (hidden [T, H], weight [H], eps, residual [T, H] | None) -> (normed, new_residual)
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
@@ -22,6 +27,9 @@ RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"],
 RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # gate_up [T, 2 * I] -> [T, I]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, round_routing_weights)
+# -> [T, H]: routing and rounding as kernels/fused_moe_ref.py states
+FusedMoeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -30,17 +38,20 @@ class LayerOps:
     rms_norm: RmsNormFn
     rotary_embedding: RotaryFn
     silu_and_mul: SiluAndMulFn
+    fused_moe: FusedMoeFn
 
 
 def torch_layer_ops() -> LayerOps:
     """The references: exact HF math, any device."""
-    return LayerOps("torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul)
+    return LayerOps("torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul,
+                    fused_moe_ref.fused_moe)
 
 
 def triton_layer_ops() -> LayerOps:
     """Fused Triton kernels (GPU; CPU under TRITON_INTERPRET=1). Triton is imported only when asked for."""
-    from kernels import triton_rmsnorm, triton_rotary, triton_silu_and_mul
+    from kernels import triton_fused_moe, triton_rmsnorm, triton_rotary, triton_silu_and_mul
 
     return LayerOps(
-        "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul
+        "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul,
+        triton_fused_moe.fused_moe,
     )
