@@ -133,3 +133,26 @@ def test_unsupported_qwen3_moe_features_are_refused_naming_the_key(tmp_path, key
     (path / "config.json").write_text(json.dumps({**config, key: value}))
     with pytest.raises(ValueError, match=key):
         load_model(path, torch.float32, "cpu")
+
+
+def test_a_rank_takes_the_same_slices_from_stacked_and_per_expert_tensors():
+    """Rank 1 of 2: its half of each expert's intermediate dim, whichever layout the checkpoint has."""
+    from worker_svc.layers.checkpoint_tensor import CheckpointTensor
+    from worker_svc.layers.fused_moe import ALL_EXPERTS, GATE, UP
+    from worker_svc.tensor_parallel import TensorParallel
+
+    experts, hidden, inter = 3, 8, 6
+    w13, w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    tp = TensorParallel(rank=1, world_size=2)
+    stacked, per_expert = (FusedMoE(hidden, experts, inter, 2, True, False, torch_layer_ops(), tp) for _ in "ab")
+    stacked.load("w13_weight", CheckpointTensor(w13, tuple(w13.shape)), (ALL_EXPERTS, GATE))
+    stacked.load("w2_weight", CheckpointTensor(w2, tuple(w2.shape)), (ALL_EXPERTS, GATE))
+    for e in range(experts):
+        gate, up = w13[e, :inter], w13[e, inter:]
+        per_expert.load("w13_weight", CheckpointTensor(gate, tuple(gate.shape)), (e, GATE))
+        per_expert.load("w13_weight", CheckpointTensor(up, tuple(up.shape)), (e, UP))
+        per_expert.load("w2_weight", CheckpointTensor(w2[e], tuple(w2[e].shape)), (e, GATE))
+    half = slice(inter // 2, inter)
+    assert torch.equal(stacked.w13_weight, torch.cat([w13[:, :inter][:, half], w13[:, inter:][:, half]], dim=1))
+    assert torch.equal(stacked.w2_weight, w2[:, :, half])
+    assert torch.equal(per_expert.w13_weight, stacked.w13_weight) and torch.equal(per_expert.w2_weight, stacked.w2_weight)

@@ -98,11 +98,13 @@ def _check_model(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -
             == greedy_generate_paged(whole, config, prompts, 8, prefill_chunk=5))
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1)])
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1),
+                                           ("mixtral", 2), ("qwen3_moe", 2)])
 def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, kv_heads):
     """Llama with one KV head (replicated on both ranks) and two (split), Qwen2 with its qkv bias and tied
-    embeddings, Qwen3 with its q/k norms; vocab 512 split by rows; prefill and chunked greedy decode through
-    the paged cache."""
+    embeddings, Qwen3 with its q/k norms, Mixtral and Qwen3-MoE with every expert's intermediate dim split (and
+    Qwen3-MoE's dense layer); vocab 512 split by rows; prefill and chunked greedy decode through the paged
+    cache."""
     model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
     prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 5, 480, 2, 61, 99, 100, 3, 4, 8]]
     run_ranks(_check_model, str(model_dir), prompts)
@@ -129,10 +131,11 @@ class RecordingTensor(CheckpointTensor):
         return self._note(self._source.columns(start, count))
 
 
-def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
-    """Rank 1 of 2 (no collective is needed to load) reads half of every sharded tensor and the whole of the
-    replicated ones (norms), from safetensors slices."""
-    model_dir = make_tiny_model(tmp_path, "llama", num_key_value_heads=2)
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path, arch):
+    """Rank 1 of 2 (no collective is needed to load) reads half of every sharded tensor (each expert's too) and
+    the whole of the replicated ones (norms, MoE routers), from safetensors slices."""
+    model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=2)
     config = ModelConfig.from_path(model_dir)
     with torch.device("meta"):
         model = build_model(config, tensor_parallel=TensorParallel(rank=1, world_size=2))
@@ -147,7 +150,7 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
 
     model.load_weights(recorded())
     for name, size in sizes.items():
-        expected = size if "norm" in name else size // 2
+        expected = size if "norm" in name or name.endswith(".gate.weight") else size // 2
         assert read[name] == expected, name
 
 
@@ -175,3 +178,6 @@ def test_sizes_the_model_cannot_split_evenly_are_refused_naming_the_flag(tmp_pat
     assert "--tensor-parallel-size 3" in shard_refusal(dataclasses.replace(six_heads, num_key_value_heads=2), 3)
     assert "4 KV heads (num_key_value_heads) do not split evenly" in shard_refusal(six_heads, 6)
     assert "intermediate_size 130" in shard_refusal(dataclasses.replace(config, intermediate_size=130), 4)
+    moe = ModelConfig.from_path(make_tiny_model(tmp_path, "qwen3_moe", moe_intermediate_size=34))
+    assert shard_refusal(moe, 2) is None
+    assert "moe_intermediate_size 34" in shard_refusal(moe, 4)
