@@ -156,3 +156,26 @@ def test_a_rank_takes_the_same_slices_from_stacked_and_per_expert_tensors():
     assert torch.equal(stacked.w13_weight, torch.cat([w13[:, :inter][:, half], w13[:, inter:][:, half]], dim=1))
     assert torch.equal(stacked.w2_weight, w2[:, :, half])
     assert torch.equal(per_expert.w13_weight, stacked.w13_weight) and torch.equal(per_expert.w2_weight, stacked.w2_weight)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b", "qwen2.5-1.5b"])
+def test_benchmark_shapes_build_and_count_their_weights(shape, tmp_path):
+    """benchmarks/model_shapes.py: the config the benchmark serves with --load-format dummy builds (on the meta
+    device: no memory) with the parameters its byte count says; a decode step of one token reads k experts a
+    layer, one of W1's 256 sequences (nearly) all of them."""
+    from benchmarks.model_shapes import decode_weight_bytes, experts, parameter_bytes, write_config_dir
+    from worker_svc.model_config import ModelConfig
+    from worker_svc.models.registry import build_model
+
+    config = ModelConfig.from_path(write_config_dir(shape, tmp_path / shape))
+    with torch.device("meta"):
+        model = build_model(config)
+    num_params = sum(p.numel() for p in model.parameters())
+    assert 2 * num_params == parameter_bytes(shape)
+    if experts(shape)[0]:
+        num_experts, top_k, width = experts(shape)
+        skipped = (num_experts - top_k) * 3 * config.hidden_size * width * config.num_hidden_layers * 2
+        assert decode_weight_bytes(shape, 1) == pytest.approx(parameter_bytes(shape) - skipped)
+        assert decode_weight_bytes(shape, 256) == pytest.approx(parameter_bytes(shape), rel=1e-3)
+    else:
+        assert decode_weight_bytes(shape, 1) == parameter_bytes(shape)
