@@ -1,5 +1,12 @@
 """The benchmark model shapes of DESIGN.md and issue 16, as Hugging Face configs (random weights: no hub on GPU
-machines). Each shape names its transformers config class; the other keys are that config's."""
+machines). Each shape names its transformers config class; the other keys are that config's.
+
+Parameters are counted on our model of the shape built on the meta device (exact for every architecture).
+MoE shapes (Qwen3-30B-A3B, Mixtral-8x7B): a decode step reads every non-expert weight and, in each sparse
+layer, only the experts some token of the batch chose. `decode_weight_bytes` counts those, with the expected
+number of distinct experts a batch of B tokens picks under uniform routing, E * (1 - (1 - k / E)^B): at
+W1's 256 sequences that is every expert of both shapes (the floor is then all weight bytes), at batch 1 only k.
+"""
 
 from __future__ import annotations
 
@@ -31,10 +38,28 @@ SHAPES = {
         sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh",
     ),
+    "opt-125m": dict(
+        config_class="OPTConfig", hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
+        vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-30b-a3b": dict(
+        config_class="Qwen3MoeConfig", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    ),
+    "mixtral-8x7b": dict(
+        config_class="MixtralConfig", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
 }
 ARCHITECTURES = {
     "Qwen2Config": "Qwen2ForCausalLM", "LlamaConfig": "LlamaForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-    "Gemma2Config": "Gemma2ForCausalLM",
+    "Gemma2Config": "Gemma2ForCausalLM", "OPTConfig": "OPTForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM",
 }
 
 
@@ -82,6 +107,47 @@ def parameter_bytes(shape: str, bytes_per_param: int = 2) -> int:
     return parameter_count(shape) * bytes_per_param
 
 
+def experts(shape: str) -> tuple[int, int, int]:
+    """(experts per sparse layer, chosen per token, expert width); (0, 0, 0) for a dense shape. Every layer of
+    both MoE shapes is sparse."""
+    s = SHAPES[shape]
+    num_experts = s.get("num_experts") or s.get("num_local_experts") or 0
+    if not num_experts:
+        return 0, 0, 0
+    return num_experts, s["num_experts_per_tok"], s.get("moe_intermediate_size") or s["intermediate_size"]
+
+
+def _expert_parameters(shape: str, experts_per_layer: float) -> float:
+    _, _, width = experts(shape)
+    return SHAPES[shape]["num_hidden_layers"] * experts_per_layer * 3 * SHAPES[shape]["hidden_size"] * width
+
+
+def _always_read_parameters(shape: str) -> int:
+    """Parameters every step reads: attention, norms, routers, dense MLPs, embeddings and head."""
+    return parameter_count(shape) - int(_expert_parameters(shape, experts(shape)[0]))
+
+
+def expected_experts_read(shape: str, batch: int) -> float:
+    """Distinct experts a sparse layer reads for `batch` tokens routed uniformly: E * (1 - (1 - k / E)^B)."""
+    num_experts, top_k, _ = experts(shape)
+    return num_experts * (1 - (1 - top_k / num_experts) ** batch) if num_experts else 0.0
+
+
+def decode_weight_bytes(shape: str, batch: int, bytes_per_param: int = 2) -> float:
+    """Weight bytes one decode step of `batch` sequences reads: all of a dense shape; for MoE the always-read
+    parameters plus, per layer, 3 * hidden * width for each expert read (expected_experts_read)."""
+    if not experts(shape)[0]:
+        return parameter_bytes(shape, bytes_per_param)
+    read = _always_read_parameters(shape) + _expert_parameters(shape, expected_experts_read(shape, batch))
+    return read * bytes_per_param
+
+
+def active_parameters_per_token(shape: str) -> int:
+    """Parameters one token multiplies by (its k experts only): the prefill FLOPs are 2 per parameter."""
+    return _always_read_parameters(shape) + int(_expert_parameters(shape, experts(shape)[1]))
+
+
 def kv_bytes_per_token(shape: str, bytes_per_value: int = 2) -> int:
     s = SHAPES[shape]
-    return 2 * s["num_hidden_layers"] * s["num_key_value_heads"] * head_dim(shape) * bytes_per_value
+    kv_heads = s.get("num_key_value_heads") or s["num_attention_heads"]
+    return 2 * s["num_hidden_layers"] * kv_heads * head_dim(shape) * bytes_per_value

@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.model_shapes import SHAPES, hf_config, kv_bytes_per_token, parameter_bytes, write_config_dir  # noqa: E402
+from benchmarks.model_shapes import (  # noqa: E402
+    SHAPES, active_parameters_per_token, decode_weight_bytes, hf_config, kv_bytes_per_token, write_config_dir,
+)
 from client import AsyncClient  # noqa: E402
 from pagedserve.testing.server_harness import running_server  # noqa: E402
 
@@ -70,8 +72,11 @@ def measure_ceilings() -> dict:
 
 def w1_floor(shape: str, num_requests: int, ceilings: dict, num_gpus: int = 1) -> dict:
     s = SHAPES[shape]
-    weights = parameter_bytes(shape)
-    non_embedding_params = weights / 2 - s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
+    # MoE: a token multiplies by its k experts only, and a decode step reads only the experts chosen
+    # (model_shapes.decode_weight_bytes; at 256 sequences every expert of both MoE shapes).
+    weights = decode_weight_bytes(shape, num_requests)
+    non_embedding_params = (active_parameters_per_token(shape)
+                            - s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2))
     prompt_tokens = num_requests * PROMPT_LEN
     attention_flops = num_requests * 2 * s["num_hidden_layers"] * s["hidden_size"] * PROMPT_LEN**2  # causal QK + PV
     prefill_flops = 2 * (non_embedding_params + s["vocab_size"] * s["hidden_size"] / PROMPT_LEN) * prompt_tokens

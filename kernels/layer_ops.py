@@ -1,11 +1,15 @@
-"""LayerOps: the elementwise operations of a decoder layer (RMSNorm + residual, rotary, SiLU-and-mul, and
-Gemma's RMSNorm and GELU-and-mul).
+"""LayerOps: the operations of a decoder layer beside attention (RMSNorm + residual, rotary, SiLU-and-mul,
+Gemma's RMSNorm and GELU-and-mul, the fused mixture-of-experts MLP).
 
 Why a set passed into the model, like the attention backend: on a GPU each of these is one fused Triton
 kernel instead of five to ten torch launches (a decode step of a 28-layer model is otherwise hundreds of
 tiny elementwise kernels that read and write the activations again and again); on the CPU the torch
 references run, which are the model's exact Hugging Face math. Both sets share one contract per op, set
 in the reference modules (kernels/*_ref.py), so the model code is the same whichever set it gets.
+
+`fused_moe` sits here rather than in an op set of its own: it is chosen exactly as the others are (torch on the
+CPU, Triton on a GPU, the same `--attention-backend` switch), and every model already receives this one set,
+so a MoE model needs no new constructor argument, registry signature or worker wiring.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import gelu_and_mul_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
+from kernels import fused_moe_ref, gelu_and_mul_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
 # (hidden [T, H], weight [H], eps, residual [T, H] | None) -> (normed, new_residual)
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor, float, "torch.Tensor | None"], tuple[torch.Tensor, torch.Tensor]]
@@ -25,6 +29,9 @@ RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tu
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (gate_up [T, 2 * I], approximate "tanh" | "none") -> [T, I]
 GeluAndMulFn = Callable[[torch.Tensor, str], torch.Tensor]
+# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, round_routing_weights)
+# -> [T, H]: routing and rounding as kernels/fused_moe_ref.py states
+FusedMoeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, bool], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,21 +42,22 @@ class LayerOps:
     silu_and_mul: SiluAndMulFn
     gemma_rms_norm: RmsNormFn  # Gemma's (1 + w) in fp32
     gelu_and_mul: GeluAndMulFn
+    fused_moe: FusedMoeFn
 
 
 def torch_layer_ops() -> LayerOps:
     """The references: exact HF math, any device."""
     return LayerOps(
         "torch", rmsnorm_ref.rms_norm, rotary_ref.rotary_embedding, silu_and_mul_ref.silu_and_mul,
-        rmsnorm_ref.gemma_rms_norm, gelu_and_mul_ref.gelu_and_mul,
+        rmsnorm_ref.gemma_rms_norm, gelu_and_mul_ref.gelu_and_mul, fused_moe_ref.fused_moe,
     )
 
 
 def triton_layer_ops() -> LayerOps:
     """Fused Triton kernels (GPU; CPU under TRITON_INTERPRET=1). Triton is imported only when asked for."""
-    from kernels import triton_rmsnorm, triton_rotary, triton_silu_and_mul
+    from kernels import triton_fused_moe, triton_rmsnorm, triton_rotary, triton_silu_and_mul
 
     return LayerOps(
         "triton", triton_rmsnorm.rms_norm, triton_rotary.rotary_embedding, triton_silu_and_mul.silu_and_mul,
-        triton_rmsnorm.gemma_rms_norm, triton_silu_and_mul.gelu_and_mul,
+        triton_rmsnorm.gemma_rms_norm, triton_silu_and_mul.gelu_and_mul, triton_fused_moe.fused_moe,
     )

@@ -34,9 +34,10 @@ def _silu_and_mul_kernel(
     gate = tl.load(row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + intermediate_size + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    if GELU_TANH:  # 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)
+    if GELU_TANH:  # torch's form, 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3); tanh from exp
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        activated = gate / (1.0 + tl.exp(-2.0 * inner))
+        inner = tl.minimum(tl.maximum(inner, -20.0), 20.0)  # tanh is +-1 in fp32 there; exp stays finite
+        activated = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
     else:
         activated = gate / (1.0 + tl.exp(-gate))
     activated = activated.to(dtype).to(tl.float32)

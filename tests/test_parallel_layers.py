@@ -100,13 +100,15 @@ def _check_model(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -
 
 @pytest.mark.parametrize(
     "arch,kv_heads",
-    [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1), ("gemma2", 2), ("gemma3", 1), ("opt", None)],
+    [("llama", 1), ("llama", 2), ("qwen2", 2), ("qwen3", 1), ("gemma2", 2), ("gemma3", 1), ("opt", None),
+     ("mixtral", 2), ("qwen3_moe", 2)],
 )
 def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, kv_heads):
     """Llama with one KV head (replicated on both ranks) and two (split), Qwen2 with its qkv bias and tied
     embeddings, Qwen3 with its q/k norms, Gemma 2 (soft-caps, windows) and 3 (q/k norms, rope per layer type);
     OPT (no GQA: its 4 heads split; biases, learned positions and LayerNorms replicated, 350m's projections);
-    vocab 512 split by rows; prefill and chunked greedy decode through the paged cache."""
+    Mixtral and Qwen3-MoE with every expert's intermediate dim split (and Qwen3-MoE's dense layer); vocab 512
+    split by rows; prefill and chunked greedy decode through the paged cache."""
     if arch == "opt":
         model_dir = make_tiny_model(tmp_path, "opt", **OPT_350M_OVERRIDES)
     else:
@@ -136,10 +138,11 @@ class RecordingTensor(CheckpointTensor):
         return self._note(self._source.columns(start, count))
 
 
-def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
-    """Rank 1 of 2 (no collective is needed to load) reads half of every sharded tensor and the whole of the
-    replicated ones (norms), from safetensors slices."""
-    model_dir = make_tiny_model(tmp_path, "llama", num_key_value_heads=2)
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path, arch):
+    """Rank 1 of 2 (no collective is needed to load) reads half of every sharded tensor (each expert's too) and
+    the whole of the replicated ones (norms, MoE routers), from safetensors slices."""
+    model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=2)
     config = ModelConfig.from_path(model_dir)
     with torch.device("meta"):
         model = build_model(config, tensor_parallel=TensorParallel(rank=1, world_size=2))
@@ -154,7 +157,7 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(tmp_path):
 
     model.load_weights(recorded())
     for name, size in sizes.items():
-        expected = size if "norm" in name else size // 2
+        expected = size if "norm" in name or name.endswith(".gate.weight") else size // 2
         assert read[name] == expected, name
 
 
@@ -182,3 +185,6 @@ def test_sizes_the_model_cannot_split_evenly_are_refused_naming_the_flag(tmp_pat
     assert "--tensor-parallel-size 3" in shard_refusal(dataclasses.replace(six_heads, num_key_value_heads=2), 3)
     assert "4 KV heads (num_key_value_heads) do not split evenly" in shard_refusal(six_heads, 6)
     assert "intermediate_size 130" in shard_refusal(dataclasses.replace(config, intermediate_size=130), 4)
+    moe = ModelConfig.from_path(make_tiny_model(tmp_path, "qwen3_moe", moe_intermediate_size=34))
+    assert shard_refusal(moe, 2) is None
+    assert "moe_intermediate_size 34" in shard_refusal(moe, 4)

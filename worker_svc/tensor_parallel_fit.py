@@ -35,6 +35,10 @@ def shard_refusal(model_config: ModelConfig, tensor_parallel_size: int, flag: st
     if model_config.intermediate_size % tensor_parallel_size:
         return (f"{flag} {tensor_parallel_size} does not divide the model's MLP width "
                 f"(intermediate_size {model_config.intermediate_size})")
+    experts_width = model_config.hf_config.get("moe_intermediate_size")  # Qwen3-MoE's experts (Mixtral's: above)
+    if experts_width and experts_width % tensor_parallel_size:
+        return (f"{flag} {tensor_parallel_size} does not divide the model's expert width "
+                f"(moe_intermediate_size {experts_width})")
     return None
 
 

@@ -31,6 +31,12 @@ ARCH_DEFAULTS = {
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False),
     # head_dim 32, not hidden / heads (16): Qwen3's is explicit.
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False, head_dim=32),
+    # 4 experts of 128, top 2 (weights renormalized, as Mixtral always does); untied.
+    "mixtral": dict(tie_word_embeddings=False, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2),
+    # 8 experts of 32, top 2, unnormalized (norm_topk_prob false, transformers' default); layer 1 dense (128).
+    "qwen3_moe": dict(tie_word_embeddings=False, rope_theta=1000000.0, use_sliding_window=False, head_dim=32,
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[1]),
     # Gemma: explicit head_dim (its default is 256), tied; 2 and 3 alternate windowed (8 tokens, shorter than
     # the tests' prompts) and global layers, scale by query_pre_attn_scalar (not head_dim); 2 soft-caps at
     # values the random scores reach (greedy output changes without the attention cap); 3 gives each layer
@@ -61,6 +67,7 @@ OPT_CONFIG = dict(
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "opt": "OPTConfig",
+    "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
 }
 
 
@@ -70,7 +77,9 @@ def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
     Defaults: vocab 512, hidden 64, 3 layers, 4 heads / 2 KV heads (GQA), head_dim 16, max positions
     512, initializer_range 0.2, bos 1 and no EOS (so generation always runs to its token limit; pass
     `eos_token_id=...` to have one). Llama: untied lm_head. Qwen2: q/k/v bias, tied embeddings,
-    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Gemma 1/2/3: see ARCH_DEFAULTS. `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
+    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Gemma 1/2/3, Mixtral, Qwen3-MoE: see
+    ARCH_DEFAULTS (the MoE router's initializer_range 0.2 spreads the tokens over the experts); OPT: OPT_CONFIG.
+    `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
     except `max_shard_size` (e.g. "100KB"), which is passed to `save_pretrained` to get sharded files.
     Weights are a pure function of (arch, seed, overrides); the directory name is too, so calls with
     different arguments can share one `tmp_dir`.

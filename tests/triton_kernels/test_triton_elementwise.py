@@ -167,7 +167,11 @@ def test_gemma_rms_norm_reference_is_transformers_norm():
 def test_tanh_gelu_and_mul_over_several_column_tiles(dtype):
     torch.manual_seed(0)
     gate_up = torch.randn(4, 2 * 300, dtype=dtype) * 4
-    assert_close(gelu_and_mul(gate_up, "tanh", block=128), gelu_and_mul_ref.gelu_and_mul(gate_up, "tanh"))
+    # Not bit for bit in bf16: torch's CPU tanh and ours (from exp) differ in the last fp32 bits, which flips
+    # the bf16 rounding of ~5% of the outputs by one ulp (torch's own fp32 formula flips 0.5% against it).
+    ours, expected = gelu_and_mul(gate_up, "tanh", block=128), gelu_and_mul_ref.gelu_and_mul(gate_up, "tanh")
+    assert ours.dtype == expected.dtype
+    torch.testing.assert_close(ours.float(), expected.float(), atol=1e-4, rtol=2 ** -7)
     exact = gelu_and_mul_ref.gelu_and_mul(gate_up, "none")
     assert_close(gelu_and_mul(gate_up, "none"), exact)
     assert not torch.equal(exact, gelu_and_mul_ref.gelu_and_mul(gate_up, "tanh"))

@@ -18,7 +18,7 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from worker_svc.models.model_loader import load_model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
 def test_triton_kernel_set_model_matches_transformers(arch, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -38,9 +38,14 @@ def test_triton_kernel_set_model_matches_transformers(arch, tmp_path):
         out = hf_model.generate(torch.tensor([prompts[0]]), max_new_tokens=6, do_sample=False,
                                 min_new_tokens=6)
     assert ours == out[0, len(prompts[0]):].tolist()
-    # Per forward: two norms per layer plus the final one, one rotary and one SiLU-and-mul per layer.
+    # Per forward: two norms per layer plus the final one (and q/k norms for Qwen3-MoE), one rotary per layer,
+    # and per MLP one SiLU-and-mul (dense) or one fused MoE (the tiny Qwen3-MoE: layer 0 sparse, layer 1 dense).
     forwards = 1 + 6
-    assert calls == {"rms_norm": 5 * forwards, "rotary_embedding": 2 * forwards, "silu_and_mul": 2 * forwards}
+    expected = {"rms_norm": 5 * forwards, "rotary_embedding": 2 * forwards, "silu_and_mul": 2 * forwards}
+    if arch == "qwen3_moe":
+        expected = {"rms_norm": 9 * forwards, "rotary_embedding": 2 * forwards, "silu_and_mul": forwards,
+                    "fused_moe": forwards}
+    assert calls == expected
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -74,7 +79,7 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
 
         return counted
 
-    names = ("rms_norm", "rotary_embedding", "silu_and_mul", "gemma_rms_norm", "gelu_and_mul")
+    names = ("rms_norm", "rotary_embedding", "silu_and_mul", "gemma_rms_norm", "gelu_and_mul", "fused_moe")
     return dataclasses.replace(ops, **{name: wrap(name) for name in names})
 
 

@@ -30,6 +30,11 @@ class CheckpointTensor:
     def columns(self, start: int, count: int) -> torch.Tensor:
         return self._source[:, start : start + count]
 
+    def narrow(self, dim: int, start: int, count: int) -> torch.Tensor:
+        """Indices start .. start + count - 1 along `dim`, whole along the others (a stacked experts tensor's
+        slice of the intermediate dimension)."""
+        return self._source[(slice(None),) * dim + (slice(start, start + count),)]
+
 
 def load_whole(target: torch.Tensor, checkpoint: CheckpointTensor) -> None:
     """Copies a replicated parameter (a norm's weight) whole."""

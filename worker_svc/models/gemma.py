@@ -17,6 +17,7 @@ extra norms.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -76,10 +77,11 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    """The decoder stack; `rotary_embs` holds one rotary per layer type (Gemma 3's differ in base)."""
+    """The decoder stack; `rotary_embs` holds one rotary per layer type (Gemma 3's differ in base). Every layer's
+    MLP is the GeGLU one (`make_mlp`, llama.py's hook for MoE families, is not used)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, make_mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(

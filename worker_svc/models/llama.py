@@ -14,7 +14,7 @@ Parameter names equal HF's, so `load_weights` is a name-to-layer copy (each laye
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -38,15 +38,15 @@ class DecoderLayer(nn.Module):
     caller's next norm adds them. The first layer gets residual None (the embeddings are the stream)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
-                 qk_norm: bool, layer_index: int):
+                 qk_norm: bool, layer_index: int, mlp: nn.Module):
         super().__init__()
-        # HF Llama's and Qwen3's attention_bias also covers o_proj; Qwen2's o_proj never has one.
-        output_bias = config.attention_bias and config.model_type in ("llama", "qwen3")
+        # HF Llama's and Qwen3's (and Qwen3-MoE's) attention_bias also covers o_proj; Qwen2's o_proj never has one.
+        output_bias = config.attention_bias and config.model_type in ("llama", "qwen3", "qwen3_moe")
         self.self_attn = Attention(  # Mistral's layers and Qwen2's upper ones may slide
             config, backend, output_bias, tp, qk_norm=ops if qk_norm else None,
             sliding_window=config.layer_sliding_window(layer_index),
         )
-        self.mlp = GatedMLP(config, ops, tp)
+        self.mlp = mlp  # GatedMLP, or a MoE block (LlamaForCausalLM.make_mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -61,11 +61,12 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
-                 qk_norm: bool = False):
+                 qk_norm: bool, make_mlp: Callable[[int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, ops, tp, qk_norm, index) for index in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, ops, tp, qk_norm, index, make_mlp(index))
+            for index in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.rotary_emb = RotaryEmbedding(config, ops)
@@ -84,7 +85,7 @@ class LlamaForCausalLM(nn.Module):
     # Per-head RMSNorm of queries and keys before rotary (a subclass's family, e.g. Qwen3; qwen3.py).
     qk_norm = False
     # The decoder stack (a subclass's family may arrange its layers otherwise, e.g. gemma.py); built from
-    # (config, backend, ops, tp, qk_norm), it has embed_tokens, layers, norm and rotary_emb.
+    # (config, backend, ops, tp, qk_norm, make_mlp), it has embed_tokens, layers, norm and rotary_emb.
     model_class = LlamaModel
 
     def __init__(
@@ -98,13 +99,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
         ops = layer_ops if layer_ops is not None else torch_layer_ops()
-        self.model = self.model_class(config, backend, ops, tensor_parallel, self.qk_norm)
+        self.model = self.model_class(config, backend, ops, tensor_parallel, self.qk_norm,
+                                      lambda index: self.make_mlp(config, ops, tensor_parallel, index))
         # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.
         self.lm_head = (
             None
             if config.tie_word_embeddings
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tensor_parallel)
         )
+
+    def make_mlp(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, layer_index: int) -> nn.Module:
+        """Layer `layer_index`'s MLP: the gated MLP here; a MoE family's sparse block where it has one."""
+        return GatedMLP(config, ops, tp)
 
     def forward(
         self,
@@ -149,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
                     load_whole(params[target], tensor)
             except ValueError as error:
                 raise ValueError(f"{name}: {error}") from None
-            loaded.add(name)
+            loaded.update(self._covered_names(name))
         expected = {source for param in params for source in self._checkpoint_names(param)}
         missing = sorted(expected - loaded)
         if missing:
@@ -172,6 +178,11 @@ class LlamaForCausalLM(nn.Module):
             if marker in name:
                 return name.replace(marker, f".{fused}."), part
         return name, 0
+
+    def _covered_names(self, name: str) -> list[str]:
+        """The checkpoint names (as `_checkpoint_names` lists them) that tensor `name` fills: itself, or for a
+        tensor stacking several (a MoE's stacked experts) each of them."""
+        return [name]
 
     def _checkpoint_names(self, param: str) -> list[str]:
         """The checkpoint tensors that fill our parameter `param`."""

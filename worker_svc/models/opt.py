@@ -16,7 +16,7 @@ projections in and out are replicated (small).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -75,10 +75,11 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
-    """Holds `decoder`, as HF's OPTModel does, so parameter names equal the checkpoint's."""
+    """Holds `decoder`, as HF's OPTModel does, so parameter names equal the checkpoint's (its MLP is its own:
+    llama.py's `make_mlp` hook is not used)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, tp: TensorParallel,
-                 qk_norm: bool = False):
+                 qk_norm: bool = False, make_mlp: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.decoder = OPTDecoder(config, backend, tp)
 

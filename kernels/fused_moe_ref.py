@@ -1,0 +1,68 @@
+"""Torch reference of a sparse mixture-of-experts MLP: routing, each expert's gated MLP, the weighted sum.
+
+The CPU path of the MoE layer and the oracle of the Triton kernel (kernels/triton_fused_moe.py). Numerics are
+transformers' (its default `grouped_mm` experts path, the one `from_pretrained` runs):
+
+- routing: softmax of the router logits in fp32 over all experts, top-k, divided by the top-k sum when
+  `renormalize` (Mixtral always; Qwen3-MoE when `norm_topk_prob`). Qwen3-MoE then casts the weights to the
+  activation dtype (`round_routing_weights`); Mixtral keeps them fp32.
+- each chosen expert: gate|up in one product rounded to the activation dtype, SiLU rounded, times up rounded,
+  the down product rounded (HF's `act_fn(gate) * up` and linears);
+- the expert output times its routing weight: in the activation dtype when the weights were cast (one more
+  rounding), in fp32 otherwise (activation * fp32 promotes);
+- the k products summed in fp32 and rounded once (HF's `.view(T, k, H).sum(dim=1)`, which accumulates
+  16-bit values in fp32, then `.to(dtype)`).
+
+Weights are stacked per expert as the GEMMs read them: w13 [E, 2I, H] (gate rows, then up rows) and
+w2 [E, H, I]. Under tensor parallel each rank passes its slice of I and all-reduces the result.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from kernels.silu_and_mul_ref import silu_and_mul
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, round_routing_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights [T, k], expert ids [T, k] int64) from router logits [T, E], as transformers routes.
+
+    Weights are fp32, or the logits' dtype when `round_routing_weights`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if round_routing_weights:
+        weights = weights.to(router_logits.dtype)
+    return weights, expert_ids
+
+
+def weighted_sum_over_choices(weighted: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T * k, H] weighted expert outputs (row t * k + j: token t's j-th choice) -> [T, H] in `dtype`, summed
+    in fp32 and rounded once."""
+    return weighted.view(-1, top_k, weighted.shape[-1]).sum(dim=1, dtype=torch.float32).to(dtype)
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_routing_weights: bool,
+) -> torch.Tensor:
+    """hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    weights, expert_ids = select_experts(router_logits, top_k, renormalize, round_routing_weights)
+    flat_experts = expert_ids.reshape(-1)
+    flat_weights = weights.reshape(-1, 1)
+    product_dtype = torch.result_type(hidden, weights)
+    weighted = torch.zeros(flat_experts.numel(), hidden.shape[1], dtype=product_dtype, device=hidden.device)
+    for expert in torch.unique(flat_experts).tolist():  # only the experts chosen (a host sync: the CPU path)
+        rows = (flat_experts == expert).nonzero().squeeze(1)
+        down = F.linear(silu_and_mul(F.linear(hidden[rows // top_k], w13[expert])), w2[expert])
+        weighted[rows] = down * flat_weights[rows]
+    return weighted_sum_over_choices(weighted, top_k, hidden.dtype)

@@ -1,0 +1,119 @@
+"""Fused mixture-of-experts MLP in Triton: routing and alignment in torch on the device, two grouped GEMMs.
+
+Torch reference: kernels/fused_moe_ref.py (`fused_moe`), same contract and rounding points.
+
+Steps (as vLLM's fused_moe): the reference's `select_experts` (softmax, top-k, renormalize: a few tiny
+ops); `align_rows_to_experts` (kernels/moe_align.py) sorts the T * k (token, choice) rows by expert, padded
+per expert to BLOCK_M; a grouped GEMM over (tile, N tile) programs computes every chosen row's gate|up with
+its expert's w13; the SiLU-and-mul kernel; the same grouped GEMM with w2 and the routing weight applied;
+the sum over the k choices in fp32. Only the experts some token chose are read, each once per tile of its
+rows: a decode step reads the chosen experts' weights and no others.
+
+The GEMM rounds its fp32 accumulator to the activation dtype (HF's linear output), then, with
+MUL_ROUTED_WEIGHT, multiplies by the routing weight in fp32 and stores in the output's dtype: the activation
+dtype when the weights were rounded (Qwen3-MoE, one more rounding), fp32 otherwise (Mixtral). Every size is
+a function of (T, k, E, the tile sizes), no value is read back to the host: it runs under CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fused_moe_ref import select_experts, weighted_sum_over_choices
+from kernels.moe_align import ExpertAlignment, align_rows_to_experts
+from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_silu_and_mul import silu_and_mul
+
+BLOCK_N, BLOCK_K = 64, 32
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_rows_ptr, tile_experts_ptr,
+    num_rows, n_size, k_size, a_rows_per_input,
+    stride_a, stride_be, stride_bn, stride_bk, stride_c,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """c[row, n] = (a[row // a_rows_per_input] . b[expert(row), n]) (* weights[row]) for the rows of one tile."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(sorted_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = rows < num_rows
+    rows = tl.where(row_mask, rows, 0)
+    a_rows = rows // a_rows_per_input
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_size
+    b_base = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_size, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_size
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        b = tl.load(b_base + ks[:, None] * stride_bk, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    result = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # the linear's output, rounded as HF's
+    if MUL_ROUTED_WEIGHT:
+        result = result * tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + rows[:, None] * stride_c + cols[None, :]
+    tl.store(c, result.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+def grouped_gemm(
+    inputs: torch.Tensor, weights: torch.Tensor, alignment: ExpertAlignment, num_rows: int,
+    rows_per_input: int, out: torch.Tensor, routing_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[row] = inputs[row // rows_per_input] @ weights[expert(row)].T (* routing_weights[row]) for each of
+    the `num_rows` aligned rows; weights [E, N, K]."""
+    n_size, k_size = weights.shape[1], weights.shape[2]
+    assert inputs.stride(1) == 1 and out.stride(1) == 1 and weights.shape[2] == inputs.shape[1]
+    num_tiles = alignment.tile_experts.numel()
+    grid = (num_tiles, triton.cdiv(n_size, BLOCK_N))
+    _grouped_gemm_kernel[grid](
+        inputs, weights, out, routing_weights if routing_weights is not None else out,
+        alignment.sorted_rows, alignment.tile_experts,
+        num_rows, n_size, k_size, rows_per_input,
+        inputs.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
+        BLOCK_M=alignment.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        MUL_ROUTED_WEIGHT=routing_weights is not None, UPCAST=needs_upcast(inputs.dtype),
+        DOT_PRECISION=dot_precision(inputs.dtype), num_warps=4,
+    )
+    return out
+
+
+def tile_rows(num_tokens: int, num_experts: int) -> int:
+    """BLOCK_M: 16 while a batch gives each expert few rows (decode), 64 for prefill-sized batches (vLLM's
+    default choice); two variants, each one compile."""
+    return 16 if num_tokens <= num_experts else 64
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    round_routing_weights: bool,
+) -> torch.Tensor:
+    """Same contract as kernels/fused_moe_ref.py: hidden [T, H], router_logits [T, E], w13 [E, 2I, H],
+    w2 [E, H, I] -> [T, H]."""
+    num_tokens, num_experts = router_logits.shape
+    if num_tokens == 0:
+        return torch.zeros_like(hidden)
+    weights, expert_ids = select_experts(router_logits, top_k, renormalize, round_routing_weights)
+    num_rows = num_tokens * top_k
+    alignment = align_rows_to_experts(expert_ids, num_experts, tile_rows(num_tokens, num_experts))
+    gate_up = torch.empty(num_rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(hidden, w13, alignment, num_rows, top_k, gate_up)
+    activated = silu_and_mul(gate_up)
+    weighted = torch.empty(num_rows, w2.shape[1], dtype=torch.result_type(hidden, weights), device=hidden.device)
+    grouped_gemm(activated, w2, alignment, num_rows, 1, weighted, weights.reshape(-1))
+    return weighted_sum_over_choices(weighted, top_k, hidden.dtype)
