@@ -192,6 +192,6 @@ def test_qwen2_slides_from_max_window_layers_on(tmp_path):
     assert config.layer_types == ("full_attention", "sliding_attention") and config.sliding_window == 128
 
 
-def test_unknown_rope_scaling_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="yarn"):
-        write_config(tmp_path, **MISTRAL, rope_scaling={"type": "yarn", "factor": 4.0})
+def test_unknown_rope_scaling_is_refused_in_the_older_rope_scaling_key_too(tmp_path):
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported"):
+        write_config(tmp_path, **MISTRAL, rope_scaling={"type": "dynamic", "factor": 4.0})

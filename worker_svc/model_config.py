@@ -18,7 +18,6 @@ from worker_svc.models.registry import MODEL_CLASSES
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
@@ -32,8 +31,8 @@ class ModelConfig:
     `do_layer_norm_before`, Gemma's soft-capping) its model file reads from `hf_config`, the checkpoint's
     config.json as read (empty for GGUF), so adding an architecture does not touch this file.
     `attention_bias` means q/k/v projections have a bias (Qwen2); for "llama" it also gives o_proj one,
-    as in HF's LlamaAttention. `rope_scaling` is None or the llama3 parameters as sorted (key, value)
-    pairs (hashable; see `rope_scaling_params`). `eos_token_ids` is a tuple (HF allows int or list).
+    as in HF's LlamaAttention. `rope_scaling` is None or the scaling parameters (linear, llama3, yarn,
+    longrope: `parse_hf_rope`) as sorted (key, value) pairs (hashable; see `rope_scaling_params`). `eos_token_ids` is a tuple (HF allows int or list).
     `layer_types` gives each layer's attention ("full_attention" or "sliding_attention", as transformers
     names them); `sliding_window` is the window of the sliding ones (None when no layer slides): a query
     at position p sees keys p - sliding_window + 1 .. p.
@@ -203,21 +202,43 @@ def parse_layer_types(raw: dict, num_layers: int) -> tuple[tuple[str, ...], int 
     return tuple(types), int(window)
 
 
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor",),
+    "longrope": ("short_factor", "long_factor"),
+}
+
+
 def parse_hf_rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """(rope_theta, llama3 scaling or None) from either `rope_parameters` (transformers >= 5) or the
-    older `rope_theta` + `rope_scaling` keys."""
+    """(rope_theta, scaling parameters or None) from either `rope_parameters` (transformers >= 5) or the older
+    `rope_theta` + `rope_scaling` keys. The parameters are sorted (key, value) pairs with lists made tuples
+    (hashable), `rope_type` and `original_max_position_embeddings` always among them; longrope's `factor`
+    defaults to max / original positions, as transformers'. Types other than ROPE_REQUIRED_KEYS' are refused,
+    and so is a partial rotary (`partial_rotary_factor` < 1): our rotary turns whole heads."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if FULL_ATTENTION in params:  # keyed by layer type (Gemma 3): the model file reads each; here the global one
         params = dict(params[FULL_ATTENTION])
     rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (rotary over whole heads only)")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return rope_theta, None
-    if rope_type != "llama3":
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only llama3)")
-    params.setdefault("original_max_position_embeddings", raw["max_position_embeddings"])
-    scaling = {key: params[key] for key in LLAMA3_ROPE_KEYS}
-    return rope_theta, tuple(sorted({"rope_type": "llama3", **scaling}.items()))
+    if rope_type not in ROPE_REQUIRED_KEYS:
+        raise ValueError(f"rope_scaling rope_type {rope_type!r} is not supported; supported: "
+                         f"{['default', *ROPE_REQUIRED_KEYS]}")
+    missing = [key for key in ROPE_REQUIRED_KEYS[rope_type] if params.get(key) is None]
+    if missing:
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+    original = params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    params["original_max_position_embeddings"] = original or raw["max_position_embeddings"]
+    if rope_type == "longrope" and params.get("factor") is None:
+        params["factor"] = raw["max_position_embeddings"] / params["original_max_position_embeddings"]
+    params = {key: tuple(value) if isinstance(value, list) else value for key, value in params.items()
+              if key not in ("type", "rope_theta", "partial_rotary_factor")}
+    return rope_theta, tuple(sorted({**params, "rope_type": rope_type}.items()))
 
 
 def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:

@@ -43,6 +43,14 @@ ARCH_DEFAULTS = {
     # type its own rope base. Smaller initializers: sqrt(hidden)-scaled embeddings at 0.2 saturate the
     # caps and the output repeats one token.
     "gemma": dict(head_dim=16, hidden_act="gelu_pytorch_tanh"),
+    # Phi-3 with longrope whose original context (24) the tests' prompts and generations pass, so both factor
+    # sets are used; fused qkv_proj / gate_up_proj in the checkpoint.
+    "phi3": dict(
+        tie_word_embeddings=False, pad_token_id=0, original_max_position_embeddings=24,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]},
+    ),
     "gemma2": dict(
         head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.0,
         final_logit_softcapping=2.0, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -67,7 +75,7 @@ OPT_CONFIG = dict(
 CONFIG_CLASSES = {
     "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
     "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "opt": "OPTConfig",
-    "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
 }
 
 

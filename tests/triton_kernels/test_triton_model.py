@@ -88,15 +88,19 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
 FAMILY_CALLS = {
     "gemma": {"gemma_rms_norm": 5, "rotary_embedding": 2, "gelu_and_mul": 2},
     "opt": {},
+    "phi3": {"rms_norm": 5, "rotary_embedding": 2, "silu_and_mul": 2},
 }
+# Phi-3's original context below the prompt (21): longrope's long table, read through the offset rows.
+FAMILY_OVERRIDES = {"phi3": {"original_max_position_embeddings": 16}}
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILY_CALLS))
 def test_triton_kernel_set_other_families_match_transformers(arch, tmp_path):
-    """Prefill logits and greedy tokens of Gemma and OPT (biased q/k/v, no rotary) on the Triton set."""
+    """Prefill logits and greedy tokens of Gemma, OPT (biased q/k/v, no rotary) and Phi-3 (longrope) on the
+    Triton set."""
     from transformers import AutoModelForCausalLM
 
-    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2)
+    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2, **FAMILY_OVERRIDES.get(arch, {}))
     calls: Counter[str] = Counter()
     model, config = load_model(path, torch.float32, "cpu", attention_backend=TritonAttentionBackend(),
                                layer_ops=counting(triton_layer_ops(), calls))

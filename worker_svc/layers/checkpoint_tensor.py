@@ -36,6 +36,27 @@ class CheckpointTensor:
         return self._source[(slice(None),) * dim + (slice(start, start + count),)]
 
 
+class RowBlock(CheckpointTensor):
+    """Rows start .. start + count - 1 of another checkpoint tensor, itself read by rows or columns: one part of a
+    tensor the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj), so a rank reads only its slice of it."""
+
+    def __init__(self, parent: CheckpointTensor, start: int, count: int):
+        super().__init__(parent, (count, *parent.shape[1:]))
+        self._start = start
+
+    def full(self) -> torch.Tensor:
+        return self._source.rows(self._start, self.shape[0])
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        return self._source.rows(self._start + start, count)
+
+    def columns(self, start: int, count: int) -> torch.Tensor:
+        return self.full()[:, start : start + count]
+
+    def narrow(self, dim: int, start: int, count: int) -> torch.Tensor:
+        return self.rows(start, count) if dim == 0 else self.full().narrow(dim, start, count)
+
+
 def load_whole(target: torch.Tensor, checkpoint: CheckpointTensor) -> None:
     """Copies a replicated parameter (a norm's weight) whole."""
     copy_into(target, checkpoint.full())

@@ -122,6 +122,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_caches: one [2, blocks, block_size, Hkv, D] per layer."""
         hidden, residual = self.model.embed_tokens(input_ids), None
         rotary = self.model.rotary_emb
+        positions = rotary.rope_positions(positions, metadata)  # longrope's table choice; else the positions
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, positions, rotary, kv_cache, metadata)
         return self.model.norm(hidden, residual)[0]

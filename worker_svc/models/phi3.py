@@ -1,0 +1,42 @@
+"""Phi-3 (mini, small-attention-free variants: Phi3ForCausalLM): the Llama layout with q/k/v and gate/up stored
+fused in the checkpoint (`self_attn.qkv_proj`, `mlp.gate_up_proj`), longrope scaling for the 128k-context models
+(worker_svc/layers/rope_scaling.py, the table choice in rotary_embedding.py) and a sliding window on every layer
+when the config has one (read by ModelConfig for every family).
+
+Loading splits each fused checkpoint tensor into its parts as row blocks that are still read lazily
+(`RowBlock`), and hands them to llama.py's loader under the unfused names, so each rank reads only its q, k, v,
+gate and up rows, exactly as from a checkpoint that stores them apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from worker_svc.layers.checkpoint_tensor import CheckpointTensor, RowBlock
+from worker_svc.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> Iterator[tuple[str, CheckpointTensor]]:
+        config = self.config
+        q_rows = config.num_attention_heads * config.head_dim
+        kv_rows = config.num_key_value_heads * config.head_dim
+        parts = {
+            ".self_attn.qkv_proj.": [(".self_attn.q_proj.", 0, q_rows), (".self_attn.k_proj.", q_rows, kv_rows),
+                                     (".self_attn.v_proj.", q_rows + kv_rows, kv_rows)],
+            ".mlp.gate_up_proj.": [(".mlp.gate_proj.", 0, config.intermediate_size),
+                                   (".mlp.up_proj.", config.intermediate_size, config.intermediate_size)],
+        }
+        for name, tensor in weights:
+            fused = next((marker for marker in parts if marker in name), None)
+            if fused is None:
+                yield name, tensor
+                continue
+            expected = sum(rows for _, _, rows in parts[fused])
+            if tensor.shape[0] != expected:
+                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {expected}")
+            for marker, start, rows in parts[fused]:
+                yield name.replace(fused, marker), RowBlock(tensor, start, rows)
