@@ -35,7 +35,7 @@ def _load(model_dir: str, gguf_file: str | None = None, dtype: torch.dtype = tor
 
 def rounded_probs_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """A transformers attention function (query [B, Hq, S, D], key/value [B, Hkv, L, D]; causal, no
-    padding) with flash attention's rounding: scores and softmax in fp32, the unnormalized
+    padding; a `sliding_window` W keeps each query's last W keys) with flash attention's rounding: scores and softmax in fp32, the unnormalized
     probabilities rounded to the activation dtype for P @ V, the fp32 row sum dividing the result."""
     groups = query.shape[1] // key.shape[1]
     key = key.float().repeat_interleave(groups, dim=1)
@@ -43,6 +43,9 @@ def rounded_probs_attention(module, query, key, value, attention_mask, scaling, 
     scores = torch.matmul(query.float(), key.transpose(2, 3)) * scaling
     query_len, key_len = scores.shape[-2:]
     visible = torch.ones(query_len, key_len, dtype=torch.bool, device=scores.device).tril(key_len - query_len)
+    window = kwargs.get("sliding_window")  # Mistral's and Qwen2's sliding layers pass theirs
+    if window is not None:
+        visible &= ~torch.ones_like(visible).tril(key_len - query_len - window)
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
     output = torch.matmul(probs.to(query.dtype).float(), value) / probs.sum(-1, keepdim=True)

@@ -31,24 +31,31 @@ ARCH_DEFAULTS = {
     "qwen2": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False),
     # head_dim 32, not hidden / heads (16): Qwen3's is explicit.
     "qwen3": dict(tie_word_embeddings=True, rope_theta=1000000.0, use_sliding_window=False, head_dim=32),
+    # Every layer slides; a window of 20 (not a block multiple) is shorter than most test prompts.
+    "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=20),
 }
+# Qwen2 with its upper layers sliding (overrides for make_tiny_model(arch="qwen2")): layers from
+# max_window_layers on attend through a window of 12; transformers writes them out as layer_types.
+QWEN2_SLIDING_WINDOW = dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)
 
 
 def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
-    """Save a random tiny HF model (`arch` "llama", "qwen2" or "qwen3") under `tmp_dir`; return its directory.
+    """Save a random tiny HF model (`arch` "llama", "qwen2", "qwen3" or "mistral") under `tmp_dir`; return its
+    directory.
 
     Defaults: vocab 512, hidden 64, 3 layers, 4 heads / 2 KV heads (GQA), head_dim 16, max positions
     512, initializer_range 0.2, bos 1 and no EOS (so generation always runs to its token limit; pass
     `eos_token_id=...` to have one). Llama: untied lm_head. Qwen2: q/k/v bias, tied embeddings,
-    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
+    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Mistral: Llama's layout with a sliding
+    window of 20 on every layer. `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
     except `max_shard_size` (e.g. "100KB"), which is passed to `save_pretrained` to get sharded files.
     Weights are a pure function of (arch, seed, overrides); the directory name is too, so calls with
     different arguments can share one `tmp_dir`.
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     max_shard_size = overrides.pop("max_shard_size", None)
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[arch]
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
     kwargs = {**BASE_CONFIG, **ARCH_DEFAULTS[arch], **overrides}
     digest = hashlib.sha1(
         json.dumps([kwargs, max_shard_size], sort_keys=True, default=str).encode()
