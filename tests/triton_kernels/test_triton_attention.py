@@ -21,7 +21,11 @@ from pagedserve.testing.attention_cases import (
     MIXED_DECODES,
     MIXED_PREFILLS,
     NUM_KV_HEADS,
+    WINDOW_DECODES,
+    WINDOW_PREFILLS,
+    WINDOWS,
     make_case,
+    poison_keys_before_windows,
 )
 
 
@@ -167,25 +171,7 @@ def test_cache_write_places_tokens_and_skips_padding_slots(dtype):
     assert int((~torch.isnan(actual)).any(dim=(-1, -2)).sum()) == 8  # four slots, K and V each
 
 
-# Sliding window and soft-capping. Windows of 1, under, at and over the block size (16) and the tiles
-# (decode 64 keys, prefill 32), and one longer than most contexts; split-KV segments then cut the window.
-WINDOWS = [1, 7, 16, 40, 200]
-WINDOW_DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (45, 1), (300, 1)]
-# Fresh prefills, and chunks over a cached prefix whose windows start inside it: (100, 31) has rows whose
-# window starts at keys 30..60 (W 40), (300, 70) runs every stretch of the prefill's window loop (W 200).
-WINDOW_PREFILLS = [(15, 15), (70, 70), (40, 9), (100, 31), (300, 70), (80, 3), (17, 17)]
-
-
-def poison_keys_before_windows(kv_cache, metadata, window):
-    """NaN into K and V of every position before the window of its sequence's first new token, which no
-    tile may read: a kernel that loops from key 0 (not from the window's start) returns NaN."""
-    poisoned = kv_cache.clone()
-    query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-    for table, seq_len, query_len in zip(metadata.block_tables, metadata.seq_lens, query_lens):
-        first_visible = int(seq_len - query_len) - window + 1
-        for position in range(max(first_visible, 0)):
-            poisoned[:, table[position // BLOCK_SIZE], position % BLOCK_SIZE] = float("nan")
-    return poisoned
+# Sliding window and soft-capping: cases from attention_cases.py (WINDOWS, WINDOW_DECODES, WINDOW_PREFILLS).
 
 
 def assert_window_matches_reference(backend, cases, window, softcap=None, dtype=torch.float32, tolerance=1e-4,
