@@ -14,6 +14,10 @@ Design (KERNELS.md; tuned on an H200 with benchmarks/kernel_bench.py):
   length is computed inside the kernel from `seq_lens`, so the grid depends only on the batch size:
   launches are CUDA-graph capturable with static (bucketed) batch sizes.
 
+- Sliding window (HAS_WINDOW, runtime W) and soft-capping (HAS_SOFTCAP) are constexpr variants: with a
+  window the loop (and the split-KV segments) covers only the window's keys, so a decode costs O(W)
+  (H100, bf16, 32k context, W 4096: 0.11-0.26 of full attention's time; benchmarks/window_attention_bench.py).
+
 Rows of the batch with no query token (query_start_loc[i + 1] == query_start_loc[i]) write nothing; rows
 with `seq_len == 0` (CUDA-graph padding) write zeros.
 """

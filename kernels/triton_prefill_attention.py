@@ -16,6 +16,9 @@ Design (KERNELS.md):
   search over `first_tile(i) = (query_start_loc[i] - query_start_loc[0]) // BLOCK_M + i` and exits if it
   is past its sequence's last tile. So the launch needs no max query length and no host sync.
 
+Sliding window (HAS_WINDOW) and soft-capping (HAS_SOFTCAP) are constexpr variants; with a window a program
+starts at its first row's window start and masks where its rows' windows differ (`_attend_window`).
+
 Measured on an H200 (benchmarks/kernel_bench.py, bf16, 32/8 heads, head_dim 128): 294 TFLOP/s on a
 fresh 4 x 2048 prefill (57% of torch SDPA's FlashAttention on the same dense shapes), 342 on 8 chunks of
 512 over 4k contexts; BLOCK_N 64, 4 warps, 2 stages was the best of the sweep.
