@@ -52,6 +52,31 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _attend_window_stretch(
+    start, end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end, sliding_window,
+    kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
+    running_max, running_sum, acc, scale_log2, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Fold key tiles `start`, `start + BLOCK_N`, ... below `end`; MASKED: each row sees its causal window."""
+    tile = tl.arange(0, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tile
+        in_context = positions < causal_end
+        visible = in_context[None, :]
+        if MASKED:
+            visible = (visible & (positions[None, :] <= query_positions[:, None])
+                       & (positions[None, :] > query_positions[:, None] - sliding_window))
+        running_max, running_sum, acc = attend_paged_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
+            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, MASKED, HAS_SOFTCAP,
+        )
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _attend_window(
     query, key_cache_ptr, value_cache_ptr, table_row, query_positions, first_position, last_position,
     causal_end, sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
@@ -65,40 +90,29 @@ def _attend_window(
     begun (keys from `last_position - W + 1` on), unmasked tiles while every row sees every key (up to the
     first row's position), masked tiles to the causal end. A row may see nothing of a masked tile; the
     online softmax keeps such a row's state at -inf / 0 without NaN."""
-    tile = tl.arange(0, BLOCK_N)
     window_first = tl.maximum(first_position - sliding_window + 1, 0)
     every_row_first = tl.maximum(last_position - sliding_window + 1, 0)
     masked_end = window_first + tl.cdiv(every_row_first - window_first, BLOCK_N) * BLOCK_N
     masked_end = tl.minimum(masked_end, causal_end)
     unmasked_end = masked_end + tl.maximum(first_position + 1 - masked_end, 0) // BLOCK_N * BLOCK_N
-    for tile_start in range(window_first, masked_end, BLOCK_N):
-        positions = tile_start + tile
-        in_context = positions < causal_end
-        visible = (in_context[None, :] & (positions[None, :] <= query_positions[:, None])
-                   & (positions[None, :] > query_positions[:, None] - sliding_window))
-        running_max, running_sum, acc = attend_paged_tile(
-            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
-            stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
-            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
-        )
-    for tile_start in range(masked_end, unmasked_end, BLOCK_N):
-        positions = tile_start + tile
-        running_max, running_sum, acc = attend_paged_tile(
-            query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < causal_end,
-            positions[None, :] < causal_end, kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
-            dims, running_max, running_sum, acc, scale_log2, softcap_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
-        )
-    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
-        positions = tile_start + tile
-        in_context = positions < causal_end
-        visible = (in_context[None, :] & (positions[None, :] <= query_positions[:, None])
-                   & (positions[None, :] > query_positions[:, None] - sliding_window))
-        running_max, running_sum, acc = attend_paged_tile(
-            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
-            stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
-            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
-        )
+    running_max, running_sum, acc = _attend_window_stretch(
+        window_first, masked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+    )
+    running_max, running_sum, acc = _attend_window_stretch(
+        masked_end, unmasked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, False,
+    )
+    running_max, running_sum, acc = _attend_window_stretch(
+        unmasked_end, causal_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+    )
     return running_max, running_sum, acc
 
 

@@ -9,22 +9,14 @@ also those wholly before every window (no freeing of out-of-window blocks yet).
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import QWEN2_SLIDING_WINDOW, make_tiny_model
+from tests.test_e2e_greedy import MAX_TOKENS, _assert_matches_transformers, _generate_all, _prompts
 
-MAX_TOKENS = 24
-PROMPT_LENGTHS = [5, 17, 31, 40, 9, 23, 15, 33, 47, 3, 29, 12, 50, 7, 35, 21]
 SERVERS = {"mistral-recompute": ("mistral", {}, "recompute"), "qwen2-swap": ("qwen2", QWEN2_SLIDING_WINDOW, "swap")}
-
-
-def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(512) for _ in range(PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)])] for i in range(count)]
 
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
@@ -43,21 +35,6 @@ def server(served):
 
 
 pytestmark = pytest.mark.usefixtures("no_block_leaks")
-
-
-def _generate_all(server, prompts: list[list[int]]) -> list:
-    def one(prompt):
-        with server.client() as client:
-            return client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def _assert_matches_transformers(model_dir, prompts, results):
-    for prompt, result in zip(prompts, results):
-        assert list(result.token_ids) == hf_greedy(model_dir, prompt, MAX_TOKENS)
-        assert result.finish_reason == "length" and result.completion_tokens == MAX_TOKENS
 
 
 def test_greedy_past_the_window_matches_transformers_alone_and_concurrently(served):
