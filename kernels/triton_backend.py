@@ -77,10 +77,10 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
     ) -> torch.Tensor:
-        """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros."""
+        """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros.
+        A `sliding_window` or `logit_softcap` selects the kernels' HAS_WINDOW / HAS_SOFTCAP variants (each
+        combination a compile of its own: worker_svc/kernel_warmup.py warms the model's)."""
         assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
-        if sliding_window is not None or logit_softcap is not None:
-            raise NotImplementedError("the Triton attention kernels have no sliding window or soft-capping yet")
         output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
         num_decodes = metadata.num_decode_seqs
@@ -98,6 +98,7 @@ class TritonAttentionBackend:
                 metadata.seq_lens[:num_decodes],
                 metadata.block_tables[:num_decodes],
                 scale, output, num_kv_splits,
+                sliding_window=sliding_window, logit_softcap=logit_softcap,
             )
         if num_decodes < num_seqs:
             triton_prefill_attention.prefill_attention(
@@ -106,5 +107,6 @@ class TritonAttentionBackend:
                 metadata.seq_lens[num_decodes:],
                 metadata.block_tables[num_decodes:],
                 scale, output, num_query_tokens=query.shape[0],
+                sliding_window=sliding_window, logit_softcap=logit_softcap,
             )
         return output

@@ -14,6 +14,10 @@ Design (KERNELS.md; tuned on an H200 with benchmarks/kernel_bench.py):
   length is computed inside the kernel from `seq_lens`, so the grid depends only on the batch size:
   launches are CUDA-graph capturable with static (bucketed) batch sizes.
 
+- Sliding window (HAS_WINDOW, runtime W) and soft-capping (HAS_SOFTCAP) are constexpr variants: with a
+  window the loop (and the split-KV segments) covers only the window's keys, so a decode costs O(W)
+  (H100, bf16, 32k context, W 4096: 0.11-0.26 of full attention's time; benchmarks/window_attention_bench.py).
+
 Rows of the batch with no query token (query_start_loc[i + 1] == query_start_loc[i]) write nothing; rows
 with `seq_len == 0` (CUDA-graph padding) write zeros.
 """
@@ -41,6 +45,8 @@ def _decode_attention_kernel(
     partial_max_ptr,
     partial_sum_ptr,
     scale_log2,
+    softcap_log2,
+    sliding_window,
     num_query_heads,
     stride_q_token,
     stride_q_head,
@@ -60,6 +66,8 @@ def _decode_attention_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HEADS_FASTEST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -87,12 +95,19 @@ def _decode_attention_kernel(
     if UPCAST:
         query = query.to(tl.float32)
 
-    if NUM_KV_SPLITS == 1:
-        context_start = 0
-        context_end = seq_len
+    # The keys the query (at position seq_len - 1) sees: all of them, or the window's last W. Tiles start
+    # at the window's first key (not at 0 nor at a tile boundary), so a decode costs O(W), and every key
+    # of a tile before the last is visible: the window needs no mask.
+    if HAS_WINDOW:
+        window_start = tl.maximum(seq_len - sliding_window, 0)
     else:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_KV_SPLITS)
-        context_start = split * tiles_per_split * BLOCK_N
+        window_start = 0
+    if NUM_KV_SPLITS == 1:
+        context_start = window_start
+        context_end = seq_len
+    else:  # the splits share the window's keys, not the whole context's
+        tiles_per_split = tl.cdiv(tl.cdiv(seq_len - window_start, BLOCK_N), NUM_KV_SPLITS)
+        context_start = window_start + split * tiles_per_split * BLOCK_N
         context_end = tl.minimum(context_start + tiles_per_split * BLOCK_N, seq_len)
         context_end = tl.maximum(context_end, context_start)  # a split past the context is empty
     full_end = context_start + (context_end - context_start) // BLOCK_N * BLOCK_N
@@ -107,8 +122,8 @@ def _decode_attention_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < context_end,
             positions[None, :] < context_end, kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
         )
     if full_end < context_end:
         positions = full_end + tile
@@ -116,8 +131,8 @@ def _decode_attention_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
             in_context[None, :], kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
         )
 
     if NUM_KV_SPLITS == 1:
@@ -209,6 +224,8 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     heads_fastest: bool = True,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Write decode attention of `seq_lens.shape[0]` sequences into `output` [T, Hq, D] in place.
 
@@ -221,6 +238,9 @@ def decode_attention(
     the same blocks rather than one head's rows of many sequences (0.5-1.5% faster on an H200).
     `block_n` defaults to 128 for a single pass over a 16-bit cache (H200, batch 64 x 4k: 4.3 TB/s
     against 3.4 with 64) and 64 otherwise (split segments are short; an fp32 tile is twice as big).
+    `sliding_window` W: the query sees its last W keys only, and only they are read (the split-KV segments
+    cut the window, not the context). `logit_softcap` c: scores become `c * tanh(s / c)`. Each is a
+    constexpr variant (HAS_WINDOW, HAS_SOFTCAP); without them the kernel is the plain one.
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
@@ -249,7 +269,10 @@ def decode_attention(
         query, key_cache, value_cache, output,
         query_start_loc, seq_lens, block_tables,
         partial_acc, partial_max, partial_sum,
-        scale * LOG2_E, num_query_heads,
+        scale * LOG2_E,
+        0.0 if logit_softcap is None else logit_softcap * LOG2_E,
+        0 if sliding_window is None else sliding_window,
+        num_query_heads,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv,
@@ -262,6 +285,8 @@ def decode_attention(
         UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
         DOT_PRECISION=dot_precision(kv_cache.dtype),
         HEADS_FASTEST=heads_fastest,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

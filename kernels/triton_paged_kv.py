@@ -8,6 +8,9 @@ numerically identical and the traps handled in one place:
 - A row that has seen no visible key yet has max = -inf; `exp2(-inf - -inf)` is NaN, so the running max
   used for rescaling is replaced by 0 while it is -inf (the row's probabilities are then exactly 0).
 - Scores are kept in the log2 domain (`scale * log2(e)` folded in) so the kernels use `exp2`.
+- Logit soft-capping (Gemma 2: `c * tanh(s / c)` on the scaled scores, before the mask) is the same
+  function in that domain with the cap `c * log2(e)`, so the kernels take `softcap_log2` and stay in it.
+  tanh is built from exp2 in fp32 (`soft_cap`): libdevice's tanh does not exist in the interpreter.
 
 Cache layout read here: `[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last axis
 (the K or V half of the per-layer `[2, ...]` tensor).
@@ -20,6 +23,15 @@ import triton.language as tl
 
 LOG2_E = 1.4426950408889634  # host side: the kernels take `scale * LOG2_E` and use exp2
 
+
+@triton.jit
+def soft_cap(scores, cap):
+    """`cap * tanh(scores / cap)` in fp32 from exp2: tanh(|x|) = (1 - e^(-2|x|)) / (1 + e^(-2|x|)), which
+    neither overflows nor turns NaN for any finite or infinite score."""
+    x = scores / cap
+    decay = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|); a jit function reads no plain global
+    magnitude = (1.0 - decay) / (1.0 + decay)
+    return cap * tl.where(x < 0, -magnitude, magnitude)
 
 
 @triton.jit
@@ -76,11 +88,14 @@ def online_softmax_step(
     running_sum,
     acc,
     scale_log2,
+    softcap_log2,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Fold one K/V tile into the running state of rows `query` [R, D]; `visible` [R, N] when MASKED.
+    With HAS_SOFTCAP the scaled scores are soft-capped at `softcap_log2` (log2 domain) before the mask.
 
     Returns (running_max, running_sum, acc) with acc unnormalized, all fp32, max in the log2 domain.
     Rounding as flash attention (see kernels/paged_attention_ref.py): the sum takes the fp32
@@ -92,6 +107,8 @@ def online_softmax_step(
         key = key.to(tl.float32)
         value = value.to(tl.float32)
     scores = tl.dot(query, tl.trans(key), input_precision=DOT_PRECISION) * scale_log2
+    if HAS_SOFTCAP:
+        scores = soft_cap(scores, softcap_log2)
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
     new_max = tl.maximum(running_max, tl.max(scores, 1))
@@ -122,12 +139,14 @@ def attend_paged_tile(
     running_sum,
     acc,
     scale_log2,
+    softcap_log2,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """Gather the K/V of context `positions` through the block table and fold them into the state.
 
@@ -139,5 +158,6 @@ def attend_paged_tile(
     key = load_kv_tile(key_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
     value = load_kv_tile(value_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
     return online_softmax_step(
-        query, key, value, visible, running_max, running_sum, acc, scale_log2, UPCAST, DOT_PRECISION, MASKED
+        query, key, value, visible, running_max, running_sum, acc, scale_log2, softcap_log2,
+        UPCAST, DOT_PRECISION, MASKED, HAS_SOFTCAP,
     )

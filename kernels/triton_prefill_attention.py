@@ -16,6 +16,9 @@ Design (KERNELS.md):
   search over `first_tile(i) = (query_start_loc[i] - query_start_loc[0]) // BLOCK_M + i` and exits if it
   is past its sequence's last tile. So the launch needs no max query length and no host sync.
 
+Sliding window (HAS_WINDOW) and soft-capping (HAS_SOFTCAP) are constexpr variants; with a window a program
+starts at its first row's window start and masks where its rows' windows differ (`_attend_window`).
+
 Measured on an H200 (benchmarks/kernel_bench.py, bf16, 32/8 heads, head_dim 128): 294 TFLOP/s on a
 fresh 4 x 2048 prefill (57% of torch SDPA's FlashAttention on the same dense shapes), 342 on 8 chunks of
 512 over 4k contexts; BLOCK_N 64, 4 warps, 2 stages was the best of the sweep.
@@ -49,6 +52,71 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _attend_window_stretch(
+    start, end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end, sliding_window,
+    kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
+    running_max, running_sum, acc, scale_log2, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Fold key tiles `start`, `start + BLOCK_N`, ... below `end`; MASKED: each row sees its causal window."""
+    tile = tl.arange(0, BLOCK_N)
+    for tile_start in range(start, end, BLOCK_N):
+        positions = tile_start + tile
+        in_context = positions < causal_end
+        visible = in_context[None, :]
+        if MASKED:
+            visible = (visible & (positions[None, :] <= query_positions[:, None])
+                       & (positions[None, :] > query_positions[:, None] - sliding_window))
+        running_max, running_sum, acc = attend_paged_tile(
+            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
+            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, MASKED, HAS_SOFTCAP,
+        )
+    return running_max, running_sum, acc
+
+
+@triton.jit
+def _attend_window(
+    query, key_cache_ptr, value_cache_ptr, table_row, query_positions, first_position, last_position,
+    causal_end, sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
+    running_max, running_sum, acc, scale_log2, softcap_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+):
+    """Fold the keys a tile of query rows sees through a sliding window W: the rows' windows start at
+    different keys (row at position p sees p - W + 1 .. p), so the loop starts at the first row's window
+    start and runs three stretches of key tiles from there: masked tiles until every row's window has
+    begun (keys from `last_position - W + 1` on), unmasked tiles while every row sees every key (up to the
+    first row's position), masked tiles to the causal end. A row may see nothing of a masked tile; the
+    online softmax keeps such a row's state at -inf / 0 without NaN."""
+    window_first = tl.maximum(first_position - sliding_window + 1, 0)
+    every_row_first = tl.maximum(last_position - sliding_window + 1, 0)
+    masked_end = window_first + tl.cdiv(every_row_first - window_first, BLOCK_N) * BLOCK_N
+    masked_end = tl.minimum(masked_end, causal_end)
+    unmasked_end = masked_end + tl.maximum(first_position + 1 - masked_end, 0) // BLOCK_N * BLOCK_N
+    running_max, running_sum, acc = _attend_window_stretch(
+        window_first, masked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+    )
+    running_max, running_sum, acc = _attend_window_stretch(
+        masked_end, unmasked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, False,
+    )
+    running_max, running_sum, acc = _attend_window_stretch(
+        unmasked_end, causal_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
+        sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
+        running_sum, acc, scale_log2, softcap_log2,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+    )
+    return running_max, running_sum, acc
+
+
+@triton.jit
 def _prefill_attention_kernel(
     query_ptr,
     key_cache_ptr,
@@ -58,6 +126,8 @@ def _prefill_attention_kernel(
     seq_lens_ptr,
     block_tables_ptr,
     scale_log2,
+    softcap_log2,
+    sliding_window,
     num_seqs,
     stride_q_token,
     stride_q_head,
@@ -75,6 +145,8 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
     head = tl.program_id(1)
@@ -112,24 +184,32 @@ def _prefill_attention_kernel(
     running_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     tile = tl.arange(0, BLOCK_N)
-    for tile_start in range(0, unmasked_end, BLOCK_N):
-        positions = tile_start + tile
-        running_max, running_sum, acc = attend_paged_tile(
-            query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < seq_len,
-            positions[None, :] < seq_len, kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False,
+    if HAS_WINDOW:
+        running_max, running_sum, acc = _attend_window(
+            query, key_cache_ptr, value_cache_ptr, table_row, query_positions, context_before + row_start,
+            context_before + tl.minimum(row_start + BLOCK_M, query_len) - 1, causal_end, sliding_window, kv_head,
+            stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
+            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP,
         )
-    for tile_start in range(unmasked_end, causal_end, BLOCK_N):
-        positions = tile_start + tile
-        in_context = positions < causal_end
-        visible = in_context[None, :] & (positions[None, :] <= query_positions[:, None])
-        running_max, running_sum, acc = attend_paged_tile(
-            query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
-            visible, kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True,
-        )
+    else:
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            positions = tile_start + tile
+            running_max, running_sum, acc = attend_paged_tile(
+                query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < seq_len,
+                positions[None, :] < seq_len, kv_head, stride_cache_block, stride_cache_token,
+                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
+            )
+        for tile_start in range(unmasked_end, causal_end, BLOCK_N):
+            positions = tile_start + tile
+            in_context = positions < causal_end
+            visible = in_context[None, :] & (positions[None, :] <= query_positions[:, None])
+            running_max, running_sum, acc = attend_paged_tile(
+                query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
+                visible, kv_head, stride_cache_block, stride_cache_token,
+                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
+            )
 
     output = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
@@ -152,6 +232,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> None:
     """Write causal attention of `seq_lens.shape[0]` sequences' query chunks into `output` in place.
 
@@ -161,7 +243,9 @@ def prefill_attention(
     bound on the tokens these sequences own (e.g. T minus the decode tokens before them); it only sizes
     the grid. `block_n` defaults to 64 key tokens a tile for 16-bit caches and 32 for fp32 ones (an
     fp32 64 x 64 x 128 pipeline would not fit in shared memory); it, `num_warps` and `num_stages` are
-    tuning knobs (benchmarks/kernel_bench.py --sweep).
+    tuning knobs (benchmarks/kernel_bench.py --sweep). `sliding_window` W and `logit_softcap` c are
+    constexpr variants (HAS_WINDOW, HAS_SOFTCAP) as in decode_attention; with a window a tile reads the
+    keys from its first row's window start on (O(W + BLOCK_M) keys, not the whole prefix).
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
@@ -176,7 +260,10 @@ def prefill_attention(
     _prefill_attention_kernel[(num_tiles, num_query_heads)](
         query, key_cache, value_cache, output,
         query_start_loc, seq_lens, block_tables,
-        scale * LOG2_E, num_seqs,
+        scale * LOG2_E,
+        0.0 if logit_softcap is None else logit_softcap * LOG2_E,
+        0 if sliding_window is None else sliding_window,
+        num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=num_query_heads // num_kv_heads,
@@ -187,6 +274,8 @@ def prefill_attention(
         BLOCK_N=block_n,
         UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
         DOT_PRECISION=dot_precision(kv_cache.dtype),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=logit_softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

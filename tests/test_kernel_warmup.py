@@ -41,3 +41,38 @@ def test_warm_up_runs_each_batch_shape_and_writes_no_kv(tmp_path):
     assert {(shape[0], len(shape[1]) - shape[0]) for shape in shapes} == set(fitting)
     assert {q for shape in shapes for q in shape[1][shape[0]:]} == {16, 17}
     assert all(torch.equal(a, b) for a, b in zip(kv_caches, before))
+
+
+def test_warm_up_launches_every_attention_variant_a_windowed_model_serves(tmp_path):
+    """Each (window, soft-cap) variant is its own compile of the Triton kernels: warm-up runs the whole model,
+    so each layer's variant meets every decode split class and the prefill kernel before serving. Qwen2 with
+    layer 0 full and layers 1-2 sliding; serving = greedy decoding with chunked prefills, mixed batches."""
+    from kernels.attention_backend import TorchReferenceBackend
+    from pagedserve.testing.paged_runner import greedy_generate_paged
+    from pagedserve.testing.tiny_models import QWEN2_SLIDING_WINDOW
+
+    launched: set[tuple] = set()
+
+    class RecordingBackend(TorchReferenceBackend):
+        def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None):
+            query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
+            decodes = metadata.num_decode_seqs
+            if decodes is None:
+                decodes = next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens))
+            if decodes:
+                splits = choose_num_kv_splits(decodes, kv_cache.shape[3])
+                launched.add(("decode", splits, sliding_window, logit_softcap))
+            if decodes < len(query_lens):
+                launched.add(("prefill", sliding_window, logit_softcap))
+            return super().paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap)
+
+    path = make_tiny_model(tmp_path, arch="qwen2", seed=0, **QWEN2_SLIDING_WINDOW)
+    model, config = load_model(path, torch.float32, "cpu", attention_backend=RecordingBackend())
+    kv_caches = make_kv_caches(config, num_blocks=4, block_size=16)
+    kernel_warmup.warm_up_kernels(model, kv_caches, 16, 8, 8, torch.device("cpu"))
+    warmed = set(launched)
+    launched.clear()
+    prompts = [[3 + i] * length for i, length in enumerate((5, 30, 47, 2, 19, 26, 40, 11))]
+    greedy_generate_paged(model, config, prompts, 4, prefill_chunk=13)
+    assert {variant[-2] for variant in launched} == {None, 12}
+    assert launched <= warmed, launched - warmed

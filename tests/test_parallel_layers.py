@@ -13,7 +13,7 @@ from torch import nn
 
 from pagedserve.free_port import free_port
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
-from pagedserve.testing.tiny_models import OPT_350M_OVERRIDES, make_tiny_model
+from pagedserve.testing.tiny_models import OPT_350M_OVERRIDES, QWEN2_SLIDING_WINDOW, make_tiny_model
 from worker_svc.layers.checkpoint_tensor import CheckpointTensor
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -114,6 +114,16 @@ def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, k
     else:
         model_dir = make_tiny_model(tmp_path, arch, num_key_value_heads=kv_heads)
     prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 5, 480, 2, 61, 99, 100, 3, 4, 8]]
+    run_ranks(_check_model, str(model_dir), prompts)
+
+
+@pytest.mark.parametrize("arch,overrides", [("mistral", {}), ("qwen2", QWEN2_SLIDING_WINDOW)], ids=["mistral", "qwen2"])
+def test_sharded_windowed_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, overrides):
+    """Mistral (window 20) and Qwen2 (window 12 from layer 1 on) over two ranks, prompts longer than the
+    windows: each rank's heads attend through the same window."""
+    model_dir = make_tiny_model(tmp_path, arch, **overrides)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (29, 45)]
     run_ranks(_check_model, str(model_dir), prompts)
 
 

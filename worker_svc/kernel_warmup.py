@@ -11,6 +11,11 @@ specializations of a mixed step: a leading decode range of every size class the 
 the metadata after an odd number of decodes are less aligned); and prefill-only batches with chunks of 16
 or 17 tokens, with or without earlier tokens in the cache.
 
+Each pass runs the whole model, so every attention variant its layers use (the kernels' HAS_WINDOW /
+HAS_SOFTCAP constexprs: Mistral's sliding layers, Qwen2's full and sliding ones, Gemma's soft-cap) meets every
+batch shape above; the decode graphs' eager warm-up and capture (decode_graphs.py) likewise run every layer.
+A model without windows compiles exactly the plain variants, as before.
+
 The batches write no K/V (every slot is -1) and read block 0 only, whatever it holds: results are discarded.
 """
 

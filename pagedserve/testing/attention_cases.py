@@ -27,6 +27,14 @@ MIXED_DECODES = [(1, 1), (16, 1), (17, 1), (150, 1)]
 MIXED_PREFILLS = [(15, 15), (1, 1), (70, 70), (40, 9), (100, 31), (33, 17), (16, 16), (17, 17), (80, 3)]
 MIXED = MIXED_DECODES + MIXED_PREFILLS
 
+# Sliding window and soft-capping. Windows of 1, under, at and over the block size (16) and the tiles
+# (decode 64 keys, prefill 32), and one longer than most contexts; split-KV segments then cut the window.
+WINDOWS = [1, 7, 16, 40, 200]
+WINDOW_DECODES = [(1, 1), (15, 1), (16, 1), (17, 1), (45, 1), (300, 1)]
+# Fresh prefills, and chunks over a cached prefix whose windows start inside it: (100, 31) has rows whose
+# window starts at keys 30..60 (W 40), (300, 70) runs every stretch of the prefill's window loop (W 200).
+WINDOW_PREFILLS = [(15, 15), (70, 70), (40, 9), (100, 31), (300, 70), (80, 3), (17, 17)]
+
 
 def make_case(cases, group_size, head_dim, dtype, num_padding_tokens=0, seed=0, device="cpu"):
     """(query, kv_cache, metadata) with each context's old part cached and its new part written.
@@ -61,3 +69,15 @@ def make_case(cases, group_size, head_dim, dtype, num_padding_tokens=0, seed=0, 
         num_decode_seqs=count_leading_decodes(metadata),
     )
     return query.to(device), kv_cache.to(device), metadata
+
+
+def poison_keys_before_windows(kv_cache, metadata, window):
+    """NaN into K and V of every position before the window of its sequence's first new token, which no
+    tile may read: a kernel that loops from key 0 (not from the window's start) returns NaN."""
+    poisoned = kv_cache.clone()
+    query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+    for table, seq_len, query_len in zip(metadata.block_tables, metadata.seq_lens, query_lens):
+        first_visible = int(seq_len - query_len) - window + 1
+        for position in range(max(first_visible, 0)):
+            poisoned[:, table[position // BLOCK_SIZE], position % BLOCK_SIZE] = float("nan")
+    return poisoned

@@ -42,6 +42,8 @@ ARCH_DEFAULTS = {
     # values the random scores reach (greedy output changes without the attention cap); 3 gives each layer
     # type its own rope base. Smaller initializers: sqrt(hidden)-scaled embeddings at 0.2 saturate the
     # caps and the output repeats one token.
+    # Every layer slides; a window of 20 (not a block multiple) is shorter than most test prompts.
+    "mistral": dict(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=20),
     "gemma": dict(head_dim=16, hidden_act="gelu_pytorch_tanh"),
     # Phi-3 with longrope whose original context (24) the tests' prompts and generations pass, so both factor
     # sets are used; fused qkv_proj / gate_up_proj in the checkpoint.
@@ -73,10 +75,13 @@ OPT_CONFIG = dict(
 
 
 CONFIG_CLASSES = {
-    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+    "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig",
     "gemma": "GemmaConfig", "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "opt": "OPTConfig",
     "mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig", "phi3": "Phi3Config",
 }
+# Qwen2 with its upper layers sliding (overrides for make_tiny_model(arch="qwen2")): layers from
+# max_window_layers on attend through a window of 12; transformers writes them out as layer_types.
+QWEN2_SLIDING_WINDOW = dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)
 
 
 def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
@@ -85,7 +90,8 @@ def make_tiny_model(tmp_dir, arch="llama", seed=0, **overrides) -> Path:
     Defaults: vocab 512, hidden 64, 3 layers, 4 heads / 2 KV heads (GQA), head_dim 16, max positions
     512, initializer_range 0.2, bos 1 and no EOS (so generation always runs to its token limit; pass
     `eos_token_id=...` to have one). Llama: untied lm_head. Qwen2: q/k/v bias, tied embeddings,
-    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Gemma 1/2/3, Mixtral, Qwen3-MoE: see
+    rope_theta 1e6. Qwen3: q/k norms, head_dim 32, tied embeddings. Mistral: Llama's layout with a sliding
+    window of 20 on every layer. Gemma 1/2/3, Mixtral, Qwen3-MoE: see
     ARCH_DEFAULTS (the MoE router's initializer_range 0.2 spreads the tokens over the experts); OPT: OPT_CONFIG.
     `overrides` are config keys (e.g. `rope_scaling={...}`, `num_hidden_layers=2`),
     except `max_shard_size` (e.g. "100KB"), which is passed to `save_pretrained` to get sharded files.

@@ -21,7 +21,11 @@ from pagedserve.testing.attention_cases import (
     MIXED_DECODES,
     MIXED_PREFILLS,
     NUM_KV_HEADS,
+    WINDOW_DECODES,
+    WINDOW_PREFILLS,
+    WINDOWS,
     make_case,
+    poison_keys_before_windows,
 )
 
 
@@ -165,3 +169,68 @@ def test_cache_write_places_tokens_and_skips_padding_slots(dtype):
     TritonAttentionBackend().write_kv_cache(key, value, actual, slots)
     assert torch.equal(actual.nan_to_num(7.0), expected.nan_to_num(7.0))
     assert int((~torch.isnan(actual)).any(dim=(-1, -2)).sum()) == 8  # four slots, K and V each
+
+
+# Sliding window and soft-capping: cases from attention_cases.py (WINDOWS, WINDOW_DECODES, WINDOW_PREFILLS).
+
+
+def assert_window_matches_reference(backend, cases, window, softcap=None, dtype=torch.float32, tolerance=1e-4,
+                                    num_padding_tokens=0):
+    query, kv_cache, metadata = make_case(cases, 4, 64, dtype, num_padding_tokens=num_padding_tokens)
+    scale = 64**-0.5
+    expected = paged_attention(query, kv_cache, metadata, scale, window, softcap)
+    poisoned = kv_cache if window is None else poison_keys_before_windows(kv_cache, metadata, window)
+    output = backend.paged_attention(query, poisoned, metadata, scale, window, softcap)
+    assert not torch.isnan(output).any()
+    torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    return query, kv_cache, metadata, expected
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_decode_reads_only_the_window(window, num_kv_splits):
+    query, kv_cache, metadata, expected = assert_window_matches_reference(
+        TritonAttentionBackend(decode_kv_splits=num_kv_splits), WINDOW_DECODES, window
+    )
+    assert not torch.allclose(expected, paged_attention(query, kv_cache, metadata, 64**-0.5))  # the window cut
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_prefill_and_chunks_over_a_cached_prefix(window):
+    assert_window_matches_reference(TritonAttentionBackend(), WINDOW_PREFILLS, window)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 16], ids=["single_pass", "split_kv"])
+def test_sliding_window_in_a_mixed_batch_with_padding(num_kv_splits):
+    assert_window_matches_reference(
+        TritonAttentionBackend(decode_kv_splits=num_kv_splits), MIXED, 24, num_padding_tokens=3
+    )
+
+
+@pytest.mark.parametrize("window", [None, 16], ids=["softcap", "softcap_and_window"])
+@pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["single_pass", "split_kv"])
+def test_logit_softcap_alone_and_with_a_window(window, num_kv_splits):
+    cases = [(17, 1), (300, 1), (70, 70), (100, 31)]
+    query, kv_cache, metadata, expected = assert_window_matches_reference(
+        TritonAttentionBackend(decode_kv_splits=num_kv_splits), cases, window, softcap=0.5
+    )
+    uncapped = paged_attention(query, kv_cache, metadata, 64**-0.5, window)
+    assert (expected - uncapped).abs().max() > 0.1  # a cap of 0.5 changes the scores
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 16], ids=["single_pass", "split_kv"])
+def test_window_and_softcap_in_bfloat16_through_the_interpreter_upcast(num_kv_splits):
+    assert_window_matches_reference(
+        TritonAttentionBackend(decode_kv_splits=num_kv_splits), MIXED, 24, softcap=2.0, dtype=torch.bfloat16,
+        tolerance=2e-2, num_padding_tokens=2,
+    )
+
+
+def test_softcap_of_huge_and_infinite_scores_is_finite():
+    """tanh from exp2 (the interpreter has no libdevice) must saturate, never overflow to NaN."""
+    query, kv_cache, metadata = make_case([(40, 1), (33, 17)], 1, 64, torch.float32)
+    query = query * 1e30
+    output = TritonAttentionBackend().paged_attention(query, kv_cache, metadata, 64**-0.5, None, 5.0)
+    expected = paged_attention(query, kv_cache, metadata, 64**-0.5, None, 5.0)
+    assert not torch.isnan(output).any()
+    torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)

@@ -14,7 +14,7 @@ from kernels.layer_ops import LayerOps, triton_layer_ops
 from kernels.triton_backend import TritonAttentionBackend
 from pagedserve.testing.hf_reference import bf16_prefill_errors
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
-from pagedserve.testing.tiny_models import make_tiny_model
+from pagedserve.testing.tiny_models import QWEN2_SLIDING_WINDOW, make_tiny_model
 from worker_svc.models.model_loader import load_model
 
 
@@ -65,6 +65,23 @@ def test_triton_kernel_set_rounds_where_transformers_rounds_in_bf16(arch, tmp_pa
     for prompt, logits in zip(prompts, ours):
         ours_vs_hf, hf_bf16_vs_fp32 = bf16_prefill_errors(path, prompt, logits)
         assert ours_vs_hf < 0.1 * hf_bf16_vs_fp32, (len(prompt), ours_vs_hf, hf_bf16_vs_fp32)
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["single_pass", "split_kv"])
+@pytest.mark.parametrize("arch,overrides", [("mistral", {}), ("qwen2", QWEN2_SLIDING_WINDOW)], ids=["mistral", "qwen2"])
+def test_triton_windowed_model_matches_transformers_past_the_window(arch, overrides, num_kv_splits, tmp_path):
+    """Mistral (window 20 on every layer) and Qwen2 (full layer 0, window 12 above) on the Triton kernels:
+    prompts and a chunked prefill past the window, then decodes past it, equal transformers' tokens."""
+    from pagedserve.testing.hf_reference import hf_greedy
+
+    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2, **overrides)
+    model, config = load_model(path, torch.float32, "cpu",
+                               attention_backend=TritonAttentionBackend(decode_kv_splits=num_kv_splits),
+                               layer_ops=triton_layer_ops())
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (41, 26)]
+    ours = greedy_generate_paged(model, config, prompts, max_new_tokens=6, prefill_chunk=13)
+    assert ours == [hf_greedy(path, prompt, 6) for prompt in prompts]
 
 
 def counting(ops: LayerOps, calls: Counter) -> LayerOps:

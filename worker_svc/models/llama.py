@@ -1,4 +1,4 @@
-"""Native Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral without sliding window, Qwen2).
+"""Native Llama-family decoder (Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2; sliding windows per layer).
 
 Why our own modules instead of transformers' modeling code: the worker runs a flattened token axis (no
 batch dimension, no padding) against a paged KV cache described by AttentionMetadata, and attention goes
