@@ -104,17 +104,23 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
 # ReLU are torch's, its positions learned (no layer op at all: only the Triton attention runs).
 FAMILY_CALLS = {
     "gemma": {"gemma_rms_norm": 5, "rotary_embedding": 2, "gelu_and_mul": 2},
+    # Sandwich norms (4 a layer), windowed layers (8 tokens) and soft-caps through the Triton attention;
+    # Gemma 3 adds its q/k norms.
+    "gemma2": {"gemma_rms_norm": 9, "rotary_embedding": 2, "gelu_and_mul": 2},
+    "gemma3": {"gemma_rms_norm": 13, "rotary_embedding": 2, "gelu_and_mul": 2},
     "opt": {},
     "phi3": {"rms_norm": 5, "rotary_embedding": 2, "silu_and_mul": 2},
 }
 # Phi-3's original context below the prompt (21): longrope's long table, read through the offset rows.
-FAMILY_OVERRIDES = {"phi3": {"original_max_position_embeddings": 16}}
+TWO_LAYER_TYPES = {"layer_types": ["sliding_attention", "full_attention"]}
+FAMILY_OVERRIDES = {"phi3": {"original_max_position_embeddings": 16}, "gemma2": TWO_LAYER_TYPES,
+                    "gemma3": TWO_LAYER_TYPES}
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILY_CALLS))
 def test_triton_kernel_set_other_families_match_transformers(arch, tmp_path):
-    """Prefill logits and greedy tokens of Gemma, OPT (biased q/k/v, no rotary) and Phi-3 (longrope) on the
-    Triton set."""
+    """Prefill logits and greedy tokens of Gemma 1/2/3, OPT (biased q/k/v, no rotary) and Phi-3 (longrope) on
+    the Triton set."""
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2, **FAMILY_OVERRIDES.get(arch, {}))
