@@ -38,6 +38,27 @@ SHAPES = {
         sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh",
     ),
+    "mistral-7b": dict(
+        config_class="MistralConfig", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+        rope_theta=10_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=4096,
+    ),
+    "gemma-3-4b": dict(
+        config_class="Gemma3TextConfig", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208, tie_word_embeddings=True,
+        max_position_embeddings=131072, rms_norm_eps=1e-6, query_pre_attn_scalar=256, sliding_window=1024,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}},
+    ),
+    # Phi-3-mini-128k's widths and longrope (its 48 short and long factors replaced by a smooth ramp).
+    "phi-3-mini-128k": dict(
+        config_class="Phi3Config", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32064, tie_word_embeddings=False,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, rms_norm_eps=1e-5, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10_000.0,
+                         "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                         "long_factor": [1.0 + 0.9 * i for i in range(48)]},
+    ),
     "opt-125m": dict(
         config_class="OPTConfig", hidden_size=768, ffn_dim=3072, num_hidden_layers=12, num_attention_heads=12,
         vocab_size=50272, max_position_embeddings=2048, word_embed_proj_dim=768, do_layer_norm_before=True,
@@ -59,7 +80,8 @@ SHAPES = {
 ARCHITECTURES = {
     "Qwen2Config": "Qwen2ForCausalLM", "LlamaConfig": "LlamaForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
     "Gemma2Config": "Gemma2ForCausalLM", "OPTConfig": "OPTForCausalLM", "Qwen3MoeConfig": "Qwen3MoeForCausalLM",
-    "MixtralConfig": "MixtralForCausalLM",
+    "MixtralConfig": "MixtralForCausalLM", "MistralConfig": "MistralForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM", "Phi3Config": "Phi3ForCausalLM",
 }
 
 
