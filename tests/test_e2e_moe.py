@@ -5,15 +5,14 @@ recompute, one server per model shared by the module's cases."""
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import make_tiny_model
+from tests.test_e2e_greedy import MAX_TOKENS, _generate_all  # one server's greedy requests, as there
 
-MAX_TOKENS = 24
 NUM_KV_BLOCKS = 12  # of 16 tokens: any one request fits (at most 70 + 24 tokens), sixteen at once do not
 
 
@@ -24,15 +23,6 @@ def served(request, tmp_path_factory):
     with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--num-kv-blocks",
                         str(NUM_KV_BLOCKS), "--max-num-batched-tokens", "24") as server:
         yield model, server
-
-
-def _greedy(server, prompts: list[list[int]]) -> list:
-    def one(prompt):
-        with server.client() as client:
-            return client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
 
 
 def _assert_matches_transformers(model, prompts, results) -> None:
@@ -47,7 +37,7 @@ def test_concurrent_requests_sharing_a_prefix_hit_the_cache_and_equal_transforme
     prefix = [rng.randrange(512) for _ in range(40)]
     prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(1, 20))] for _ in range(5)]
     before = server.wait_all_blocks_free()
-    results = _greedy(server, prompts[:1]) + _greedy(server, prompts[1:])  # the first fills the cache
+    results = _generate_all(server, prompts[:1]) + _generate_all(server, prompts[1:])  # the first fills the cache
     after = server.wait_all_blocks_free()
     _assert_matches_transformers(model, prompts, results)
     assert after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens >= 4 * 32
@@ -60,7 +50,7 @@ def test_greedy_equals_transformers_under_preemption(served):
     prompts = [[rng.randrange(512) for _ in range(length)] for length in (5, 17, 31, 40, 9, 23, 15, 33, 47, 3,
                                                                            29, 12, 50, 7, 35, 70)]
     before = server.wait_all_blocks_free()
-    results = _greedy(server, prompts)
+    results = _generate_all(server, prompts)
     after = server.wait_all_blocks_free()
     _assert_matches_transformers(model, prompts, results)
     assert after.num_preemptions > before.num_preemptions, "the pool was meant to force preemption"
