@@ -39,7 +39,8 @@ from client.sync_client import Client
 from client.types import GenerationResult
 from pagedserve.free_port import free_port
 
-Prompt = str | Sequence[int]
+# vLLM's prompt forms: text, token ids, {"prompt": text} (TextPrompt) or {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | Sequence[int] | Mapping[str, Any]
 Conversation = Sequence[Mapping[str, str]]
 _READY_POLL_S = 1.0
 _STOP_TIMEOUT_S = 30.0
@@ -81,12 +82,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[GenerationResult]:
-        """Generates for every prompt (text, or a list of token ids; one prompt or a list of them) at once;
-        returns one GenerationResult per prompt, in prompt order. `sampling_params`: one for all, or one per
-        prompt; None takes the server's defaults. A failed request raises the SDK's typed error."""
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        """Generates for every prompt at once (one prompt or a list of them, each in one of vLLM's forms: text,
+        token ids, {"prompt": text} or {"prompt_token_ids": ids}); returns one GenerationResult per prompt, in
+        prompt order. `sampling_params`: one for all, or one per prompt; None takes the server's defaults. A
+        prompt dict with any other key (multi_modal_data, ...) raises ValueError naming it; a failed request
+        raises the SDK's typed error."""
+        if isinstance(prompts, (str, Mapping)) or (isinstance(prompts, Sequence) and prompts
+                                                   and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [dict(prompt=prompt) for prompt in prompts]
+        requests = [dict(prompt=prompt_of(prompt)) for prompt in prompts]
         return self._run_all(requests, sampling_params, use_tqdm)
 
     def chat(
@@ -156,6 +160,27 @@ class LLM:
     def _log_tail(self) -> str:
         with open(self.log_path, errors="replace") as log:
             return log.read()[-4000:]
+
+
+def prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids of one prompt in any of vLLM's forms; ValueError naming what is not supported."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, Mapping):
+        unsupported = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if unsupported:
+            raise ValueError(f"prompt keys {unsupported} are not supported (a prompt dict holds 'prompt' or "
+                             "'prompt_token_ids')")
+        if len(prompt) != 1:
+            raise ValueError("a prompt dict holds exactly one of 'prompt' (text) and 'prompt_token_ids'")
+        if "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError("'prompt' in a prompt dict is text; token ids go in 'prompt_token_ids'")
+            return prompt["prompt"]
+        return prompt_of(list(prompt["prompt_token_ids"]))
+    if isinstance(prompt, Sequence) and all(isinstance(token, int) for token in prompt):
+        return list(prompt)
+    raise ValueError(f"a prompt is text, token ids or a prompt dict, not {type(prompt).__name__}")
 
 
 def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:

@@ -52,6 +52,21 @@ def test_one_sampling_params_applies_to_every_prompt_and_n_returns_n_outputs(llm
     assert [o.token_ids for o in again[0].outputs] == [o.token_ids for o in results[0].outputs]  # seeded
 
 
+def test_vllms_prompt_dicts_are_the_prompts_they_hold(llm):
+    """{"prompt_token_ids": ids} (vLLM's TokensPrompt), alone or among other forms, generates from those ids,
+    not from the text of the key; a dict with anything else is refused naming the key."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    plain = llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+    as_dicts = llm.generate([{"prompt_token_ids": [5, 6, 7]}, [8, 9]], params, use_tqdm=False)
+    single = llm.generate({"prompt_token_ids": (8, 9)}, params, use_tqdm=False)
+    assert [r.token_ids for r in as_dicts] == [r.token_ids for r in plain]
+    assert single[0].token_ids == plain[1].token_ids and single[0].prompt_tokens == 2
+    for bad, message in [({"prompt_token_ids": [5], "multi_modal_data": {}}, "multi_modal_data"),
+                         ({"prompt": [5, 6]}, "prompt_token_ids"), ({}, "exactly one"), (3.5, "float")]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([bad], params, use_tqdm=False)
+
+
 def test_a_refused_prompt_raises_the_typed_error(llm):
     from client import InvalidRequestError
 
