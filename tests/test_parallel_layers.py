@@ -108,7 +108,8 @@ def test_sharded_model_gives_the_single_rank_logits_and_tokens(tmp_path, arch, k
     embeddings, Qwen3 with its q/k norms, Gemma 2 (soft-caps, windows) and 3 (q/k norms, rope per layer type);
     OPT (no GQA: its 4 heads split; biases, learned positions and LayerNorms replicated, 350m's projections);
     Mixtral and Qwen3-MoE with every expert's intermediate dim split (and Qwen3-MoE's dense layer); Phi-3 with
-    each rank's q/k/v and gate/up rows taken from the fused checkpoint tensors; vocab 512 split by rows; prefill and chunked greedy decode through the paged cache."""
+    each rank's q/k/v and gate/up rows taken from the fused checkpoint tensors; vocab 512 split by rows;
+    prefill and chunked greedy decode through the paged cache."""
     if arch == "opt":
         model_dir = make_tiny_model(tmp_path, "opt", **OPT_350M_OVERRIDES)
     else:

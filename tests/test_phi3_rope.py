@@ -100,7 +100,8 @@ def test_rope_scaling_types_equal_transformers(tmp_path, name):
     prompts = prompts_of([6, 30])
     for prompt, logits in zip(prompts, prefill_logits_paged(model, config, prompts)):
         torch.testing.assert_close(logits, hf_logits(path, prompt), atol=1e-4, rtol=1e-4)
-    assert greedy_generate_paged(model, config, prompts, 10, prefill_chunk=7) == [hf_greedy(path, p, 10) for p in prompts]
+    expected = [hf_greedy(path, prompt, 10) for prompt in prompts]
+    assert greedy_generate_paged(model, config, prompts, 10, prefill_chunk=7) == expected
 
 
 BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,

@@ -32,7 +32,8 @@ class ModelConfig:
     config.json as read (empty for GGUF), so adding an architecture does not touch this file.
     `attention_bias` means q/k/v projections have a bias (Qwen2); for "llama" it also gives o_proj one,
     as in HF's LlamaAttention. `rope_scaling` is None or the scaling parameters (linear, llama3, yarn,
-    longrope: `parse_hf_rope`) as sorted (key, value) pairs (hashable; see `rope_scaling_params`). `eos_token_ids` is a tuple (HF allows int or list).
+    longrope: `parse_hf_rope`) as sorted (key, value) pairs (hashable; see `rope_scaling_params`).
+    `eos_token_ids` is a tuple (HF allows int or list).
     `layer_types` gives each layer's attention ("full_attention" or "sliding_attention", as transformers
     names them); `sliding_window` is the window of the sliding ones (None when no layer slides): a query
     at position p sees keys p - sliding_window + 1 .. p.
