@@ -44,6 +44,7 @@ SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gatewa
 def serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
+    keep_prefix_cache_exact(args, model.path)
     model_argv = [] if args.model is None else ["--model", args.model]
     ray_group = None
     if args.distributed_executor_backend == "ray":
@@ -193,6 +194,22 @@ def refuse_unfit_tensor_parallel(args, model_path) -> None:
         refusal = gpus_refusal(size, first_gpu_index(args.device), torch.cuda.device_count())
     if refusal is not None:
         raise SystemExit(f"pagedserve: {refusal}")
+
+
+def keep_prefix_cache_exact(args, model_path) -> None:
+    """Turns prefix caching off for a longrope model (Phi-3's 128k variants): its cached keys are rotated with
+    the short or the long factors depending on the length of the sequence that computed them
+    (worker_svc/layers/rotary_embedding.py), so another sequence could reuse keys of the other set."""
+    if not args.enable_prefix_caching:
+        return
+    try:
+        scaling = ModelConfig.from_path(model_path).rope_scaling_params()
+    except (ValueError, FileNotFoundError) as error:  # a model we cannot serve: one line, before any child
+        raise SystemExit(f"pagedserve: {error}") from None
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        print("pagedserve: prefix caching is off for this model: its longrope keys depend on the sequence's length",
+              file=sys.stderr, flush=True)
+        args.enable_prefix_caching = False
 
 
 def rank_devices(args) -> list[str]:
