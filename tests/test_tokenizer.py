@@ -197,6 +197,29 @@ def test_vocab_and_merges_directory_matches_transformers(tmp_path, add_bos_token
     assert ours.eos_token_ids == (2,)
 
 
+def test_gpt2_defaults_fill_special_tokens_the_configs_leave_out(tmp_path):
+    directory = write_opt_tokenizer(tmp_path)
+    (directory / "special_tokens_map.json").unlink()
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    ours, reference = load_tokenizer(str(directory)), transformers.AutoTokenizer.from_pretrained(directory)
+    for text in ["<|endoftext|> ends", "plain text"]:
+        assert ours.encode(text) == reference.encode(text)
+    assert ours.decode(ours.encode("a <|endoftext|> b")) == reference.decode(reference.encode("a <|endoftext|> b"),
+                                                                            skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("configs, message", [
+    ({"tokenizer_config.json": {"tokenizer_class": "RobertaTokenizer"}}, "tokenizer_class 'RobertaTokenizer'"),
+    ({"tokenizer_config.json": {}, "config.json": {"model_type": "roberta"}}, "model_type 'roberta'"),
+])
+def test_other_vocab_and_merges_tokenizers_are_refused_naming_the_key(tmp_path, configs, message):
+    directory = write_opt_tokenizer(tmp_path)
+    for name, content in configs.items():
+        (directory / name).write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        load_tokenizer(str(directory))
+
+
 # ---- sentencepiece-style ("llama") GGUF ----
 
 

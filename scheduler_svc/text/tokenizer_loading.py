@@ -16,7 +16,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from scheduler_svc.text.gguf_tokenizer import load_gguf_tokenizer
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer, TokenizerSpec
-from scheduler_svc.text.vocab_merges_tokenizer import has_vocab_and_merges, vocab_merges_backend
+from scheduler_svc.text.vocab_merges_tokenizer import (
+    GPT2_SPECIAL_TOKEN_DEFAULTS,
+    check_gpt2_tokenizer,
+    has_vocab_and_merges,
+    vocab_merges_backend,
+)
 
 
 def load_tokenizer(model_path: str) -> Tokenizer | None:
@@ -47,11 +52,15 @@ def _load_directory_tokenizer(directory: str) -> Tokenizer | None:
     config = _read_json(os.path.join(directory, "tokenizer_config.json"))
     # Older repos keep the special tokens in special_tokens_map.json; tokenizer_config.json wins where both say.
     token_map = {**_read_json(os.path.join(directory, "special_tokens_map.json")), **config}
+    from_vocab_merges = not os.path.isfile(tokenizer_file)
+    if from_vocab_merges:  # GPT2Tokenizer: its defaults for the named tokens the configs leave out
+        check_gpt2_tokenizer(config, _read_json(os.path.join(directory, "config.json")))
+        token_map = {**GPT2_SPECIAL_TOKEN_DEFAULTS, **token_map}
     special_tokens = {name: _token_content(token_map[name]) for name in NAMED_SPECIAL_TOKENS if token_map.get(name)}
-    if os.path.isfile(tokenizer_file):
-        backend = BackendTokenizer.from_file(tokenizer_file)
-    else:
+    if from_vocab_merges:
         backend = vocab_merges_backend(directory, config, special_tokens)
+    else:
+        backend = BackendTokenizer.from_file(tokenizer_file)
     extra = token_map.get("extra_special_tokens") or token_map.get("additional_special_tokens") or ()
     if isinstance(extra, dict):  # transformers 5 may store {name: token}
         extra = list(extra.values())

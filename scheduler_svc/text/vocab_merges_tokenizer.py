@@ -7,7 +7,13 @@ or end-of-word suffix and no unknown token; the ByteLevel pre-tokenizer (`add_pr
 tokenizer_config.json, default false) and decoder; and a post-processor that adds the BOS token before a
 sequence when the config's `add_bos_token` is true (OPT: "</s>", id 2) and the EOS after it when
 `add_eos_token` is (both default false, as for GPT-2). The named special tokens become special added tokens in
-`Tokenizer` (tokenizer.py), as for every directory.
+`Tokenizer` (tokenizer.py), as for every directory; those the configs leave out take GPT2Tokenizer's default,
+"<|endoftext|>".
+
+Which directories: tokenizer_config.json's `tokenizer_class` must be GPT2Tokenizer(Fast); without one, config.json's
+`model_type` must be one transformers' AutoTokenizer maps to GPT2Tokenizer. Other vocab/merges tokenizers
+(RoBERTa's, CodeGen's) differ in pre-tokenizer or post-processor and are refused naming the key: their ids
+would otherwise be silently wrong.
 """
 
 from __future__ import annotations
@@ -20,10 +26,25 @@ from tokenizers import decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 VOCAB_FILE, MERGES_FILE = "vocab.json", "merges.txt"
+GPT2_TOKENIZER_CLASSES = ("GPT2Tokenizer", "GPT2TokenizerFast")
+GPT2_MODEL_TYPES = ("gpt2", "gpt_neo", "gptj", "opt")  # AutoTokenizer's GPT2Tokenizer families
+GPT2_SPECIAL_TOKEN_DEFAULTS = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
 
 
 def has_vocab_and_merges(directory: str) -> bool:
     return all(os.path.isfile(os.path.join(directory, name)) for name in (VOCAB_FILE, MERGES_FILE))
+
+
+def check_gpt2_tokenizer(tokenizer_config: dict[str, Any], model_config: dict[str, Any]) -> None:
+    """Raise unless the configs name GPT-2's tokenizer (see the module docstring)."""
+    named = tokenizer_config.get("tokenizer_class")
+    if named is not None and named not in GPT2_TOKENIZER_CLASSES:
+        raise ValueError(f"tokenizer_class {named!r} from vocab.json + merges.txt (no tokenizer.json) is not "
+                         f"supported; supported: {list(GPT2_TOKENIZER_CLASSES)}")
+    if named is None and model_config.get("model_type") not in GPT2_MODEL_TYPES:
+        raise ValueError(f"no tokenizer.json, and vocab.json + merges.txt of model_type "
+                         f"{model_config.get('model_type')!r} is not supported; supported: {list(GPT2_MODEL_TYPES)} "
+                         "(or tokenizer_class GPT2Tokenizer)")
 
 
 def vocab_merges_backend(directory: str, config: dict[str, Any], special_tokens: dict[str, str]) -> BackendTokenizer:
