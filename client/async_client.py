@@ -18,6 +18,7 @@ from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request
+from client.request_metrics import RequestClock
 from client.retry import RetryBudget, RetryPolicy
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
@@ -78,10 +79,11 @@ class AsyncClient:
         messages: Sequence[Mapping[str, str]] | None = None,
         **sampling: Any,
     ) -> GenerationResult:
-        """The whole generation at once: the concatenated stream."""
+        """The whole generation at once: the concatenated stream, with the client's RequestMetrics."""
+        clock = RequestClock()
         stream = self.generate_stream(prompt, messages=messages, **sampling)
         try:
-            return GenerationResult.from_chunks([chunk async for chunk in stream])
+            return GenerationResult.from_chunks([clock.saw(chunk) async for chunk in stream], clock.metrics())
         finally:
             await stream.aclose()
 

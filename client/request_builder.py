@@ -17,7 +17,8 @@ SAMPLING_KEYWORDS = frozenset(
     {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
      "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
-     "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority"}
+     "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
+     "return_prompt"}
 )
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
@@ -35,9 +36,9 @@ def build_generate_request(
     (a string or a list of them), stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty,
     early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
     bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
-    skip_special_tokens, spaces_between_special_tokens; and the request's own request_id and priority
-    (lower first). Raises TypeError for any other keyword or a malformed prompt, ValueError for a malformed
-    chat message.
+    skip_special_tokens, spaces_between_special_tokens; and the request's own request_id, priority
+    (lower first) and return_prompt (the result carries the prompt's text and token ids). Raises TypeError
+    for any other keyword or a malformed prompt, ValueError for a malformed chat message.
     """
     unknown = sorted(set(sampling) - SAMPLING_KEYWORDS)
     if unknown:
@@ -51,6 +52,8 @@ def build_generate_request(
         request.request_id = given.pop("request_id")
     if "priority" in given:
         request.priority = given.pop("priority")
+    if "return_prompt" in given:
+        request.return_prompt = bool(given.pop("return_prompt"))
     stop = given.pop("stop", [])
     if stop:
         request.sampling.stop.extend([stop] if isinstance(stop, str) else stop)

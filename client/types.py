@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from client.request_metrics import RequestMetrics
 from protos.pagedserve.v1 import generate_pb2
 
 _FINISH_REASONS = {
@@ -75,6 +76,10 @@ class GenerateChunk:
     # sequence's first chunk, one per prompt token from the second on.
     token_logprobs: tuple[TokenLogprobs, ...] = ()
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    # With the return_prompt keyword, on a sequence's first chunk: the prompt as the model saw it (a chat as
+    # rendered; "" for token ids) and its token ids. None otherwise.
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @classmethod
     def from_response(cls, response: generate_pb2.GenerateResponse) -> GenerateChunk:
@@ -92,6 +97,8 @@ class GenerateChunk:
             logprobs=tuple(response.logprobs),
             token_logprobs=tuple(TokenLogprobs.from_message(m) for m in response.token_logprobs),
             prompt_logprobs=tuple(TokenLogprobs.from_message(m) for m in response.prompt_logprobs),
+            prompt=response.prompt if response.prompt_token_ids else None,
+            prompt_token_ids=tuple(response.prompt_token_ids) if response.prompt_token_ids else None,
         )
 
 
@@ -130,17 +137,30 @@ class GenerationResult:
     prompt_tokens: int | None
     completion_tokens: int | None
     outputs: tuple[CompletionOutput, ...] = ()
+    # With the return_prompt keyword (the offline LLM always asks): the prompt as the model saw it (a chat as
+    # its template rendered it; None for a token-id prompt, as vLLM's) and its token ids.
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    # When it was sent, got its first and last token, and ended, as the client saw it (Client.generate sets it).
+    metrics: RequestMetrics | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence ended (vLLM's RequestOutput.finished); always true for a whole generation."""
+        return bool(self.outputs) and all(output.finish_reason is not None for output in self.outputs)
 
     @classmethod
-    def from_chunks(cls, chunks: Iterable[GenerateChunk]) -> GenerationResult:
+    def from_chunks(cls, chunks: Iterable[GenerateChunk], metrics: RequestMetrics | None = None) -> GenerationResult:
         texts: dict[int, list[str]] = {}
         token_ids: dict[int, list[int]] = {}
         logprobs: dict[int, list[float]] = {}
         ranked: dict[int, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[int, tuple[TokenLogprobs | None, ...]] = {}
         last: dict[int, GenerateChunk] = {}
-        request_id, prompt_tokens = "", None
+        request_id, prompt_tokens, prompt, prompt_token_ids = "", None, None, None
         for chunk in chunks:
+            if chunk.prompt_token_ids is not None:
+                prompt, prompt_token_ids = chunk.prompt or None, chunk.prompt_token_ids
             texts.setdefault(chunk.index, []).append(chunk.text)
             token_ids.setdefault(chunk.index, []).extend(chunk.token_ids)
             logprobs.setdefault(chunk.index, []).extend(chunk.logprobs)
@@ -174,6 +194,9 @@ class GenerationResult:
             prompt_tokens=prompt_tokens,
             completion_tokens=first.completion_tokens if first else None,
             outputs=outputs,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            metrics=metrics,
         )
 
 

@@ -6,9 +6,11 @@ Every arrow runs down from here: this package imports the services (scheduler_sv
 SDK (client) and the bottom floor (service_runtime); nothing below imports it (tests/test_import_layers.py).
 
     from pagedserve import LLM, SamplingParams   # as `from vllm import LLM, SamplingParams`
+    from pagedserve import BeamSearchParams      # as `from vllm.sampling_params import BeamSearchParams`
 """
 
 from client.sampling_params import SamplingParams
+from pagedserve.beam_search import BeamSearchParams
 from pagedserve.llm import LLM
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams"]

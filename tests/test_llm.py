@@ -9,7 +9,7 @@ import random
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.llm import server_argv
+from pagedserve.private_server import server_argv
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 
@@ -67,6 +67,36 @@ def test_vllms_prompt_dicts_are_the_prompts_they_hold(llm):
             llm.generate([bad], params, use_tqdm=False)
 
 
+def test_results_carry_vllms_request_output_fields(llm, capsys):
+    """prompt_token_ids (None text for an ids prompt, as vLLM's), finished, and the client's metrics in time
+    order; the progress bar reports vLLM's token speeds."""
+    results = llm.generate([[5, 6, 7], {"prompt_token_ids": [9, 10]}], SamplingParams(temperature=0.0, max_tokens=4))
+    assert [r.prompt_token_ids for r in results] == [(5, 6, 7), (9, 10)]
+    assert [r.prompt for r in results] == [None, None]
+    for result in results:
+        assert result.finished
+        metrics = result.metrics
+        assert metrics.arrival_time <= metrics.first_token_time <= metrics.last_token_time <= metrics.finished_time
+    progress = capsys.readouterr().err
+    assert "Processed prompts" in progress and "est. speed input:" in progress and "output:" in progress
+
+
+def test_beam_search_returns_the_servers_beams_with_the_prompt_best_first(llm):
+    from pagedserve import BeamSearchParams
+
+    outputs = llm.beam_search([[5, 6, 7], {"prompt_token_ids": [8, 9]}], BeamSearchParams(beam_width=3, max_tokens=5))
+    from client import Client
+
+    with Client(llm.target) as client:
+        direct = client.generate([5, 6, 7], beam_width=3, n=3, max_tokens=5, temperature=0.0)
+    assert len(outputs) == 2 and all(len(output.sequences) == 3 for output in outputs)
+    assert [s.tokens for s in outputs[0].sequences] == [(5, 6, 7, *o.token_ids) for o in direct.outputs]
+    assert [s.cum_logprob for s in outputs[0].sequences] == pytest.approx([o.cumulative_logprob for o in direct.outputs], abs=1e-3)
+    assert all(s.tokens[:2] == (8, 9) for s in outputs[1].sequences)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.beam_search([[5]], BeamSearchParams(beam_width=2, max_tokens=2, temperature=0.5))
+
+
 def test_a_refused_prompt_raises_the_typed_error(llm):
     from client import InvalidRequestError
 
@@ -104,9 +134,16 @@ def test_chat_renders_each_conversation_with_the_template_in_order():
         with Client(smollm2.target) as client:
             expected = [client.generate(messages=conversation, temperature=0.0, max_tokens=12)
                         for conversation in conversations]
+        text = smollm2.generate("The capital of France is", params, use_tqdm=False)[0]
+        tokenizer = smollm2.get_tokenizer()
     assert [r.text for r in results] == [e.text for e in expected]
     assert "Paris" in results[0].text
     assert [r.text for r in single] == [results[0].text]
+    # vLLM's RequestOutput.prompt: the text as sent, or the conversation as its template rendered it.
+    assert text.prompt == "The capital of France is"
+    assert list(text.prompt_token_ids) == tokenizer.encode("The capital of France is")
+    rendered = tokenizer.apply_chat_template(conversations[0], tokenize=False, add_generation_prompt=True)
+    assert results[0].prompt == rendered and len(results[0].prompt_token_ids) == results[0].prompt_tokens
 
 
 def test_each_output_carries_its_tokens_logprobs_streamed_or_ranked(llm):

@@ -25,7 +25,7 @@ import pytest
 
 from pagedserve.cli import build_parser
 from pagedserve.launcher import _scheduler_argv, worker_rank_argvs
-from pagedserve.llm import server_argv
+from pagedserve.private_server import server_argv
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import REPO_ROOT, free_port, launched_server, running_server
 from pagedserve.testing.tiny_models import make_tiny_model

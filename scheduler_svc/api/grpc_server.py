@@ -119,6 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         queue = engine.submit(request_id, validated, request.priority)
+        prompt = _PromptEcho(request, validated.prompt_token_ids, self._tokenizer) if request.return_prompt else None
         ended = False
         try:
             while not ended:
@@ -132,7 +133,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         ended = True
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")
                     else:
-                        yield _response(request_id, item, self._tokenizer)
+                        response = _response(request_id, item, self._tokenizer)
+                        if prompt is not None:
+                            prompt.fill_first(response)
+                        yield response
         finally:
             if not ended:  # cancelled, disconnected or past its deadline
                 engine.abort(request_id)
@@ -187,6 +191,31 @@ def _response(request_id: str, delta: OutputDelta, tokenizer: Tokenizer | None) 
         response.usage.completion_tokens = delta.completion_tokens
         response.cumulative_logprob = delta.cumulative_logprob
     return response
+
+
+class _PromptEcho:
+    """return_prompt: the prompt goes out once per sequence, on that sequence's first message.
+
+    The text is the prompt as the model saw it: a text prompt as sent, a chat as its template rendered it (the
+    ids decoded with special tokens kept, so exactly the tokens the model read), and empty for token ids.
+    """
+
+    def __init__(self, request: generate_pb2.GenerateRequest, token_ids: list[int], tokenizer: Tokenizer | None):
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            self._text = request.text
+        elif kind == "chat" and tokenizer is not None:
+            self._text = tokenizer.decode(token_ids, skip_special_tokens=False)
+        else:
+            self._text = ""
+        self._token_ids = token_ids
+        self._sent: set[int] = set()
+
+    def fill_first(self, response: generate_pb2.GenerateResponse) -> None:
+        if response.index not in self._sent:
+            self._sent.add(response.index)
+            response.prompt = self._text
+            response.prompt_token_ids.extend(self._token_ids)
 
 
 def _token_logprobs(entry: TokenLogprob, tokenizer: Tokenizer | None) -> generate_pb2.TokenLogprobs:

@@ -1,0 +1,111 @@
+"""The private `pagedserve serve` process behind an offline `LLM`: its command line, start, readiness and stop.
+
+Why a separate process and not the engine in-process: the engine is the scheduler and worker processes (the
+scheduler never imports torch; the worker owns the device), so the offline path runs exactly the code that
+serves online. The server listens on a free loopback port with no HTTP gateway and dies with its owner (or
+the interpreter) at the latest; its log is kept on disk only when it failed, for the post-mortem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from client.sync_client import Client
+from pagedserve.free_port import free_port
+
+_READY_POLL_S = 1.0
+_STOP_TIMEOUT_S = 30.0
+# Options the private server sets itself: where it listens, and that it serves no HTTP.
+_RESERVED_OPTIONS = frozenset({"host", "port", "http_port", "grpc_host", "grpc_port", "enable_http", "help"})
+
+
+class PrivateServer:
+    """Owns one `pagedserve serve` child process on a free loopback port (`target`)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._log = tempfile.NamedTemporaryFile(prefix="pagedserve-llm-", suffix=".log", delete=False)
+        self.log_path = self._log.name
+        port = free_port()
+        self.target = f"127.0.0.1:{port}"
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-http",
+             *argv],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        self._finalizer = weakref.finalize(self, _stop_server, self._process, self._log, self.log_path)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def wait_ready(self, client: Client, timeout: float) -> None:
+        """Returns once the server is SERVING; RuntimeError with its log if it exits or is not ready in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"pagedserve serve exited with code {self._process.returncode}:\n{self.log_tail()}")
+            try:
+                client.wait_ready(timeout=min(_READY_POLL_S, max(deadline - time.monotonic(), 0.01)))
+                return
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"pagedserve serve was not ready in {timeout:g} s:\n{self.log_tail()}") from None
+
+    def log_tail(self) -> str:
+        with open(self.log_path, errors="replace") as log:
+            return log.read()[-4000:]
+
+    def stop(self) -> None:
+        """SIGTERM, then kill after 30 s. Idempotent."""
+        self._finalizer()
+
+
+def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
+    """`pagedserve serve` flags for LLM's keywords, checked against the real parser (so a misspelt or
+    unknown option fails here, naming the known ones, rather than in the child)."""
+    from pagedserve.cli import build_parser
+
+    serve = _serve_parser(build_parser())
+    actions = {action.dest: action for action in serve._actions if action.option_strings}
+    argv = [] if model is None else ["--model", str(model)]
+    for name, value in options.items():
+        action = actions.get(name)
+        if action is None or name in _RESERVED_OPTIONS:
+            known = ", ".join(sorted(set(actions) - _RESERVED_OPTIONS - {"model"}))
+            raise TypeError(f"unknown server option {name!r}; known: {known}")
+        flag = action.option_strings[0]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if bool(value) != action.default:  # the flag flips the default; the default needs no flag
+                argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise RuntimeError("pagedserve's parser has no serve command")
+
+
+def _stop_server(process: subprocess.Popen, log, log_path: str) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    log.close()
+    if process.returncode == 0:
+        os.unlink(log_path)  # kept when the server failed, for the post-mortem
