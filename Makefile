@@ -9,6 +9,9 @@ GENERATED := $(PROTOS:.proto=_pb2.py)
 PROMPT ?= What is the capital of France?
 ARGS ?=
 PYTEST_ARGS ?=
+# Test processes: the e2e tests spend much of their time waiting on their servers' processes, so more
+# processes than the 2 CI cores still shorten the run (measured in README.md, "Tests").
+TEST_WORKERS ?= 3
 
 .PHONY: install protos serve test demo compose-smoke clean
 
@@ -36,7 +39,7 @@ demo: install
 	$(PY) -m pagedserve.demo "$(PROMPT)" $(ARGS)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Builds the image and brings the CPU compose profile up for real (root, Docker; see the script's header).
 compose-smoke:
