@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -131,15 +132,19 @@ def test_phi3_through_the_processes(phi3, tmp_path):
     prompts.append(prompts[5][:16] + [rng.randrange(3, 512)])  # the long prompt's first two blocks, short
     lengths = [12, 12, 12, 12, 12, 10, 6]  # each within the original context (24) or past it from the start
 
-    def one(server, prompt, max_tokens):
+    together = threading.Barrier(len(prompts) - 1)  # the six arrive in one step, so decode growth must preempt
+
+    def one(server, prompt, max_tokens, barrier=None):
         with server.client() as client:
+            if barrier is not None:
+                barrier.wait(timeout=120)
             return client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     with running_server(tmp_path, "--model", str(path), "--block-size", "8", "--num-kv-blocks", "8",
                         "--preemption-mode", "recompute") as server:
         results = [one(server, prompts[0], lengths[0])]
         with ThreadPoolExecutor(6) as pool:
-            results += list(pool.map(lambda args: one(server, *args), zip(prompts[1:], lengths[1:])))
+            results += list(pool.map(lambda args: one(server, *args, together), zip(prompts[1:], lengths[1:])))
         stats = server.wait_all_blocks_free()
     assert [list(r.token_ids) for r in results] == [hf_greedy(path, p, n) for p, n in zip(prompts, lengths)]
     assert stats.num_preemptions > 0 and stats.prefix_cache_hit_tokens == 0
