@@ -226,8 +226,9 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class LatencyHistogram:
-    """A latency histogram in seconds (mirrors the LatencyHistogram message): `counts[i]` observations fell
-    in (upper_bounds[i-1], upper_bounds[i]]; the last count, one past `upper_bounds`, is the +Inf bucket."""
+    """A fixed-bucket histogram (mirrors the LatencyHistogram message; seconds, or a count for the token and
+    parameter histograms): `counts[i]` observations fell in (upper_bounds[i-1], upper_bounds[i]]; the last
+    count, one past `upper_bounds`, is the +Inf bucket."""
 
     upper_bounds: tuple[float, ...]
     counts: tuple[int, ...]
@@ -242,8 +243,9 @@ class LatencyHistogram:
 @dataclass(frozen=True)
 class ServerStats:
     """Scheduler counters at one moment (mirrors GetStatsResponse): queue lengths, KV and swap blocks,
-    preemptions, steps and finished requests since the server started; prompt and generated token totals
-    and latency histograms (time to first token, time per output token, end to end)."""
+    preemptions, steps and finished requests since the server started; prompt and generated token totals,
+    finished requests by reason, and histograms per request (latencies from admission, phase times, sizes)
+    and per step (scheduled tokens). The field comments of GetStatsResponse say what each measures."""
 
     num_running: int
     num_waiting: int
@@ -264,6 +266,19 @@ class ServerStats:
     time_to_first_token: LatencyHistogram
     time_per_output_token: LatencyHistogram
     e2e_request_latency: LatencyHistogram
+    num_finished_stop: int
+    num_finished_length: int
+    num_finished_abort: int
+    inter_token_latency: LatencyHistogram
+    request_queue_time: LatencyHistogram
+    request_prefill_time: LatencyHistogram
+    request_decode_time: LatencyHistogram
+    request_inference_time: LatencyHistogram
+    request_prompt_tokens: LatencyHistogram
+    request_generation_tokens: LatencyHistogram
+    request_params_n: LatencyHistogram
+    request_params_max_tokens: LatencyHistogram
+    iteration_tokens: LatencyHistogram
 
     @classmethod
     def from_response(cls, response: generate_pb2.GetStatsResponse) -> ServerStats:

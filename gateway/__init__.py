@@ -9,5 +9,5 @@ Layout: config.py (flags), app.py (routes, auth, error handlers), server.py (uvi
 backend.py (the AsyncClient to the scheduler), protocol.py (OpenAI request bodies), sampling.py (OpenAI fields -> SDK keywords), completions.py and
 chat_completions.py (the two generation endpoints), choices.py (assembling choices and logprobs from
 stream chunks), streaming.py (SSE and client-disconnect handling), errors.py (OpenAI's error shape),
-metrics.py (Prometheus exposition).
+metrics.py (Prometheus exposition), vllm_metrics.py (its vLLM-named families).
 """

@@ -26,6 +26,7 @@ from gateway.errors import OpenAIError, invalid_api_key, invalid_request
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.streaming import ClientDisconnected
+from gateway.vllm_metrics import ServedModel
 
 # Not an HTTP status a client ever reads (it has gone): nginx's "client closed request", for the access log.
 _CLIENT_CLOSED_REQUEST = 499
@@ -73,9 +74,10 @@ def build_app(config: GatewayConfig) -> FastAPI:
     async def metrics() -> Response:
         try:
             stats = await backend.client.stats()
+            served = ServedModel(*await backend.served_model())
         except PagedServeError:
-            stats = None
-        return Response(render_metrics(stats), media_type=CONTENT_TYPE)
+            stats = served = None
+        return Response(render_metrics(stats, served), media_type=CONTENT_TYPE)
 
     _install_error_handlers(app, backend)
     return app

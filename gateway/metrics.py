@@ -6,7 +6,10 @@ no counters of its own that could drift from them; each scrape builds a private 
 snapshot. When the scheduler does not answer, only `pagedserve_scheduler_up 0` is exported, so an alert can
 tell "down" from "idle".
 
-Names follow vLLM's metrics under the `pagedserve_` prefix; histograms are in seconds.
+Two sets of families, from the same snapshot: vLLM's `vllm:*` (gateway/vllm_metrics.py), labelled with the
+served model name, for vLLM's dashboards and alerts; and pagedserve's own unlabelled `pagedserve_*`, kept
+beside them because existing alerts use them and some have no vLLM counterpart (scheduler_up, swap-pool
+usage, swapped-out blocks, steps). Histograms are in seconds.
 """
 
 from __future__ import annotations
@@ -14,24 +17,28 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from client.types import LatencyHistogram, ServerStats
+from client.types import ServerStats
+from gateway.vllm_metrics import ServedModel, histogram_family, used_fraction, vllm_families
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _StatsSnapshot(Collector):
-    def __init__(self, stats: ServerStats | None) -> None:
+    def __init__(self, stats: ServerStats | None, served: ServedModel | None) -> None:
         self._stats = stats
+        self._served = served
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats
+        up = stats is not None and self._served is not None
         yield GaugeMetricFamily("pagedserve_scheduler_up", "1 when the scheduler answered GetStats for this scrape",
-                                value=0 if stats is None else 1)
-        if stats is None:
+                                value=1 if up else 0)
+        if not up:
             return
+        yield from vllm_families(stats, self._served)
         yield GaugeMetricFamily("pagedserve_num_requests_running", "Requests scheduled in the running batch",
                                 value=stats.num_running)
         yield GaugeMetricFamily("pagedserve_num_requests_waiting", "Requests waiting for admission",
@@ -39,9 +46,9 @@ class _StatsSnapshot(Collector):
         yield GaugeMetricFamily("pagedserve_num_requests_swapped", "Requests preempted to the host swap pool",
                                 value=stats.num_swapped)
         yield GaugeMetricFamily("pagedserve_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0 to 1)",
-                                value=_used_fraction(stats.num_kv_blocks, stats.num_free_kv_blocks))
+                                value=used_fraction(stats.num_kv_blocks, stats.num_free_kv_blocks))
         yield GaugeMetricFamily("pagedserve_swap_space_usage_ratio", "Fraction of swap-pool blocks in use (0 to 1)",
-                                value=_used_fraction(stats.num_swap_blocks, stats.num_free_swap_blocks))
+                                value=used_fraction(stats.num_swap_blocks, stats.num_free_swap_blocks))
         yield GaugeMetricFamily("pagedserve_num_kv_blocks", "KV-cache blocks in the pool", value=stats.num_kv_blocks)
         yield GaugeMetricFamily("pagedserve_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / prompt tokens looked up, since start",
@@ -70,24 +77,12 @@ class _StatsSnapshot(Collector):
              stats.e2e_request_latency),
         )
         for name, documentation, histogram in histograms:
-            yield _histogram(name, documentation, histogram)
+            yield histogram_family(name, documentation, histogram)
 
 
-def render_metrics(stats: ServerStats | None) -> bytes:
-    """The exposition text for one scrape; `stats` None: the scheduler did not answer."""
+def render_metrics(stats: ServerStats | None, served: ServedModel | None) -> bytes:
+    """The exposition text for one scrape; `stats` or `served` None: the scheduler did not answer."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_StatsSnapshot(stats))
+    registry.register(_StatsSnapshot(stats, served))
     return generate_latest(registry)
 
-
-def _used_fraction(total: int, free: int) -> float:
-    return (total - free) / total if total else 0.0
-
-
-def _histogram(name: str, documentation: str, histogram: LatencyHistogram) -> HistogramMetricFamily:
-    buckets, cumulative = [], 0
-    for upper_bound, count in zip(histogram.upper_bounds, histogram.counts):
-        cumulative += count
-        buckets.append((repr(float(upper_bound)), cumulative))
-    buckets.append(("+Inf", histogram.count))
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.sum)

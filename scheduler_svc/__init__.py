@@ -13,7 +13,7 @@ Its parts, each a sub-package whose docstring says what it owns and what it may 
   queue each group's stream reads.
 - api/: the gRPC edge (servicer, access control, request validation and size limits, delta coalescing).
 
-Beside them: engine.py (the event loop: schedule, send, receive, update, publish), metrics.py, config.py
+Beside them: engine.py (the event loop: schedule, send, receive, update, publish), metrics/, config.py
 (the one frozen config), service.py (wires the parts and runs the process), main.py (the entry point of
 `python -m scheduler_svc`). Imports of protos/ and service_runtime/ are allowed; worker_svc, kernels,
 gateway, client and pagedserve are not. tests/test_import_layers.py holds these rules.

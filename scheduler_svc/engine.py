@@ -16,7 +16,7 @@ import random
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler_svc.core.request import Request
+from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.groups.beam_search import BeamSearch
@@ -80,7 +80,7 @@ class Engine:
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
         self.step_timer = StepTimer("scheduler")
-        self._metrics = ServingMetrics()  # metrics: token totals and latency histograms (GetStats)
+        self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
 
     # -- called by gRPC handlers -------------------------------------------------------------------------
 
@@ -109,7 +109,7 @@ class Engine:
         else:
             group_class = SingleSequence
         group = group_class(request_id, root, self._context)
-        self._metrics.on_admitted(request_id, root.num_prompt_tokens)  # metrics
+        self._metrics.on_admitted(request_id, root.num_prompt_tokens, sampling.n, sampling.max_tokens)  # metrics
         self._groups[request_id] = group
         self._inbox.append(group)
         self._wake.set()
@@ -193,6 +193,8 @@ class Engine:
         timer.mark("encode")
         await self._link.send_plan(plan)
         timer.mark("send")
+        self._metrics.on_scheduled([data.request_id for data in output.new_requests],  # metrics
+                                   output.total_num_scheduled_tokens, self._context.owners)
 
     async def _apply_result(self, output: SchedulerOutput) -> None:
         timer = self.step_timer
@@ -255,8 +257,8 @@ class Engine:
             if group is None:
                 continue
             group.on_step(request, outcome)
-            if group.finished:
-                self._forget(group, completed=True)
+            if group.finished:  # the request that ended it says why (a beam row may not: STOP)
+                self._forget(group, request.finish_reason or FinishReason.STOP)
         self._flush_streams()
 
     def _flush_streams(self) -> None:
@@ -268,11 +270,11 @@ class Engine:
             if index % k == turn:
                 group.queue.flush()
 
-    def _forget(self, group: RequestGroup, completed: bool = False) -> None:
+    def _forget(self, group: RequestGroup, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
             self._num_finished += 1
-            self._metrics.on_request_end(group.request_id, completed)  # metrics
+            self._metrics.on_request_end(group.request_id, finish_reason)  # metrics
 
     def fail_all(self, failure: BaseException) -> None:
         """Ends every request in flight with `failure` (gRPC: UNAVAILABLE) and refuses new ones."""

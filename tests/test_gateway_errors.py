@@ -174,6 +174,12 @@ def test_metrics_render_the_scheduler_stats(fake, gateway_url):
     assert ttft.type == "histogram"
     buckets = {sample.labels["le"]: sample.value for sample in ttft.samples if sample.name.endswith("_bucket")}
     assert buckets == {"0.5": 1.0, "1.0": 1.0, "+Inf": 1.0}  # cumulative
+    # vLLM's families, labelled with the model's own name when the gateway has no --served-model-name.
+    vllm = {family.name: family for family in families.values() if family.name.startswith("vllm:")}
+    assert {sample.labels["model_name"] for family in vllm.values() for sample in family.samples} == {"fake-model"}
+    success = {sample.labels["finished_reason"]: sample.value for sample in vllm["vllm:request_success"].samples}
+    assert success == {"stop": STATS.num_finished_stop, "length": STATS.num_finished_length,
+                       "abort": STATS.num_finished_abort}
 
 
 def test_a_client_leaving_a_stream_cancels_the_grpc_stream(fake, gateway_url):

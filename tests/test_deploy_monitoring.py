@@ -1,0 +1,65 @@
+"""The monitoring deploy files: docker-compose.yml's `monitoring` profile (Prometheus + Grafana on the host
+network, mounting deploy/), the Prometheus scrape config and Grafana's provisioning. No docker here: the
+files are parsed and cross-checked (what compose mounts exists, Prometheus scrapes the gateway's default
+port, Grafana's provider path is where compose mounts the dashboard). That the dashboard only queries
+exported metrics is checked against a live /metrics in test_metrics.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_the_monitoring_profile_runs_prometheus_and_grafana_on_the_host_network_beside_the_stack():
+    services = _compose()["services"]
+    monitoring = {name: service for name, service in services.items() if "monitoring" in service.get("profiles", ())}
+    assert set(monitoring) == {"prometheus", "grafana"}
+    assert monitoring["prometheus"]["image"].startswith("prom/prometheus:")
+    assert monitoring["grafana"]["image"].startswith("grafana/grafana:")
+    for service in monitoring.values():
+        assert service["network_mode"] == "host"
+    assert all("profiles" not in services[name] for name in ("scheduler", "worker", "gateway"))  # not optional
+
+
+def test_every_file_the_monitoring_profile_mounts_exists_and_grafana_finds_its_dashboard():
+    compose = _compose()
+    mounts: dict[str, str] = {}
+    for name in ("prometheus", "grafana"):
+        for volume in compose["services"][name]["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), source
+                mounts[target] = source
+            else:
+                assert source in compose["volumes"], f"named volume {source} is not declared"
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    assert mounts["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    provider = yaml.safe_load((provisioning / "dashboards" / "pagedserve.yml").read_text())["providers"][0]
+    dashboard_dir = provider["options"]["path"]
+    mounted_dashboards = [source for target, source in mounts.items() if target.startswith(dashboard_dir + "/")]
+    assert mounted_dashboards == ["./deploy/grafana/pagedserve-dashboard.json"]
+    json.loads((ROOT / mounted_dashboards[0]).read_text())
+    prometheus_config = mounts["/etc/prometheus/prometheus.yml"]
+    assert prometheus_config == "./deploy/prometheus.yml"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in compose["services"]["prometheus"]["command"]
+
+
+def test_prometheus_scrapes_the_gateways_metrics_and_grafana_reads_that_prometheus():
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    job = config["scrape_configs"][0]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["127.0.0.1:8000"]  # the gateway's default --port
+    command = _compose()["services"]["prometheus"]["command"]
+    listen = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--web.listen-address="))
+    datasources = yaml.safe_load((ROOT / "deploy" / "grafana" / "provisioning" / "datasources" /
+                                  "prometheus.yml").read_text())["datasources"]
+    assert [(source["type"], source["url"], source["isDefault"]) for source in datasources] == [
+        ("prometheus", f"http://{listen}", True)]
