@@ -20,6 +20,7 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.api.delta_coalescing import coalesce, take_ready
 from scheduler_svc.api.request_limits import RequestLimitError
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
+from scheduler_svc.api.tokenization import detokenize, tokenize
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.token_logprobs import TokenLogprob
 from scheduler_svc.core.validated_request import InvalidRequestError
@@ -164,6 +165,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             has_tokenizer=tokenizer is not None,
             has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
         )
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
+        model = self._model
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        try:
+            return await tokenize(request, self._tokenizer, model.limits.vocab_size, model.limits.max_model_len,
+                                  model.limits.request_limits)
+        except (InvalidRequestError, RequestLimitError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        await _refuse_malformed(request, context)
+        model = self._model
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        try:
+            return detokenize(request, self._tokenizer, model.limits.vocab_size)
+        except InvalidRequestError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
         await _refuse_malformed(request, context)
