@@ -8,7 +8,6 @@ the prompt index, so scheduler logs and Abort calls can be matched to the HTTP r
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -19,6 +18,7 @@ from gateway.backend import Backend
 from gateway.choices import ChoiceLog, completion_logprobs, usage
 from gateway.errors import invalid_request
 from gateway.protocol import CompletionRequest
+from gateway.request_ids import base_request_id
 from gateway.sampling import completion_keywords
 from gateway.streaming import collect_streams, event_stream, start_streams
 
@@ -27,7 +27,7 @@ async def create_completion(body: CompletionRequest, request: Request, backend: 
     model_name, _ = await backend.model_for(body.model)
     keywords = completion_keywords(body)
     prompts = _prompts(body.prompt)
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    completion_id = f"cmpl-{base_request_id(request, body.request_id)}"
     try:
         streams = [backend.client.generate_stream(prompt, request_id=f"{completion_id}-{index}", **keywords)
                    for index, prompt in enumerate(prompts)]
