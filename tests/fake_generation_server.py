@@ -79,6 +79,19 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     async def GetStats(self, request, context):
         return STATS
 
+    async def Tokenize(self, request, context):
+        """Records the request; ids 1..n for a text of n words (or [9] for a chat)."""
+        self.requests.append(request)
+        ids = list(range(1, len(request.text.split()) + 1)) if request.HasField("text") else [9]
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=MODEL_INFO.max_model_len,
+                                             token_strs=[f"t{i}" for i in ids] if request.return_token_strs else [])
+
+    async def Detokenize(self, request, context):
+        self.requests.append(request)
+        if any(token_id >= MODEL_INFO.vocab_size for token_id in request.token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: ids must lie in [0, 32000)")
+        return generate_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
+
 
 class FakeServer:
     """A grpc.aio server on its own event-loop thread, so blocking clients and tests can drive it."""
