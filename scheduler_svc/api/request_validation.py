@@ -44,6 +44,7 @@ def validate_request(
     prompt_len = len(prompt_token_ids)
     check_prompt_tokens(prompt_len, limits.request_limits)
     if request.strict_context_length and prompt_len + sampling.max_tokens > limits.max_model_len:
+        # Named max_tokens, or prompt when the prompt alone leaves no room.
         raise context_length_error(limits.max_model_len, prompt_len, sampling.max_tokens)
     if prompt_len >= limits.max_model_len:
         raise InvalidRequestError(
@@ -70,7 +71,7 @@ def _prompt_token_ids(
 def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> InvalidRequestError:
     """vLLM's OpenAI server's refusal of a prompt + max_tokens past the model's context, word for word."""
     return InvalidRequestError(
-        "sampling.max_tokens",
+        "sampling.max_tokens" if prompt_len < max_model_len else "prompt",
         f"This model's maximum context length is {max_model_len} tokens. However, you requested "
         f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
         "Please reduce the length of the messages or completion.",
