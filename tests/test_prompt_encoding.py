@@ -12,7 +12,6 @@ import os
 import pytest
 
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.api.request_limits import RequestLimits
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
 from scheduler_svc.api.tokenization import detokenize, tokenize
 from scheduler_svc.core.validated_request import InvalidRequestError
@@ -105,17 +104,17 @@ def test_strict_context_length_refuses_with_vllms_message(tokenizer):
 
 def test_tokenize_counts_what_generate_reads_and_detokenize_inverts_it(tokenizer):
     request = generate_pb2.TokenizeRequest(chat=_chat_request().chat, return_token_strs=True)
-    response = asyncio.run(tokenize(request, tokenizer, 400, 64, RequestLimits()))
+    response = asyncio.run(tokenize(request, tokenizer, LIMITS))
     assert list(response.token_ids) == validate_request(_chat_request(), tokenizer, LIMITS).prompt_token_ids
     assert response.max_model_len == 64
     assert list(response.token_strs) == tokenizer.convert_ids_to_tokens(list(response.token_ids))
-    text = detokenize(generate_pb2.DetokenizeRequest(token_ids=response.token_ids), tokenizer, 400).text
+    text = asyncio.run(detokenize(generate_pb2.DetokenizeRequest(token_ids=response.token_ids), tokenizer, LIMITS)).text
     assert text == _rendered(tokenizer, _chat_request())
     large = "Hello world. " * 2000  # encoded off the event loop; the same ids
-    big = asyncio.run(tokenize(generate_pb2.TokenizeRequest(text=large), tokenizer, 400, 64, RequestLimits()))
+    big = asyncio.run(tokenize(generate_pb2.TokenizeRequest(text=large), tokenizer, LIMITS))
     assert list(big.token_ids) == tokenizer.encode(large)
     with pytest.raises(InvalidRequestError, match="token_ids: ids must lie in"):
-        detokenize(generate_pb2.DetokenizeRequest(token_ids=[400]), tokenizer, 400)
+        asyncio.run(detokenize(generate_pb2.DetokenizeRequest(token_ids=[400]), tokenizer, LIMITS))
 
 
 def test_continue_final_message_renders_as_transformers_on_smollm2():

@@ -167,24 +167,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
-        await _refuse_malformed(request, context)
-        model = self._model
-        if model is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
-        try:
-            return await tokenize(request, self._tokenizer, model.limits.vocab_size, model.limits.max_model_len,
-                                  model.limits.request_limits)
-        except (InvalidRequestError, RequestLimitError) as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return await self._tokenizer_call(request, context, tokenize)
 
     async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        return await self._tokenizer_call(request, context, detokenize)
+
+    async def _tokenizer_call(self, request, context: grpc.aio.ServicerContext, handler):
+        """Runs a tokenization.py handler once the model's limits are known; its refusals are INVALID_ARGUMENT."""
         await _refuse_malformed(request, context)
         model = self._model
         if model is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
         try:
-            return detokenize(request, self._tokenizer, model.limits.vocab_size)
-        except InvalidRequestError as error:
+            return await handler(request, self._tokenizer, model.limits)
+        except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):

@@ -11,7 +11,8 @@ import asyncio
 
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.prompt_encoding import encode_prompt
-from scheduler_svc.api.request_limits import RequestLimitError, RequestLimits
+from scheduler_svc.api.request_limits import RequestLimitError
+from scheduler_svc.api.request_validation import ServingLimits
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import Tokenizer
 
@@ -19,28 +20,30 @@ from scheduler_svc.text.tokenizer import Tokenizer
 OFF_LOOP_PROMPT_CHARS = 16_384
 
 
-async def tokenize(request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer | None, vocab_size: int,
-                   max_model_len: int, limits: RequestLimits) -> generate_pb2.TokenizeResponse:
+async def tokenize(request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer | None,
+                   limits: ServingLimits) -> generate_pb2.TokenizeResponse:
     """Raises InvalidRequestError (or RequestLimitError) naming the field for a prompt Generate would refuse."""
     kind = request.WhichOneof("prompt")
-    if len(request.chat.messages) > limits.max_chat_messages:
-        raise RequestLimitError("prompt.chat.messages", f"at most {limits.max_chat_messages} messages")
+    max_chat_messages = limits.request_limits.max_chat_messages
+    if len(request.chat.messages) > max_chat_messages:
+        raise RequestLimitError("prompt.chat.messages", f"at most {max_chat_messages} messages")
     add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
     size = len(request.text) + sum(len(message.content) for message in request.chat.messages)
 
     def encode() -> list[int]:
-        return encode_prompt(kind, request.text, [], request.chat, add_special_tokens, tokenizer, vocab_size)
+        return encode_prompt(kind, request.text, [], request.chat, add_special_tokens, tokenizer, limits.vocab_size)
 
     token_ids = await asyncio.to_thread(encode) if size > OFF_LOOP_PROMPT_CHARS else encode()
-    response = generate_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=max_model_len)
+    response = generate_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=limits.max_model_len)
     if request.return_token_strs:
         response.token_strs.extend(token or "" for token in tokenizer.convert_ids_to_tokens(token_ids))
     return response
 
 
-def detokenize(request: generate_pb2.DetokenizeRequest, tokenizer: Tokenizer | None,
-               vocab_size: int) -> generate_pb2.DetokenizeResponse:
+async def detokenize(request: generate_pb2.DetokenizeRequest, tokenizer: Tokenizer | None,
+                     limits: ServingLimits) -> generate_pb2.DetokenizeResponse:
     """The text of the ids, special tokens kept (as vLLM's /detokenize)."""
+    vocab_size = limits.vocab_size
     if tokenizer is None:
         raise InvalidRequestError("token_ids", "this model has no tokenizer")
     if any(i < 0 or i >= vocab_size for i in request.token_ids):
