@@ -18,9 +18,9 @@ from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
 from client.request_builder import build_generate_request, build_tokenize_request
-from client.tokenization import Tokenization
 from client.request_metrics import RequestClock
 from client.retry import RetryBudget, RetryPolicy
+from client.tokenization import Tokenization
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 

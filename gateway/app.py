@@ -3,15 +3,15 @@
 Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, /tokenize and
 /detokenize (all behind `--api-key` when set), GET /health and /ping (200 once the scheduler is SERVING, else
 503: the readiness probe), GET /version and GET /metrics (Prometheus; open, as probes and scrapers carry no
-key). Every response echoes the request id in `X-Request-Id` (request_ids.py). Everything the app uses hangs off the one Backend made
-here, so two apps in one process (tests) share nothing.
+key). Every response echoes the request id in `X-Request-Id` (request_ids.py). Everything the app uses hangs
+off the one Backend made here, so two apps in one process (tests) share nothing.
 """
 
 from __future__ import annotations
 
 import hmac
-from importlib.metadata import PackageNotFoundError, version as package_version
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version as package_version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError

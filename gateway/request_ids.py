@@ -12,8 +12,9 @@ from __future__ import annotations
 import uuid
 
 from fastapi import Request
-from gateway.errors import invalid_request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import invalid_request
 
 REQUEST_ID_HEADER = "x-request-id"
 _STATE_KEY = "request_id"

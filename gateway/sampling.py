@@ -19,6 +19,7 @@ from gateway.errors import invalid_request, unsupported
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from gateway.refused_fields import refuse_unserved
 
+
 def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
     refuse_unserved(body)
     if body.logprobs is not None and body.best_of is not None and body.best_of > body.n:
@@ -35,9 +36,6 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
     if body.logprobs and body.best_of is not None and body.best_of > body.n:
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise invalid_request("continue_final_message: cannot be true together with add_generation_prompt; "
-                              "set add_generation_prompt to false", "continue_final_message")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
     # max_model_len with finish_reason "length". A max_tokens given is checked against the context (strict).
@@ -49,6 +47,9 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
 
 def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """vLLM's chat options, as the SDK's keywords (the scheduler renders the template with them)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise invalid_request("continue_final_message: cannot be true together with add_generation_prompt; "
+                              "set add_generation_prompt to false", "continue_final_message")
     return {"add_generation_prompt": body.add_generation_prompt,
             "continue_final_message": body.continue_final_message,
             "chat_template_kwargs": body.chat_template_kwargs,

@@ -24,9 +24,6 @@ async def tokenize(body: TokenizeRequest, backend: Backend) -> dict:
         result = await backend.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
                                                return_token_strs=body.return_token_strs)
     else:
-        if body.continue_final_message and body.add_generation_prompt:
-            raise invalid_request("continue_final_message: cannot be true together with add_generation_prompt; "
-                                  "set add_generation_prompt to false", "continue_final_message")
         result = await backend.client.tokenize(messages=chat_messages(body.messages),
                                                add_special_tokens=body.add_special_tokens,
                                                return_token_strs=body.return_token_strs, **chat_options(body))

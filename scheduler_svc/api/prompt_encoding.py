@@ -110,5 +110,5 @@ def _documents(source: str) -> list[dict[str, Any]] | None:
 def _json(source: str, field: str) -> Any:
     try:
         return json.loads(source)
-    except ValueError:
-        raise InvalidRequestError(field, "not valid JSON") from None
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        raise InvalidRequestError(field, "not valid JSON (or nested too deeply)") from None
