@@ -77,6 +77,7 @@ def test_add_special_tokens_defaults_to_true_for_text_and_false_for_chat(tokeniz
      "prompt.chat.continue_final_message", "assistant"),
     (dict(chat_template_kwargs_json="[1]"), "prompt.chat.chat_template_kwargs", "JSON object"),
     (dict(chat_template_kwargs_json="{"), "prompt.chat.chat_template_kwargs", "not valid JSON"),
+    (dict(documents_json="[" * 5_000), "prompt.chat.documents", "nested too deeply"),
     (dict(chat_template_kwargs_json='{"messages": [], "bos_token": "x"}'), "prompt.chat.chat_template_kwargs",
      "reserved names may not be set: bos_token, messages"),
     (dict(documents_json='{"title": "x"}'), "prompt.chat.documents", "array of objects"),
