@@ -17,6 +17,10 @@ from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
 
+# Characters of prompt text above which it is encoded on a worker thread, not on the event loop that relays
+# every stream's tokens: the tokenizer is Rust and releases the GIL, and a megabyte takes tens of milliseconds.
+OFF_LOOP_PROMPT_CHARS = 16_384
+
 # Template variables a request may not override through chat_template_kwargs: those the server sets itself
 # (and vLLM's own request fields, which have their own wire fields).
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -56,6 +60,11 @@ def encode_prompt(
     if not ids:
         raise InvalidRequestError(f"prompt.{kind}", "encodes to no tokens")
     return ids
+
+
+def prompt_chars(text: str, chat: generate_pb2.ChatPrompt) -> int:
+    """How much text a prompt has to encode (to decide whether it leaves the event loop)."""
+    return len(text) + sum(len(message.content) for message in chat.messages)
 
 
 def render_chat(chat: generate_pb2.ChatPrompt, tokenizer: Tokenizer) -> str:

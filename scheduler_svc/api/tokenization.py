@@ -1,8 +1,7 @@
 """The Tokenize and Detokenize RPCs (the gateway's /tokenize and /detokenize, vLLM's): the served model's
 tokenizer, with a prompt encoded exactly as Generate encodes it (prompt_encoding.py), chat options included.
 
-A large text is encoded on a worker thread: the tokenizer is Rust and releases the GIL, and a megabyte of text
-takes long enough that the event loop (every stream's next token) must not wait for it.
+A large text is encoded on a worker thread, as Generate's (prompt_encoding.OFF_LOOP_PROMPT_CHARS).
 """
 
 from __future__ import annotations
@@ -10,14 +9,11 @@ from __future__ import annotations
 import asyncio
 
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.api.prompt_encoding import encode_prompt
+from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, encode_prompt, prompt_chars
 from scheduler_svc.api.request_limits import RequestLimitError
 from scheduler_svc.api.request_validation import ServingLimits
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import Tokenizer
-
-# Characters of prompt above which encoding leaves the event loop (a few hundred microseconds of work).
-OFF_LOOP_PROMPT_CHARS = 16_384
 
 
 async def tokenize(request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer | None,
@@ -28,12 +24,12 @@ async def tokenize(request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer |
     if len(request.chat.messages) > max_chat_messages:
         raise RequestLimitError("prompt.chat.messages", f"at most {max_chat_messages} messages")
     add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
-    size = len(request.text) + sum(len(message.content) for message in request.chat.messages)
 
     def encode() -> list[int]:
         return encode_prompt(kind, request.text, [], request.chat, add_special_tokens, tokenizer, limits.vocab_size)
 
-    token_ids = await asyncio.to_thread(encode) if size > OFF_LOOP_PROMPT_CHARS else encode()
+    large = prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS
+    token_ids = await asyncio.to_thread(encode) if large else encode()
     response = generate_pb2.TokenizeResponse(token_ids=token_ids, max_model_len=limits.max_model_len)
     if request.return_token_strs:
         response.token_strs.extend(token or "" for token in tokenizer.convert_ids_to_tokens(token_ids))
