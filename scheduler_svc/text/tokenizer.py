@@ -114,16 +114,18 @@ class Tokenizer:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         # As transformers: keys whose value is None are dropped (OpenAI clients send content=None).
         conversation = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        rendered = self._chat_template.render(
+        # The request's variables cannot replace the ones the server sets (they come last).
+        rendered = self._chat_template.render({
             **self._special_tokens,
             **(template_kwargs or {}),
-            messages=conversation,
-            tools=None,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-        )
-        return _cut_after_final_message(rendered, conversation[-1].get("content", "")) if continue_final_message \
-            else rendered
+            "messages": conversation,
+            "tools": None,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        })
+        if continue_final_message:
+            return _cut_after_final_message(rendered, conversation[-1].get("content", ""))
+        return rendered
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
