@@ -10,7 +10,7 @@ each field's fate.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,15 +90,11 @@ class CompletionRequest(SamplingFields):
     prompt_embeds: Any = None  # refused
 
 
-class TextContentPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Body):
     role: str
-    # Text parts are joined; any other part (image_url, input_audio, ...) is refused (sampling.py).
-    content: str | list[TextContentPart | dict[str, Any]] | None = None
+    # Text parts ({"type": "text", "text": ...}) are joined; any other part (image_url, input_audio, ...) is
+    # refused (sampling.py).
+    content: str | list[dict[str, Any]] | None = None
     # Refused when set (refused_fields.py): the wire's chat messages carry role and content only.
     name: str | None = None
     tool_calls: list[Any] | None = None

@@ -58,19 +58,23 @@ def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """The conversation for the model's chat template: text content only (parts joined by newlines)."""
-    rendered = []
-    for index, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            content = ""
-        elif not isinstance(content, str):
-            texts = [getattr(part, "text", None) for part in content]
-            if any(text is None for text in texts):
-                raise unsupported(f"messages[{index}].content", "multimodal content is not supported "
-                                  "(only text content parts)")
-            content = "\n".join(texts)
-        rendered.append({"role": message.role, "content": content})
-    return rendered
+    return [{"role": message.role, "content": _text_content(index, message.content)}
+            for index, message in enumerate(messages)]
+
+
+def _text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part_index, part in enumerate(content):
+        where = f"messages[{index}].content[{part_index}]"
+        if part.get("type") != "text":
+            raise unsupported(where, "multimodal content is not supported (only text content parts)")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise invalid_request(f"{where}: a text part is exactly {{\"type\": \"text\", \"text\": <string>}}",
+                                  where)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _common_keywords(body: SamplingFields) -> dict[str, Any]:

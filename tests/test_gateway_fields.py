@@ -56,7 +56,9 @@ def post(gateway_url: str, path: str, body, headers=AUTH):
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content"),
+     "messages[0].content[1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "y": 1}]}]},
+     "messages[0].content[0]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "ada"}]}, "messages[0].name"),
     ("/v1/chat/completions", {**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {**CHAT, "add_generation_prompt": True, "continue_final_message": True},
@@ -96,6 +98,12 @@ def test_chat_fields_reach_the_scheduler_request(fake, gateway_url):
     assert (sampling.top_k, sampling.min_tokens, sampling.max_tokens) == (5, 2, 9)
     assert sampling.min_p == pytest.approx(0.1) and sampling.repetition_penalty == pytest.approx(1.2)
     assert list(sampling.stop_token_ids) == [4] and list(sampling.bad_words) == ["no"]
+
+
+def test_text_content_parts_are_joined(fake, gateway_url):
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    assert post(gateway_url, "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}]})[0] == 200
+    assert fake.requests[0].chat.messages[0].content == "first\nsecond"
 
 
 def test_context_checks_are_strict_only_when_max_tokens_is_given(fake, gateway_url):
