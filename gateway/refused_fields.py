@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.errors import unsupported
-from gateway.protocol import ChatMessage
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 _GUIDED = "structured output (guided decoding) is not supported"
 _TOOLS = "tool calling is not supported"
@@ -40,7 +40,6 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "tool_choice": (_TOOLS, lambda value: value in (None, "none")),
     "functions": (_TOOLS, _absent),
     "function_call": (_TOOLS, lambda value: value in (None, "none")),
-    "echo": ("echoing the prompt is not supported", _absent),
     "suffix": ("insertion (suffix) is not supported", _absent),
     "prompt_logprobs": ("prompt logprobs are not returned over HTTP (the gRPC API has them)", _absent),
     "truncate_prompt_tokens": ("prompt truncation is not supported", _absent),
@@ -77,6 +76,10 @@ _REFUSED_MESSAGE_FIELDS = {
 
 def refuse_unserved(body: BaseModel) -> None:
     """Raises a 400 naming the first field of `body` that asks for something not served."""
+    if isinstance(body, ChatCompletionRequest) and body.echo:
+        raise unsupported("echo", "echoing the last message is not supported in chat")
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, not returned over HTTP")
     for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise unsupported(name, reason)

@@ -46,7 +46,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")
         if request.text == "overloaded":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
-        attempt = sum(earlier.text == request.text for earlier in self.requests)
+        attempt = sum(getattr(earlier, "text", None) == request.text for earlier in self.requests)
         if request.text == "unavailable" or (request.text == "unavailable twice" and attempt <= 2):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
         if request.text == "dies after a chunk":

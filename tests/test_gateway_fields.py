@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -98,6 +99,22 @@ def test_chat_fields_reach_the_scheduler_request(fake, gateway_url):
     assert (sampling.top_k, sampling.min_tokens, sampling.max_tokens) == (5, 2, 9)
     assert sampling.min_p == pytest.approx(0.1) and sampling.repetition_penalty == pytest.approx(1.2)
     assert list(sampling.stop_token_ids) == [4] and list(sampling.bad_words) == ["no"]
+
+
+def test_echo_opens_each_choice_with_its_prompt(fake, gateway_url):
+    status, _, reply = post(gateway_url, "/v1/completions", {"prompt": ["one", "two"], "echo": True})
+    assert status == 200, reply
+    texts = [choice["text"] for choice in reply["choices"]]
+    assert texts == ["oneHello world", "twoHello world"]  # the stand-in streams one sequence per prompt
+    assert reply["usage"]["completion_tokens"] == 5 * 2
+    # Token ids are echoed as the model's tokenizer decodes them (the stand-in's Detokenize: "t<id>"); streamed,
+    # the echo opens the choice's first chunk.
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=API_KEY, max_retries=0) as api:
+        chunks = list(api.completions.create(model="fake-model", prompt=[4, 5], echo=True, stream=True))
+    assert chunks[0].choices[0].text.startswith("t4 t5")
+    assert "".join(chunk.choices[0].text for chunk in chunks) == "t4 t5Hello world"
+    status, _, reply = post(gateway_url, "/v1/completions", {"prompt": "one", "echo": True, "logprobs": 1})
+    assert status == 400 and reply["error"]["param"] == "echo"
 
 
 def test_text_content_parts_are_joined(fake, gateway_url):

@@ -220,6 +220,13 @@ def test_continue_final_message_continues_the_assistant_turn(server, api):
     assert chat.choices[0].message.content == expected.text
 
 
+def test_echo_prepends_the_prompt(server, api):
+    with server.client() as client:
+        expected = client.generate(PROMPT, max_tokens=4, temperature=0.0)
+    echoed = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected.text
+
+
 def test_max_tokens_past_the_context_is_a_400_with_vllms_message(api):
     with pytest.raises(openai.BadRequestError) as refused:
         api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1020)
