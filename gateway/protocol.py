@@ -3,7 +3,7 @@
 Fields are OpenAI's (API reference) and vLLM's extras (vLLM's protocol.py names), nothing else: a field
 neither knows is a 400 naming it (extra="forbid"; app.py gives it OpenAI's error shape), because a typo such
 as `max_token` silently ignored would serve a request the client did not ask for. Fields declared here but
-not served (guided decoding, tools, echo, ...) are refused in refused_fields.py with a 400 naming them;
+not served (guided decoding, tools, suffix, ...) are refused in refused_fields.py with a 400 naming them;
 fields served are mapped to the SDK in sampling.py. README "Switching from vLLM" > "Request fields" lists
 each field's fate.
 """
