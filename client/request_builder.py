@@ -7,6 +7,7 @@ never overrides a server-side default by accident.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -18,8 +19,10 @@ SAMPLING_KEYWORDS = frozenset(
      "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
      "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
-     "return_prompt"}
+     "return_prompt", "add_special_tokens", "strict_context_length"}
 )
+# vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
+CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"})
 _MESSAGE_KEYS = frozenset({"role", "content"})
 
 
@@ -37,9 +40,14 @@ def build_generate_request(
     early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
     bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
     skip_special_tokens, spaces_between_special_tokens; and the request's own request_id, priority
-    (lower first) and return_prompt (the result carries the prompt's text and token ids). Raises TypeError
-    for any other keyword or a malformed prompt, ValueError for a malformed chat message.
+    (lower first), return_prompt (the result carries the prompt's text and token ids), add_special_tokens
+    (default: true for a text, false for a chat) and strict_context_length (prompt + max_tokens past the
+    model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
+    add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
+    variables) and documents (a list of dicts). Raises TypeError for any other keyword or a malformed prompt,
+    ValueError for a malformed chat message.
     """
+    chat_options = {name: sampling.pop(name) for name in CHAT_KEYWORDS & set(sampling)}
     unknown = sorted(set(sampling) - SAMPLING_KEYWORDS)
     if unknown:
         raise TypeError(
@@ -47,7 +55,14 @@ def build_generate_request(
         )
     request = generate_pb2.GenerateRequest()
     _set_prompt(request, prompt, messages)
+    if messages is not None:
+        set_chat_options(request.chat, **chat_options)
+    elif any(value is not None for value in chat_options.values()):
+        raise TypeError(f"{', '.join(sorted(chat_options))}: chat options apply to messages only")
     given = {name: value for name, value in sampling.items() if value is not None}
+    for name in ("add_special_tokens", "strict_context_length"):
+        if name in given:
+            setattr(request, name, bool(given.pop(name)))
     if "request_id" in given:
         request.request_id = given.pop("request_id")
     if "priority" in given:
@@ -115,3 +130,52 @@ def _chat_message(index: int, message: Mapping[str, str]) -> generate_pb2.ChatMe
     if not isinstance(message["role"], str) or not isinstance(message["content"], str):
         raise ValueError(f"messages[{index}]: 'role' and 'content' must be strings")
     return generate_pb2.ChatMessage(role=message["role"], content=message["content"])
+
+
+def build_tokenize_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    add_special_tokens: bool | None = None,
+    return_token_strs: bool = False,
+    **chat_options: Any,
+) -> generate_pb2.TokenizeRequest:
+    """The Tokenize request of a text or a chat (with the chat options of `build_generate_request`)."""
+    unknown = sorted(set(chat_options) - CHAT_KEYWORDS)
+    if unknown:
+        raise TypeError(f"unknown keyword(s): {', '.join(unknown)}; chat options: {', '.join(sorted(CHAT_KEYWORDS))}")
+    if (prompt is None) == (messages is None) or not (prompt is None or isinstance(prompt, str)):
+        raise TypeError("pass exactly one of prompt (a text) and messages (a chat)")
+    request = generate_pb2.TokenizeRequest(return_token_strs=return_token_strs)
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
+    if prompt is not None:
+        if any(value is not None for value in chat_options.values()):
+            raise TypeError(f"{', '.join(sorted(chat_options))}: chat options apply to messages only")
+        request.text = prompt
+        return request
+    request.chat.SetInParent()
+    for index, message in enumerate(messages):
+        request.chat.messages.append(_chat_message(index, message))
+    set_chat_options(request.chat, **chat_options)
+    return request
+
+
+def set_chat_options(
+    chat: generate_pb2.ChatPrompt,
+    add_generation_prompt: bool | None = None,
+    continue_final_message: bool | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    documents: Sequence[Mapping[str, Any]] | None = None,
+) -> None:
+    if add_generation_prompt is not None:
+        chat.add_generation_prompt = bool(add_generation_prompt)
+    chat.continue_final_message = bool(continue_final_message)
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError("chat_template_kwargs must be a dict of template variables")
+        chat.chat_template_kwargs_json = json.dumps(dict(chat_template_kwargs))
+    if documents is not None:
+        if isinstance(documents, (str, bytes, Mapping)) or not all(isinstance(d, Mapping) for d in documents):
+            raise TypeError("documents must be a list of dicts")
+        chat.documents_json = json.dumps([dict(document) for document in documents])

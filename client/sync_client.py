@@ -17,9 +17,10 @@ from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, Readi
 from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
 from client.errors import from_rpc_error
-from client.request_builder import build_generate_request
+from client.request_builder import build_generate_request, build_tokenize_request
 from client.request_metrics import RequestClock
 from client.retry import RetryBudget, RetryPolicy
+from client.tokenization import Tokenization
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -88,6 +89,26 @@ class Client:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo.from_response(self._call(self._generation.ModelInfo, generate_pb2.ModelInfoRequest()))
+
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool | None = None,
+        return_token_strs: bool = False,
+        **chat_options: Any,
+    ) -> Tokenization:
+        """The token ids the model would read for `prompt` (a text) or `messages` (a chat, with the chat options
+        of `generate`: add_generation_prompt, continue_final_message, chat_template_kwargs, documents)."""
+        request = build_tokenize_request(prompt, messages=messages, add_special_tokens=add_special_tokens,
+                                         return_token_strs=return_token_strs, **chat_options)
+        return Tokenization.from_response(self._call(self._generation.Tokenize, request), return_token_strs)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`, special tokens included."""
+        request = generate_pb2.DetokenizeRequest(token_ids=list(token_ids))
+        return (self._call(self._generation.Detokenize, request)).text
 
     def stats(self) -> ServerStats:
         return ServerStats.from_response(self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))

@@ -1,16 +1,17 @@
 """The gateway's FastAPI application: routes, the API-key check, and every failure in OpenAI's error shape.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (all behind `--api-key` when set),
-GET /health (200 once the scheduler is SERVING, else 503: the readiness probe) and GET /metrics (Prometheus;
-both open, as probes and scrapers carry no key). Everything the app uses hangs off the one Backend made
-here, so two apps in one process (tests) share nothing.
+Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, /tokenize and
+/detokenize (all behind `--api-key` when set), GET /health and /ping (200 once the scheduler is SERVING, else
+503: the readiness probe), GET /version and GET /metrics (Prometheus; open, as probes and scrapers carry no
+key). Every response echoes the request id in `X-Request-Id` (request_ids.py). Everything the app uses hangs
+off the one Backend made here, so two apps in one process (tests) share nothing.
 """
 
 from __future__ import annotations
 
 import hmac
-import time
 from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version as package_version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,12 +25,19 @@ from gateway.completions import create_completion
 from gateway.config import GatewayConfig
 from gateway.errors import OpenAIError, invalid_api_key, invalid_request
 from gateway.metrics import CONTENT_TYPE, render_metrics
-from gateway.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.model_card import model_card
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.request_ids import RequestIdEcho
 from gateway.streaming import ClientDisconnected
+from gateway.tokenization import detokenize, tokenize
 from gateway.vllm_metrics import ServedModel
 
 # Not an HTTP status a client ever reads (it has gone): nginx's "client closed request", for the access log.
 _CLIENT_CLOSED_REQUEST = 499
+try:
+    _VERSION = package_version("pagedserve")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    _VERSION = "unknown"
 
 
 def build_app(config: GatewayConfig) -> FastAPI:
@@ -48,11 +56,11 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @v1.get("/models")
     async def list_models() -> dict:
-        name, info = await backend.served_model()
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
-            "root": info.model_name, "max_model_len": info.max_model_len,
-        }]}
+        return {"object": "list", "data": [model_card(*await backend.served_model())]}
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        return model_card(*await backend.model_for(model_id))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -63,12 +71,30 @@ def build_app(config: GatewayConfig) -> FastAPI:
         return await create_chat_completion(body, request, backend)
 
     app.include_router(v1)
+    # vLLM serves these at the root, not under /v1; they need the key as /v1 does.
+    tokenizer_routes = APIRouter(dependencies=[Depends(_api_key_check(config.api_key))])
 
-    @app.get("/health")
+    @tokenizer_routes.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict:
+        return await tokenize(body, backend)
+
+    @tokenizer_routes.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict:
+        return await detokenize(body, backend)
+
+    app.include_router(tokenizer_routes)
+
     async def health() -> Response:
         if await backend.is_ready():
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "not ready"}, status_code=503, headers={"Retry-After": str(config.retry_after_s)})
+
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's (SageMaker's) name for the same probe
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _VERSION}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -80,6 +106,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
         return Response(render_metrics(stats, served), media_type=CONTENT_TYPE)
 
     _install_error_handlers(app, backend)
+    app.add_middleware(RequestIdEcho)
     return app
 
 
@@ -125,6 +152,11 @@ def _body_error(problems: list[dict]) -> OpenAIError:
     if not problems or problems[0].get("type") == "json_invalid":
         return invalid_request("the request body is not valid JSON")
     locations = [[str(part) for part in problem.get("loc", ()) if part != "body"] for problem in problems]
+    unknown = [location for location, problem in zip(locations, problems) if problem.get("type") == "extra_forbidden"]
+    if unknown:  # named in full (messages.0.images), as vLLM's "extra fields not permitted"
+        names = [".".join(location) for location in unknown]
+        return invalid_request(f"unknown field(s): {', '.join(names[:5])} (not an OpenAI or vLLM request field)",
+                               names[0])
     param = locations[0][0] if locations[0] else None
     described = [f"{'.'.join(location) or 'body'}: {problem.get('msg', 'invalid')}"
                  for location, problem in zip(locations, problems)]

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: the conversation goes to the scheduler as a gRPC ChatPrompt, rendered there by
-the model's own chat template (with the generation prompt), and the answer comes back as OpenAI chat
+the model's own chat template (with vLLM's chat options: add_generation_prompt, continue_final_message,
+chat_template_kwargs, documents), and the answer comes back as OpenAI chat
 completion objects, or chunks when streamed.
 
 Streamed, each choice opens with a chunk carrying the assistant role (OpenAI's shape), then content deltas;
@@ -9,7 +10,6 @@ the chunk that ends a choice carries its finish_reason.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -20,6 +20,7 @@ from gateway.backend import Backend
 from gateway.choices import ChoiceLog, chat_logprobs, usage
 from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest
+from gateway.request_ids import base_request_id
 from gateway.sampling import chat_keywords, chat_messages
 from gateway.streaming import collect_streams, event_stream, start_streams
 
@@ -28,7 +29,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model_name, info = await backend.model_for(body.model)
     keywords = chat_keywords(body, info)
     messages = chat_messages(body.messages)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    completion_id = f"chatcmpl-{base_request_id(request, body.request_id)}"
     try:
         stream = backend.client.generate_stream(messages=messages, request_id=completion_id, **keywords)
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)

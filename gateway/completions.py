@@ -2,13 +2,14 @@
 
 A batch of prompts runs concurrently (the scheduler batches them like any other requests); prompt p's n
 sequences are choices p*n .. p*n+n-1, as in OpenAI's API. The gRPC request ids are the completion id plus
-the prompt index, so scheduler logs and Abort calls can be matched to the HTTP response.
+the prompt index, so scheduler logs and Abort calls can be matched to the HTTP response. With `echo`, each
+choice opens with its prompt's text (streamed: in its first chunk), as vLLM does.
 """
 
 from __future__ import annotations
 
 import time
-import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -19,6 +20,7 @@ from gateway.backend import Backend
 from gateway.choices import ChoiceLog, completion_logprobs, usage
 from gateway.errors import invalid_request
 from gateway.protocol import CompletionRequest
+from gateway.request_ids import base_request_id
 from gateway.sampling import completion_keywords
 from gateway.streaming import collect_streams, event_stream, start_streams
 
@@ -27,13 +29,14 @@ async def create_completion(body: CompletionRequest, request: Request, backend: 
     model_name, _ = await backend.model_for(body.model)
     keywords = completion_keywords(body)
     prompts = _prompts(body.prompt)
-    completion_id = f"cmpl-{uuid.uuid4().hex}"
+    completion_id = f"cmpl-{base_request_id(request, body.request_id)}"
     try:
         streams = [backend.client.generate_stream(prompt, request_id=f"{completion_id}-{index}", **keywords)
                    for index, prompt in enumerate(prompts)]
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
         raise invalid_request(str(error)) from error
-    relay = _CompletionRelay(completion_id, model_name, body)
+    echoes = [await _prompt_text(prompt, backend) for prompt in prompts] if body.echo else None
+    relay = _CompletionRelay(completion_id, model_name, body, echoes)
     if body.stream:
         chunks = await start_streams(request, streams)
         return event_stream(relay.events(chunks), backend.to_openai_error)
@@ -45,8 +48,10 @@ async def create_completion(body: CompletionRequest, request: Request, backend: 
 class _CompletionRelay:
     """The choices of one completion as its chunks arrive, and the OpenAI objects made from them."""
 
-    def __init__(self, completion_id: str, model_name: str, body: CompletionRequest) -> None:
+    def __init__(self, completion_id: str, model_name: str, body: CompletionRequest,
+                 echoes: list[str] | None) -> None:
         self._id = completion_id
+        self._echoes = echoes  # echo: each prompt's text, which opens each of its choices
         self._model = model_name
         self._created = int(time.time())
         self._n = body.n
@@ -58,6 +63,8 @@ class _CompletionRelay:
     def record(self, prompt_index: int, chunk: GenerateChunk) -> dict | None:
         """Adds a chunk; returns its choice's streamed form, or None when it carries nothing to send."""
         index = prompt_index * self._n + chunk.index
+        if self._echoes is not None and index not in self._choices:
+            chunk = replace(chunk, text=self._echoes[prompt_index] + chunk.text)
         choice = self._choices.setdefault(index, ChoiceLog(index))
         span = choice.add(chunk)
         if chunk.prompt_tokens is not None:
@@ -90,6 +97,11 @@ class _CompletionRelay:
 
     def _usage(self) -> dict:
         return usage(sum(self._prompt_tokens.values()), list(self._choices.values()))
+
+
+async def _prompt_text(prompt: str | list[int], backend: Backend) -> str:
+    """What echo prepends: a text prompt as sent, token ids as the model's tokenizer decodes them."""
+    return prompt if isinstance(prompt, str) else await backend.client.detokenize(prompt)
 
 
 def _prompts(prompt: str | list) -> list[str | list[int]]:

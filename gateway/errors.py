@@ -77,8 +77,13 @@ def _openai_param(details: str) -> str | None:
     field = details.split(":", 1)[0].strip()
     if " " in field or not field:
         return None
+    option = field.removeprefix("prompt.chat.")
+    if option in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"):
+        return option
     if field.startswith("prompt.chat"):
         return "messages"
+    if field == "token_ids":  # Detokenize's, /detokenize's `tokens`
+        return "tokens"
     if field.startswith("prompt"):
         return "prompt"
     if field.startswith("sampling."):

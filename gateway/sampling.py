@@ -1,7 +1,6 @@
 """OpenAI request fields -> the SDK's sampling keywords (vLLM's names), and refusals of what is not served.
 
-Why refuse instead of ignoring: a client that asks for tools, echo or a suffix and silently gets none would
-trust output it did not get. Each refusal is a 400 naming the field.
+What is refused, and why, is refused_fields.py's table; each refusal is a 400 naming the field.
 
 Logprobs: completions' `logprobs=k` and chat's `logprobs=true, top_logprobs=k` both become the scheduler's
 `logprobs=k` (the sampled token's logprob and rank plus k alternatives per token).
@@ -17,49 +16,65 @@ from typing import Any
 
 from client.types import ModelInfo
 from gateway.errors import invalid_request, unsupported
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
+from gateway.refused_fields import refuse_unserved
+
 
 def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
-    if body.echo:
-        raise unsupported("echo", "echoing the prompt is not supported")
-    if body.suffix:
-        raise unsupported("suffix", "insertion (suffix) is not supported")
+    refuse_unserved(body)
     if body.logprobs is not None and body.best_of is not None and body.best_of > body.n:
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
+    # max_tokens null: until the context is full (vLLM's), so no strict check; else prompt + max_tokens past
+    # the model's length is a 400 with vLLM's message (the scheduler's strict_context_length).
     return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
-            "logprobs": body.logprobs}
+            "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
 
 
 def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, Any]:
-    if body.tools:
-        raise unsupported("tools", "tool calling is not supported")
-    if body.tool_choice not in (None, "none"):
-        raise unsupported("tool_choice", "tool calling is not supported")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise unsupported("response_format", "only text responses are supported")
+    refuse_unserved(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
+    if body.logprobs and body.best_of is not None and body.best_of > body.n:
+        raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
-    # max_model_len with finish_reason "length".
+    # max_model_len with finish_reason "length". A max_tokens given is checked against the context (strict).
     return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens,
-            "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
+            "strict_context_length": max_tokens is not None, "best_of": body.best_of,
+            "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+            **chat_options(body)}
+
+
+def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """vLLM's chat options, as the SDK's keywords (the scheduler renders the template with them)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise invalid_request("continue_final_message: cannot be true together with add_generation_prompt; "
+                              "set add_generation_prompt to false", "continue_final_message")
+    return {"add_generation_prompt": body.add_generation_prompt,
+            "continue_final_message": body.continue_final_message,
+            "chat_template_kwargs": body.chat_template_kwargs,
+            "documents": body.documents}
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     """The conversation for the model's chat template: text content only (parts joined by newlines)."""
-    rendered = []
-    for index, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            content = ""
-        elif not isinstance(content, str):
-            texts = [getattr(part, "text", None) for part in content]
-            if any(text is None for text in texts):
-                raise unsupported(f"messages[{index}].content", "only text content parts are supported")
-            content = "\n".join(texts)
-        rendered.append({"role": message.role, "content": content})
-    return rendered
+    return [{"role": message.role, "content": _text_content(index, message.content)}
+            for index, message in enumerate(messages)]
+
+
+def _text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part_index, part in enumerate(content):
+        where = f"messages[{index}].content[{part_index}]"
+        if part.get("type") != "text":
+            raise unsupported(where, "multimodal content is not supported (only text content parts)")
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise invalid_request(f"{where}: a text part is exactly {{\"type\": \"text\", \"text\": <string>}}",
+                                  where)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _common_keywords(body: SamplingFields) -> dict[str, Any]:
@@ -90,4 +105,5 @@ def _common_keywords(body: SamplingFields) -> dict[str, Any]:
         "ignore_eos": body.ignore_eos or None,
         "n": body.n,
         "priority": body.priority or None,
+        "add_special_tokens": body.add_special_tokens,
     }

@@ -46,7 +46,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")
         if request.text == "overloaded":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
-        attempt = sum(earlier.text == request.text for earlier in self.requests)
+        attempt = sum(getattr(earlier, "text", None) == request.text for earlier in self.requests)
         if request.text == "unavailable" or (request.text == "unavailable twice" and attempt <= 2):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")
         if request.text == "dies after a chunk":
@@ -78,6 +78,19 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
 
     async def GetStats(self, request, context):
         return STATS
+
+    async def Tokenize(self, request, context):
+        """Records the request; ids 1..n for a text of n words (or [9] for a chat)."""
+        self.requests.append(request)
+        ids = list(range(1, len(request.text.split()) + 1)) if request.HasField("text") else [9]
+        return generate_pb2.TokenizeResponse(token_ids=ids, max_model_len=MODEL_INFO.max_model_len,
+                                             token_strs=[f"t{i}" for i in ids] if request.return_token_strs else [])
+
+    async def Detokenize(self, request, context):
+        self.requests.append(request)
+        if any(token_id >= MODEL_INFO.vocab_size for token_id in request.token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: ids must lie in [0, 32000)")
+        return generate_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
 
 
 class FakeServer:

@@ -7,6 +7,7 @@ text (see FakeGeneration).
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 import os
 import select
@@ -353,3 +354,40 @@ def test_sampling_params_object_carries_the_new_fields_as_keywords(client, fake)
     assert dict(sampling.logit_bias) == {3: 1.0} and list(sampling.bad_words) == ["x"]
     assert sampling.HasField("logprobs") and sampling.logprobs == 0
     assert not sampling.HasField("prompt_logprobs") and not sampling.HasField("min_tokens")
+
+
+def test_chat_options_and_prompt_encoding_keywords_reach_the_request(client, fake):
+    client.generate(messages=[{"role": "assistant", "content": "Once"}], add_generation_prompt=False,
+                    continue_final_message=True, chat_template_kwargs={"enable_thinking": False},
+                    documents=[{"title": "t"}], add_special_tokens=True, strict_context_length=True)
+    client.generate("plain")
+    chat, plain = fake.requests
+    assert (chat.chat.add_generation_prompt, chat.chat.continue_final_message) == (False, True)
+    assert json.loads(chat.chat.chat_template_kwargs_json) == {"enable_thinking": False}
+    assert json.loads(chat.chat.documents_json) == [{"title": "t"}]
+    assert chat.add_special_tokens and chat.strict_context_length
+    assert not plain.HasField("add_special_tokens") and not plain.strict_context_length
+    with pytest.raises(TypeError, match="chat options apply to messages only"):
+        client.generate("plain", continue_final_message=True)
+    with pytest.raises(TypeError, match="documents must be a list of dicts"):
+        client.generate(messages=[{"role": "user", "content": "x"}], documents={"title": "t"})
+
+
+def test_tokenize_and_detokenize_sync_and_async(server, client, fake):
+    tokenization = client.tokenize("a b c", return_token_strs=True)
+    assert (tokenization.token_ids, tokenization.count, tokenization.max_model_len) == ([1, 2, 3], 3, 2048)
+    assert tokenization.token_strs == ["t1", "t2", "t3"]
+    assert client.tokenize(messages=[{"role": "user", "content": "x"}], add_generation_prompt=False).token_strs is None
+    assert client.detokenize([4, 5]) == "t4 t5"
+    with pytest.raises(InvalidRequestError, match="token_ids"):
+        client.detokenize([40000])
+
+    async def scenario():
+        async with AsyncClient(server.target) as async_client:
+            return await async_client.tokenize("x y"), await async_client.detokenize([1])
+
+    tokenized, text = asyncio.run(scenario())
+    assert tokenized.token_ids == [1, 2] and text == "t1"
+    text_request, chat_request = fake.requests[:2]
+    assert text_request.text == "a b c" and text_request.return_token_strs
+    assert not chat_request.chat.add_generation_prompt

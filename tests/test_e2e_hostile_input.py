@@ -5,6 +5,8 @@ GenerateRequest field never gets INTERNAL or UNKNOWN; the server serves normally
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -106,6 +108,9 @@ _int32 = st.integers(-(2**31), 2**31 - 1)
 _uint32 = st.integers(0, 2**32 - 1)
 _floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 _texts = st.text(max_size=40)
+_json_texts = st.recursive(st.none() | st.booleans() | _texts | st.integers(),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_texts, inner, max_size=3),
+                           max_leaves=8).map(json.dumps) | st.just("[" * 5_000)
 
 
 @st.composite
@@ -119,6 +124,14 @@ def generate_requests(draw) -> generate_pb2.GenerateRequest:
     elif kind == "chat":
         for role, content in draw(st.lists(st.tuples(_texts, _texts), max_size=3)):
             request.chat.messages.add(role=role, content=content)
+        if draw(st.booleans()):
+            request.chat.add_generation_prompt = draw(st.booleans())
+        request.chat.continue_final_message = draw(st.booleans())
+        request.chat.chat_template_kwargs_json = draw(st.one_of(_texts, _json_texts))
+        request.chat.documents_json = draw(st.one_of(_texts, _json_texts))
+    if draw(st.booleans()):
+        request.add_special_tokens = draw(st.booleans())
+    request.strict_context_length = draw(st.booleans())
     sampling = request.sampling
     optional = {
         "max_tokens": st.one_of(st.integers(-2, 70), _int32),

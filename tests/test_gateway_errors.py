@@ -93,7 +93,7 @@ def test_a_streamed_request_refused_by_the_scheduler_gets_the_status_not_a_strea
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1.0}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),

@@ -13,7 +13,7 @@ from contextlib import closing
 import openai
 import pytest
 
-from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.server_harness import http_json, running_server
 
 API_KEY = "sk-pagedserve-test"
 MODEL = "SmolLM2-135M-Instruct"
@@ -191,3 +191,46 @@ def _wait_for(condition, message: str, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, message
         time.sleep(0.05)
+
+
+def test_tokenize_counts_the_prompt_tokens_a_chat_reads_and_detokenize_inverts_it(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    status, _, tokenized = http_json(f"{server.http_url}/tokenize", {"model": MODEL, "messages": QUESTION,
+                                                                     "return_token_strs": True}, headers)
+    assert status == 200, tokenized
+    with server.client() as client:
+        generated = client.generate(messages=QUESTION, max_tokens=1, temperature=0.0, return_prompt=True)
+        assert client.tokenize(messages=QUESTION).token_ids == tokenized["tokens"]
+    assert tokenized["tokens"] == list(generated.prompt_token_ids)
+    assert tokenized["count"] == generated.prompt_tokens and tokenized["max_model_len"] == 1024
+    assert len(tokenized["token_strs"]) == tokenized["count"]
+    status, _, detokenized = http_json(f"{server.http_url}/detokenize", {"model": MODEL, "tokens": tokenized["tokens"]},
+                                       headers)
+    assert detokenized["prompt"] == generated.prompt
+
+
+def test_continue_final_message_continues_the_assistant_turn(server, api):
+    opened = [*QUESTION, {"role": "assistant", "content": "The capital of France is"}]
+    with server.client() as client:
+        expected = client.generate(messages=opened, add_generation_prompt=False, continue_final_message=True,
+                                   max_tokens=6, temperature=0.0, return_prompt=True)
+    assert expected.prompt.endswith("The capital of France is")  # no end-of-turn after it
+    chat = api.chat.completions.create(model=MODEL, messages=opened, max_tokens=6, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert chat.choices[0].message.content == expected.text
+
+
+def test_echo_prepends_the_prompt(server, api):
+    with server.client() as client:
+        expected = client.generate(PROMPT, max_tokens=4, temperature=0.0)
+    echoed = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected.text
+
+
+def test_max_tokens_past_the_context_is_a_400_with_vllms_message(api):
+    with pytest.raises(openai.BadRequestError) as refused:
+        api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1020)
+    assert refused.value.body["param"] == "max_tokens"
+    assert ("This model's maximum context length is 1024 tokens. However, you requested "
+            in refused.value.body["message"])
+    assert api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, temperature=0).choices

@@ -2,8 +2,9 @@
 
 Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
 step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
-(refusing bad input with INVALID_ARGUMENT naming the field), submit to the engine, and relay the engine's
-deltas as stream messages. Request bytes that do not parse (not protobuf, or a string field that is not
+(refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded on a worker thread so
+the loop keeps relaying other streams), submit to the engine, and relay the engine's deltas as stream
+messages. Request bytes that do not parse (not protobuf, or a string field that is not
 UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
 A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
 engine, which frees its blocks.
@@ -11,6 +12,7 @@ engine, which frees its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
@@ -18,8 +20,10 @@ import grpc
 
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.api.delta_coalescing import coalesce, take_ready
+from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.api.request_limits import RequestLimitError
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
+from scheduler_svc.api.tokenization import detokenize, tokenize
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.token_logprobs import TokenLogprob
 from scheduler_svc.core.validated_request import InvalidRequestError
@@ -115,7 +119,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
         try:
-            validated = validate_request(request, self._tokenizer, model.limits)
+            if prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS:
+                validated = await asyncio.to_thread(validate_request, request, self._tokenizer, model.limits)
+            else:
+                validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         queue = engine.submit(request_id, validated, request.priority)
@@ -164,6 +171,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             has_tokenizer=tokenizer is not None,
             has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
         )
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
+        return await self._tokenizer_call(request, context, tokenize)
+
+    async def Detokenize(self, request: generate_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        return await self._tokenizer_call(request, context, detokenize)
+
+    async def _tokenizer_call(self, request, context: grpc.aio.ServicerContext, handler):
+        """Runs a tokenization.py handler once the model's limits are known; its refusals are INVALID_ARGUMENT."""
+        await _refuse_malformed(request, context)
+        model = self._model
+        if model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        try:
+            return await handler(request, self._tokenizer, model.limits)
+        except (InvalidRequestError, RequestLimitError) as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
     async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
         await _refuse_malformed(request, context)

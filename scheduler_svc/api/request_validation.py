@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
@@ -42,6 +43,9 @@ def validate_request(
     sampling = _sampling_params(request.sampling, tokenizer, limits)
     prompt_len = len(prompt_token_ids)
     check_prompt_tokens(prompt_len, limits.request_limits)
+    if request.strict_context_length and prompt_len + sampling.max_tokens > limits.max_model_len:
+        # Named max_tokens, or prompt when the prompt alone leaves no room.
+        raise context_length_error(limits.max_model_len, prompt_len, sampling.max_tokens)
     if prompt_len >= limits.max_model_len:
         raise InvalidRequestError(
             "prompt", f"{prompt_len} tokens leave no room to generate within max_model_len {limits.max_model_len}"
@@ -59,38 +63,19 @@ def validate_request(
 def _prompt_token_ids(
     request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None, limits: ServingLimits
 ) -> list[int]:
-    kind = request.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
-    if kind == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise InvalidRequestError("prompt.token_ids", "must not be empty")
-        bad = next((i for i in ids if i < 0 or i >= limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError("prompt.token_ids", f"ids must lie in [0, {limits.vocab_size})")
-        return ids
-    if tokenizer is None:
-        raise InvalidRequestError(f"prompt.{kind}", "this model has no tokenizer; send prompt.token_ids")
-    if kind == "text":
-        if not request.text:
-            raise InvalidRequestError("prompt.text", "must not be empty")
-        ids = tokenizer.encode(request.text)
-    else:
-        if not tokenizer.has_chat_template:
-            raise InvalidRequestError("prompt.chat", "this model has no chat template")
-        if not request.chat.messages:
-            raise InvalidRequestError("prompt.chat.messages", "must not be empty")
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        if any(not m["role"] for m in messages):
-            raise InvalidRequestError("prompt.chat.messages.role", "must not be empty")
-        try:
-            ids = tokenizer.encode_chat(messages)
-        except Exception as error:  # a template's raise_exception() for e.g. bad role order
-            raise InvalidRequestError("prompt.chat.messages", f"the chat template refused them ({type(error).__name__})")
-    if not ids:
-        raise InvalidRequestError(f"prompt.{kind}", "encodes to no tokens")
-    return ids
+    add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
+    return encode_prompt(request.WhichOneof("prompt"), request.text, list(request.token_ids.ids), request.chat,
+                         add_special_tokens, tokenizer, limits.vocab_size)
+
+
+def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> InvalidRequestError:
+    """vLLM's OpenAI server's refusal of a prompt + max_tokens past the model's context, word for word."""
+    return InvalidRequestError(
+        "sampling.max_tokens" if prompt_len < max_model_len else "prompt",
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+        "Please reduce the length of the messages or completion.",
+    )
 
 
 def _sampling_params(

@@ -22,6 +22,7 @@ templates are compiled in `chat_template.py`; both loaders build a `TokenizerSpe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
@@ -92,21 +93,39 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._chat_template_source
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered as transformers' `apply_chat_template(tokenize=False)`."""
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        *,
+        continue_final_message: bool = False,
+        documents: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for a conversation, rendered as transformers' `apply_chat_template(tokenize=False)`:
+        `template_kwargs` become extra template variables, `documents` the template's `documents`, and
+        `continue_final_message` cuts the rendering right after the last message's content (no end-of-turn),
+        so the model continues that message."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt instead of messages")
         if not messages:
             raise ValueError("cannot apply a chat template to an empty conversation")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         # As transformers: keys whose value is None are dropped (OpenAI clients send content=None).
         conversation = [{key: value for key, value in message.items() if value is not None} for message in messages]
-        return self._chat_template.render(
+        # The request's variables cannot replace the ones the server sets (they come last).
+        rendered = self._chat_template.render({
             **self._special_tokens,
-            messages=conversation,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-        )
+            **(template_kwargs or {}),
+            "messages": conversation,
+            "tools": None,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        })
+        if continue_final_message:
+            return _cut_after_final_message(rendered, conversation[-1].get("content", ""))
+        return rendered
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
@@ -152,3 +171,18 @@ class Tokenizer:
         missing = [token for token in dict.fromkeys(tokens) if token and token not in added]
         if missing:
             self._backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
+
+
+def _cut_after_final_message(rendered: str, final_content: str) -> str:
+    """transformers' continue_final_message: the rendering up to the end of the last message's content.
+
+    Templates often strip the content; the cut is after the stripped text unless the template kept it whole.
+    """
+    stripped = final_content.strip()
+    if stripped not in rendered:
+        raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
+    start = rendered.rindex(stripped)
+    whole = final_content.lstrip()
+    if rendered[start:start + len(whole)] == whole:
+        return rendered[:start + len(whole)]
+    return rendered[:start + len(stripped)]

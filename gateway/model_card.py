@@ -1,0 +1,28 @@
+"""One model card, the object /v1/models lists and /v1/models/{id} returns, in vLLM's shape (OpenAI's plus
+`root`, `parent`, `max_model_len` and `permission`).
+
+Why one builder: both routes must describe the model identically, and what a card says about the model
+(its context length, and the generation defaults h-cli adds) is read from ModelInfo in this one place.
+"""
+
+from __future__ import annotations
+
+import time
+
+from client.types import ModelInfo
+
+OWNED_BY = "pagedserve"
+
+
+def model_card(served_name: str, info: ModelInfo) -> dict:
+    """`served_name` is what clients send as `model` (--served-model-name, else the model's own name)."""
+    return {
+        "id": served_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": OWNED_BY,
+        "root": info.model_name,
+        "parent": None,
+        "max_model_len": info.max_model_len,
+        "permission": [],
+    }

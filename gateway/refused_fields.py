@@ -1,0 +1,96 @@
+"""Request fields the gateway knows (OpenAI's or vLLM's) but does not serve: each refused with a 400 naming it.
+
+Why refuse instead of ignoring: a client that asks for JSON-constrained output, tools or a per-request
+template and silently gets free text would trust output it did not get. A field is refused only when it
+asks for something: absent, null, or its no-op value (tool_choice "none", response_format {"type": "text"},
+include_reasoning true, ...) passes. The table is the single list the README's "Request fields" follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from gateway.errors import unsupported
+from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_GUIDED = "structured output (guided decoding) is not supported"
+_TOOLS = "tool calling is not supported"
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+# field -> (why it is refused, which values pass as asking for nothing)
+REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "guided_json": (_GUIDED, _absent),
+    "guided_regex": (_GUIDED, _absent),
+    "guided_choice": (_GUIDED, _absent),
+    "guided_grammar": (_GUIDED, _absent),
+    "guided_decoding_backend": (_GUIDED, _absent),
+    "guided_whitespace_pattern": (_GUIDED, _absent),
+    "structural_tag": (_GUIDED, _absent),
+    "structured_outputs": (_GUIDED, _absent),
+    "response_format": ("only {\"type\": \"text\"} is supported (no JSON mode or schema)",
+                        lambda value: _absent(value) or value == {"type": "text"}),
+    "tools": (_TOOLS, _absent),
+    "tool_choice": (_TOOLS, lambda value: value in (None, "none")),
+    "functions": (_TOOLS, _absent),
+    "function_call": (_TOOLS, lambda value: value in (None, "none")),
+    "suffix": ("insertion (suffix) is not supported", _absent),
+    "prompt_logprobs": ("prompt logprobs are not returned over HTTP (the gRPC API has them)", _absent),
+    "truncate_prompt_tokens": ("prompt truncation is not supported", _absent),
+    "allowed_token_ids": ("use logit_bias instead", _absent),
+    "logits_processors": ("per-request logits processors are not supported", _absent),
+    "return_tokens_as_token_ids": ("not supported", _absent),
+    "return_token_ids": ("not supported", _absent),
+    "cache_salt": ("prefix-cache salting is not supported", _absent),
+    "kv_transfer_params": ("disaggregated prefill is not supported", _absent),
+    "vllm_xargs": ("not supported", _absent),
+    "prompt_embeds": ("prompt embeddings are not supported", _absent),
+    "chat_template": ("per-request chat templates are not supported: the model's own template is used", _absent),
+    "mm_processor_kwargs": ("multimodal content is not supported", _absent),
+    "modalities": ("only text output is supported", lambda value: _absent(value) or value == ["text"]),
+    "audio": ("only text output is supported", _absent),
+    "prediction": ("predicted outputs are not supported", _absent),
+    "web_search_options": ("web search is not supported", _absent),
+    "reasoning_effort": ("reasoning effort is not supported; use chat_template_kwargs if the template has one",
+                         _absent),
+    "verbosity": ("not supported", _absent),
+    "store": ("stored completions are not supported", _absent),
+    "include_reasoning": ("reasoning is not parsed out of the content", lambda value: value in (None, True)),
+    "use_beam_search": ("not supported over HTTP (the gRPC API has beam_width)", _absent),
+    "length_penalty": ("applies to beam search only, which is not served over HTTP",
+                       lambda value: value is None or value == 1.0),
+}
+_REFUSED_MESSAGE_FIELDS = {
+    "name": "message names are not passed to the chat template",
+    "tool_calls": _TOOLS,
+    "tool_call_id": _TOOLS,
+    "reasoning_content": "reasoning content is not passed to the chat template",
+}
+
+
+def refuse_unserved(body: BaseModel) -> None:
+    """Raises a 400 naming the first field of `body` that asks for something not served."""
+    if isinstance(body, ChatCompletionRequest) and body.echo:
+        raise unsupported("echo", "echoing the last message is not supported in chat")
+    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
+        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, not returned over HTTP")
+    for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
+        if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
+            raise unsupported(name, reason)
+    stream_options = getattr(body, "stream_options", None)
+    if stream_options is not None and stream_options.continuous_usage_stats:
+        raise unsupported("stream_options.continuous_usage_stats", "usage is sent once, in the last chunk")
+    for index, message in enumerate(getattr(body, "messages", None) or ()):
+        refuse_unserved_message(index, message)
+
+
+def refuse_unserved_message(index: int, message: ChatMessage) -> None:
+    for name, reason in _REFUSED_MESSAGE_FIELDS.items():
+        if not _absent(getattr(message, name)):
+            raise unsupported(f"messages[{index}].{name}", reason)

@@ -1,0 +1,123 @@
+"""A wire prompt (text, token ids or a chat with its options) -> the token ids the model reads, or a refusal.
+
+Who uses it: Generate's validator and the Tokenize RPC, so that /tokenize counts exactly the tokens a
+generation of the same prompt would read. The chat options are vLLM's (which are transformers'
+`apply_chat_template`'s): add_generation_prompt (default true), continue_final_message (the last message, an
+assistant's, is left open; refused together with add_generation_prompt, as vLLM), chat_template_kwargs (extra
+template variables, e.g. enable_thinking) and documents. add_special_tokens defaults to true for a text and
+false for a chat, whose template writes its own BOS.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.core.validated_request import InvalidRequestError
+from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
+
+# Characters of prompt text above which it is encoded on a worker thread, not on the event loop that relays
+# every stream's tokens: the tokenizer is Rust and releases the GIL, and a megabyte takes tens of milliseconds.
+OFF_LOOP_PROMPT_CHARS = 16_384
+
+# Template variables a request may not override through chat_template_kwargs: those the server sets itself
+# (and vLLM's own request fields, which have their own wire fields).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template",
+     "tokenize", "raise_exception", "strftime_now", *NAMED_SPECIAL_TOKENS}
+)
+
+
+def encode_prompt(
+    kind: str | None,
+    text: str,
+    token_ids: list[int],
+    chat: generate_pb2.ChatPrompt,
+    add_special_tokens: bool | None,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+) -> list[int]:
+    """Token ids of the prompt form `kind` ("text", "token_ids" or "chat"); fields are named as in
+    GenerateRequest (prompt.text, prompt.chat.*, add_special_tokens)."""
+    if kind is None:
+        raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
+    if kind == "token_ids":
+        if not token_ids:
+            raise InvalidRequestError("prompt.token_ids", "must not be empty")
+        if any(i < 0 or i >= vocab_size for i in token_ids):
+            raise InvalidRequestError("prompt.token_ids", f"ids must lie in [0, {vocab_size})")
+        return list(token_ids)
+    if tokenizer is None:
+        raise InvalidRequestError(f"prompt.{kind}", "this model has no tokenizer; send prompt.token_ids")
+    if kind == "text":
+        if not text:
+            raise InvalidRequestError("prompt.text", "must not be empty")
+        ids = tokenizer.encode(text, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+    else:
+        rendered = render_chat(chat, tokenizer)
+        ids = tokenizer.encode(rendered, add_special_tokens=bool(add_special_tokens))
+    if not ids:
+        raise InvalidRequestError(f"prompt.{kind}", "encodes to no tokens")
+    return ids
+
+
+def prompt_chars(text: str, chat: generate_pb2.ChatPrompt) -> int:
+    """How much text a prompt has to encode (to decide whether it leaves the event loop)."""
+    return len(text) + sum(len(message.content) for message in chat.messages)
+
+
+def render_chat(chat: generate_pb2.ChatPrompt, tokenizer: Tokenizer) -> str:
+    """The chat's prompt text as the model's template renders it with the request's options."""
+    if not tokenizer.has_chat_template:
+        raise InvalidRequestError("prompt.chat", "this model has no chat template")
+    if not chat.messages:
+        raise InvalidRequestError("prompt.chat.messages", "must not be empty")
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    if any(not m["role"] for m in messages):
+        raise InvalidRequestError("prompt.chat.messages.role", "must not be empty")
+    add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    if chat.continue_final_message:
+        if add_generation_prompt:
+            raise InvalidRequestError("prompt.chat.continue_final_message",
+                                      "cannot be true together with add_generation_prompt; set it to false")
+        if messages[-1]["role"] != "assistant":
+            raise InvalidRequestError("prompt.chat.continue_final_message", "the last message must be an assistant's")
+    template_kwargs = _template_kwargs(chat.chat_template_kwargs_json)
+    documents = _documents(chat.documents_json)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt,
+                                             continue_final_message=chat.continue_final_message,
+                                             documents=documents, template_kwargs=template_kwargs)
+    except Exception as error:  # a template's raise_exception() for e.g. bad role order
+        raise InvalidRequestError("prompt.chat.messages", f"the chat template refused them ({type(error).__name__}"
+                                  + (f": {error}" if isinstance(error, ValueError) else "") + ")") from None
+
+
+def _template_kwargs(source: str) -> dict[str, Any]:
+    if not source:
+        return {}
+    value = _json(source, "prompt.chat.chat_template_kwargs")
+    if not isinstance(value, dict):
+        raise InvalidRequestError("prompt.chat.chat_template_kwargs", "must be a JSON object")
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequestError("prompt.chat.chat_template_kwargs",
+                                  f"reserved names may not be set: {', '.join(reserved)}")
+    return value
+
+
+def _documents(source: str) -> list[dict[str, Any]] | None:
+    if not source:
+        return None
+    value = _json(source, "prompt.chat.documents")
+    if not isinstance(value, list) or not all(isinstance(document, dict) for document in value):
+        raise InvalidRequestError("prompt.chat.documents", "must be a JSON array of objects")
+    return value
+
+
+def _json(source: str, field: str) -> Any:
+    try:
+        return json.loads(source)
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+        raise InvalidRequestError(field, "not valid JSON (or nested too deeply)") from None
