@@ -51,6 +51,9 @@ def build_app(config: GatewayConfig) -> FastAPI:
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
             "root": info.model_name, "max_model_len": info.max_model_len,
+            # Not in vLLM's card (issue 18 asks for them): what unset sampling fields take, and from where.
+            "default_sampling": info.default_sampling, "generation_config": info.generation_config,
+            "version": info.version,
         }]}
 
     @v1.post("/completions")

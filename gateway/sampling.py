@@ -41,8 +41,11 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
-    # max_model_len with finish_reason "length".
-    return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens,
+    # max_model_len with finish_reason "length". A generation config's max_new_tokens is the default instead
+    # (vLLM's too): the field then stays unset and the scheduler applies it.
+    if max_tokens is None and "max_tokens" not in model.default_sampling:
+        max_tokens = model.max_model_len
+    return {**_common_keywords(body), "max_tokens": max_tokens,
             "logprobs": (body.top_logprobs or 0) if body.logprobs else None}
 
 

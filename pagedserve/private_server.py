@@ -21,25 +21,28 @@ from typing import Any
 
 from client.sync_client import Client
 from pagedserve.free_port import free_port
+from service_runtime.api_key_source import API_KEY_ENV, child_environment
 
 _READY_POLL_S = 1.0
 _STOP_TIMEOUT_S = 30.0
 # Options the private server sets itself: where it listens, and that it serves no HTTP.
-_RESERVED_OPTIONS = frozenset({"host", "port", "http_port", "grpc_host", "grpc_port", "enable_http", "help"})
+_RESERVED_OPTIONS = frozenset({"host", "port", "grpc_host", "grpc_port", "enable_http", "help"})
 
 
 class PrivateServer:
-    """Owns one `pagedserve serve` child process on a free loopback port (`target`)."""
+    """Owns one `pagedserve serve` child process on a free loopback port (`target`). `api_key`: the key the
+    server requires, handed over in its environment (never its argv, which `ps` shows)."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], api_key: str | None = None) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="pagedserve-llm-", suffix=".log", delete=False)
         self.log_path = self._log.name
         port = free_port()
         self.target = f"127.0.0.1:{port}"
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-http",
-             *argv],
+            [sys.executable, "-m", "pagedserve", "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(port),
+             "--no-http", *argv],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=child_environment({API_KEY_ENV: api_key}),
         )
         self._finalizer = weakref.finalize(self, _stop_server, self._process, self._log, self.log_path)
 
@@ -71,7 +74,8 @@ class PrivateServer:
 
 def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
     """`pagedserve serve` flags for LLM's keywords, checked against the real parser (so a misspelt or
-    unknown option fails here, naming the known ones, rather than in the child)."""
+    unknown option fails here, naming the known ones, rather than in the child). `api_key` is left out: it
+    goes through the environment (PrivateServer)."""
     from pagedserve.cli import build_parser
 
     serve = _serve_parser(build_parser())
@@ -82,13 +86,25 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
         if action is None or name in _RESERVED_OPTIONS:
             known = ", ".join(sorted(set(actions) - _RESERVED_OPTIONS - {"model"}))
             raise TypeError(f"unknown server option {name!r}; known: {known}")
+        if name == "api_key":
+            continue
         flag = action.option_strings[0]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None and bool(value) != action.default:
+                argv.append(flag if value else _negative_flag(action))
+        elif action.nargs == 0 and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value:  # a refused switch (trust_remote_code=True): the server says why
+                argv.append(flag)
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if bool(value) != action.default:  # the flag flips the default; the default needs no flag
                 argv.append(flag)
         elif value is not None:
             argv += [flag, str(value)]
     return argv
+
+
+def _negative_flag(action: argparse.BooleanOptionalAction) -> str:
+    return next(option for option in action.option_strings if option.startswith("--no-"))
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -11,6 +11,7 @@ engine, which frees its blocks.
 
 from __future__ import annotations
 
+import importlib.metadata
 import uuid
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.token_logprobs import TokenLogprob
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.engine import Engine
+from scheduler_svc.generation_defaults import GenerationDefaults
 from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.text.output_stream import OutputDelta
@@ -36,6 +38,7 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
+PACKAGE_VERSION = importlib.metadata.version("pagedserve")
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
 
@@ -51,6 +54,8 @@ class ServedModel:
     num_swap_blocks: int
     eos_token_ids: tuple[int, ...]
     max_queued_requests: int | None = None  # None: no bound
+    # What requests' unset sampling fields take (--generation-config), applied before validation.
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 class MalformedRequest:
@@ -114,6 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
+        request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
             validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
@@ -163,6 +169,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             eos_token_ids=list(model.eos_token_ids),
             has_tokenizer=tokenizer is not None,
             has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+            default_sampling=model.generation_defaults.as_sampling_params(),
+            generation_config=model.generation_defaults.source,
+            version=PACKAGE_VERSION,
         )
 
     async def GetStats(self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext):
