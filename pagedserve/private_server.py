@@ -74,17 +74,25 @@ class PrivateServer:
 
 def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
     """`pagedserve serve` flags for LLM's keywords, checked against the real parser (so a misspelt or
-    unknown option fails here, naming the known ones, rather than in the child). `api_key` is left out: it
-    goes through the environment (PrivateServer)."""
+    unknown option fails here, naming the known ones, rather than in the child). A keyword is a flag's
+    destination (`enable_prefix_caching=False`) or, for a switch, the switch's name (`enforce_eager=True`, as
+    vLLM's LLM takes it). `api_key` is left out: it goes through the environment (PrivateServer)."""
     from pagedserve.cli import build_parser
 
     serve = _serve_parser(build_parser())
     actions = {action.dest: action for action in serve._actions if action.option_strings}
+    switches = {option.lstrip("-").replace("-", "_"): option for action in serve._actions
+                if action.option_strings and action.nargs == 0 for option in action.option_strings
+                if option.startswith("--") and not option.startswith("--no-")}
     argv = [] if model is None else ["--model", str(model)]
     for name, value in options.items():
         action = actions.get(name)
+        if name in switches and action is None and name not in _RESERVED_OPTIONS:
+            if value:
+                argv.append(switches[name])
+            continue
         if action is None or name in _RESERVED_OPTIONS:
-            known = ", ".join(sorted(set(actions) - _RESERVED_OPTIONS - {"model"}))
+            known = ", ".join(sorted((set(actions) | set(switches)) - _RESERVED_OPTIONS - {"model"}))
             raise TypeError(f"unknown server option {name!r}; known: {known}")
         if name == "api_key":
             continue
