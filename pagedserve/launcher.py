@@ -139,7 +139,6 @@ def _start(role: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
                             start_new_session=True, env=env)
 
 
-
 def _wait(child: subprocess.Popen, timeout: float) -> int | None:
     try:
         return child.wait(timeout=timeout)

@@ -1,7 +1,8 @@
 """`pagedserve serve` as a vLLM user runs it, through real processes: the model's generation_config.json gives
 the defaults of unset sampling fields (`--generation-config auto`) or does not (`vllm`), reported by ModelInfo
 and /v1/models; `--seed` makes unseeded sampling repeat across restarts (offline `LLM(seed=)` too); an API key
-from VLLM_API_KEY guards gRPC and HTTP without ever appearing on a command line."""
+from VLLM_API_KEY guards gRPC and HTTP without ever appearing on a command line; `--disable-log-requests`
+silences the gateway's access log."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
-    """`--generation-config auto` (the default), with the HTTP gateway, its API key given only as $VLLM_API_KEY."""
-    with running_server(tmp_path_factory.mktemp("keyed"), str(model_dir), *SERVER_FLAGS, http=True,
+    """`--generation-config auto` (the default), with the HTTP gateway, its API key given only as $VLLM_API_KEY,
+    and no access log (`--disable-log-requests`)."""
+    with running_server(tmp_path_factory.mktemp("keyed"), str(model_dir), *SERVER_FLAGS, "--disable-log-requests",
+                        http=True,
                         env={"VLLM_API_KEY": KEY}, client_options={"api_key": KEY}) as server:
         yield server
 
@@ -72,6 +75,11 @@ def test_an_api_key_from_the_environment_guards_both_apis_and_is_on_no_command_l
     assert refused.value.code == 401
 
 
+def test_disable_log_requests_leaves_out_the_gateways_line_per_request(keyed_server):
+    urllib.request.urlopen(f"{keyed_server.http_url}/health", timeout=10).close()
+    assert "GET /health" not in keyed_server.log()  # the harness polled it too; see the next test for the line
+
+
 def unseeded_answers(generate) -> list[list[int]]:
     """Three unseeded requests in a row (one at a time: --seed fixes the seeds in admission order)."""
     return [generate() for _ in range(3)]
@@ -80,7 +88,8 @@ def unseeded_answers(generate) -> list[list[int]]:
 def test_generation_config_vllm_ignores_the_file_and_seed_repeats_unseeded_sampling_across_restarts(
         model_dir, tmp_path):
     with running_server(tmp_path, str(model_dir), *SERVER_FLAGS, "--generation-config", "vllm",
-                        "--seed", "11") as server, server.client() as client:
+                        "--seed", "11", http=True) as server, server.client() as client:
+        assert '"GET /health HTTP/1.1" 200' in server.log()  # the access log is on by default
         info = client.model_info()
         assert (info.default_sampling, info.generation_config) == ({}, "vllm")
         online = unseeded_answers(lambda: client.generate(PROMPT).token_ids)
