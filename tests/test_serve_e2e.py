@@ -2,7 +2,7 @@
 the defaults of unset sampling fields (`--generation-config auto`) or does not (`vllm`), reported by ModelInfo
 and /v1/models; `--seed` makes unseeded sampling repeat across restarts (offline `LLM(seed=)` too); an API key
 from VLLM_API_KEY guards gRPC and HTTP without ever appearing on a command line; `--disable-log-requests`
-silences the gateway's access log."""
+silences the gateway's access log; `--tokenizer` and `--chat-template` replace the model's."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from client.errors import PagedServeError
 from pagedserve import LLM
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import make_tiny_model
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
 
 KEY = "key-from-the-environment-0123456789"
 PROMPT = [5, 6, 7, 8]
@@ -103,3 +105,19 @@ def test_generation_config_vllm_ignores_the_file_and_seed_repeats_unseeded_sampl
 
     assert offline(11) == online  # the same seed, the same requests in the same order: the same tokens
     assert offline(12) != online
+
+
+def test_tokenizer_and_chat_template_replace_the_models(tmp_path):
+    """A model without tokenizer files serves text and chat with --tokenizer's (SmolLM2's GGUF vocabulary),
+    rendered by --chat-template's inline template instead of SmolLM2's own."""
+    model = make_tiny_model(tmp_path, "llama", seed=4, vocab_size=49152)
+    smollm2 = resolve_model(None).path
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    with running_server(tmp_path, str(model), *SERVER_FLAGS, "--tokenizer", smollm2,
+                        "--chat-template", template) as server, server.client() as client:
+        assert client.model_info().has_chat_template
+        chat = client.generate(messages=[{"role": "user", "content": "Hi there"}], max_tokens=2, temperature=0.0,
+                               return_prompt=True)
+        assert chat.prompt == "[user] Hi there\n[assistant]"
+        text = client.generate("Hello world", max_tokens=2, temperature=0.0, return_prompt=True)
+        assert text.prompt_token_ids == tuple(load_tokenizer(smollm2).encode("Hello world"))
