@@ -85,7 +85,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto",
                         help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm "
                              "(vLLM's defaults), or a directory with a generation_config.json")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=_seed, default=0,
                         help="seeds the seeds of requests that give none: the same requests in the same order "
                              "sample the same tokens after a restart")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
@@ -129,6 +129,14 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add_heartbeat_argument(parser)
 
 
+def _seed(value: str) -> int:
+    """--seed's type: refused by argparse, naming the flag, in `serve` before any child starts."""
+    seed = int(value)
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError("must lie in [0, 2**63)")
+    return seed
+
+
 def add_grpc_listen_arguments(parser: argparse.ArgumentParser) -> None:
     """Where `pagedserve scheduler` listens: `--grpc-host`/`--grpc-port`, as `pagedserve serve` names them
     (whose --host/--port are the HTTP server's, as vLLM's), or the older `--host`/`--port`."""
@@ -162,8 +170,6 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SystemExit("--tls-cert-file and --tls-key-file go together")
     if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
         raise SystemExit(f"--generation-config: {args.generation_config!r} is not auto, vllm or a directory")
-    if not 0 <= args.seed < 2**63:
-        raise SystemExit("--seed must lie in [0, 2**63)")
     try:
         chat_template = None if args.chat_template is None else chat_template_text(args.chat_template)
     except ValueError as error:

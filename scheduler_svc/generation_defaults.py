@@ -50,8 +50,6 @@ class GenerationDefaults:
 
     def apply(self, request: generate_pb2.SamplingParams) -> generate_pb2.SamplingParams:
         """A copy of `request` whose unset fields take these defaults (beam search keeps its own sampling)."""
-        if not self.values:
-            return request
         merged = self.as_sampling_params()
         if request.HasField("beam_width") and request.beam_width > 1:
             for name in _SAMPLING_ONLY:

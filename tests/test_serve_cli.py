@@ -247,3 +247,9 @@ def test_llm_keywords_become_serve_flags_with_the_api_key_left_to_the_environmen
         "--model", "m", "--seed", "5", "--tensor-parallel-size", "2", "--generation-config", "vllm",
         "--enforce-eager"]
     assert server_argv(None, dict(trust_remote_code=True)) == ["--trust-remote-code"]  # the server refuses it
+
+
+def test_a_seed_out_of_range_is_refused_when_serve_parses_it(capsys):
+    with pytest.raises(SystemExit):
+        serve("--seed", "-1")
+    assert "argument --seed: must lie in [0, 2**63)" in capsys.readouterr().err

@@ -119,7 +119,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
-        request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
+        if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
+            request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
             validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
