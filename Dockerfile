@@ -43,4 +43,4 @@ ENV HF_HOME=/models/huggingface
 VOLUME ["/models"]
 EXPOSE 50051 8000
 ENTRYPOINT ["pagedserve"]
-CMD ["serve", "--host", "0.0.0.0", "--grpc-host", "0.0.0.0"]
+CMD ["serve", "--host", "0.0.0.0"]
