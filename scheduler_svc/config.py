@@ -12,8 +12,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from scheduler_svc.text.chat_template_source import chat_template_text
+from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 
 
