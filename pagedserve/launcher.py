@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -174,6 +175,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     argv += ["--generation-config", args.generation_config, "--seed", str(args.seed)]
+    if args.override_generation_config:
+        argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
     if args.plan_log:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
@@ -196,14 +199,14 @@ def _protection_argv(args) -> list[str]:
 
 
 def refuse_bad_text_options(args, model_path: str) -> None:
-    """Exits naming the flag if --quantization, --chat-template or --generation-config cannot be honoured,
-    before any child starts; resolves --tokenizer (a hub download happens once, here)."""
+    """Exits naming the flag if --quantization, --chat-template or --[override-]generation-config cannot be
+    honoured, before any child starts; resolves --tokenizer (a hub download happens once, here)."""
     if args.quantization == "gguf" and not model_path.endswith(".gguf"):
         raise SystemExit(f"pagedserve: --quantization gguf: {model_path} is not a .gguf file")
     try:
         if args.chat_template is not None:
             chat_template_text(args.chat_template)
-        load_generation_defaults(args.generation_config, model_path)
+        load_generation_defaults(args.generation_config, model_path, args.override_generation_config)
     except ValueError as error:
         raise SystemExit(f"pagedserve: {error}") from None
     if args.tokenizer is not None:

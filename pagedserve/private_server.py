@@ -9,6 +9,7 @@ the interpreter) at the latest; its log is kept on disk only when it failed, for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -107,7 +108,7 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
             if bool(value) != action.default:  # the flag flips the default; the default needs no flag
                 argv.append(flag)
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
 
 

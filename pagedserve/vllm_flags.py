@@ -50,8 +50,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--revision",), f"hub revisions: {NOT_YET}; download the revision and pass its directory"),
     RefusedFlag(("--tokenizer-revision",), f"hub revisions: {NOT_YET}; download it and pass --tokenizer DIR"),
     RefusedFlag(("--download-dir",), f"{NOT_YET}; set HF_HUB_CACHE to choose where hub models are stored"),
-    RefusedFlag(("--override-generation-config",), f"{NOT_YET}; pass --generation-config DIR with the values in "
-                "its generation_config.json"),
     RefusedFlag(("--enable-auto-tool-choice",), f"tool calling: {NOT_YET}", takes_value=False),
     RefusedFlag(("--tool-call-parser",), f"tool calling: {NOT_YET}"),
     RefusedFlag(("--reasoning-parser",), f"reasoning parsers: {NOT_YET}"),

@@ -9,8 +9,12 @@ docker compose passes the same flags.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
@@ -70,6 +74,8 @@ class SchedulerConfig:
     # Where unset sampling fields take their defaults from (generation_defaults.py): "auto" (the model's
     # generation_config.json), "vllm" (vLLM's built-in defaults), or a directory holding a generation_config.json.
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: generation_config.json keys set over the file's (read-only).
+    override_generation_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     # Seeds the source of the per-request seeds of requests that carry none (engine.py), so that the same
     # requests in the same order sample the same tokens after a restart. vLLM V1's default is 0 too.
     seed: int = 0
@@ -85,6 +91,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto",
                         help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm "
                              "(vLLM's defaults), or a directory with a generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        help='generation_config.json values set over the model\'s, as JSON: \'{"temperature": 0.5}\'')
     parser.add_argument("--seed", type=_seed, default=0,
                         help="seeds the seeds of requests that give none: the same requests in the same order "
                              "sample the same tokens after a restart")
@@ -135,6 +143,17 @@ def _seed(value: str) -> int:
     if not 0 <= seed < 2**63:
         raise argparse.ArgumentTypeError("must lie in [0, 2**63)")
     return seed
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    """--override-generation-config's type: a JSON object, refused by argparse otherwise."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
 
 
 def add_grpc_listen_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,5 +226,6 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         tokenizer=args.tokenizer,
         chat_template=chat_template,
         generation_config=args.generation_config,
+        override_generation_config=MappingProxyType(args.override_generation_config or {}),
         seed=args.seed,
     )

@@ -47,7 +47,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     tokenizer_path = model.path if config.tokenizer is None else resolve_model(config.tokenizer).path
     tokenizer = load_tokenizer(tokenizer_path, config.chat_template)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else read_eos_token_ids(model.path)
-    generation_defaults = load_generation_defaults(config.generation_config, model.path)
+    generation_defaults = load_generation_defaults(config.generation_config, model.path,
+                                                   config.override_generation_config)
 
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -2,8 +2,8 @@
 
 Why the environment: a command line is world-readable (`ps`, /proc/PID/cmdline), so `pagedserve serve` hands
 its key to the scheduler and gateway it starts in their environment, never in their argv; a user may do the
-same (vLLM reads VLLM_API_KEY). Each service's config parser reads them once (api_key_from); launchers build their children's
-environment here (child_environment).
+same (vLLM reads VLLM_API_KEY). Each service's config parser reads them once (api_key_from); launchers build
+their children's environment here (child_environment).
 """
 
 from __future__ import annotations

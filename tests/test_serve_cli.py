@@ -253,3 +253,21 @@ def test_a_seed_out_of_range_is_refused_when_serve_parses_it(capsys):
     with pytest.raises(SystemExit):
         serve("--seed", "-1")
     assert "argument --seed: must lie in [0, 2**63)" in capsys.readouterr().err
+
+
+def test_override_generation_config_sets_values_over_the_files_or_alone_and_refuses_other_keys(tmp_path, capsys):
+    model = write_generation_config(tmp_path / "model", temperature=0.6, top_k=20)
+    auto = load_generation_defaults("auto", str(model), {"temperature": 0.2, "max_new_tokens": 8})
+    assert dict(auto.values) == {"temperature": 0.2, "top_k": 20, "max_tokens": 8}
+    assert dict(load_generation_defaults("vllm", str(model), {"top_p": 0.5}).values) == {"top_p": 0.5}
+    with pytest.raises(ValueError, match=r"--override-generation-config: unknown keys \['do_sample'\]"):
+        load_generation_defaults("auto", str(model), {"do_sample": True})
+    args = serve("--override-generation-config", '{"temperature": 0.2}')
+    argv = _scheduler_argv(args, [], "ipc://x")
+    config = scheduler_config_from_args(service_args(add_scheduler_arguments, *argv))
+    assert dict(config.override_generation_config) == {"temperature": 0.2}
+    with pytest.raises(SystemExit):
+        serve("--override-generation-config", "[1, 2]")
+    assert "must be a JSON object" in capsys.readouterr().err
+    assert server_argv(None, dict(override_generation_config={"top_k": 1})) == [
+        "--override-generation-config", '{"top_k": 1}']

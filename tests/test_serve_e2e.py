@@ -28,17 +28,19 @@ SERVER_FLAGS = ("--max-model-len", "128", "--num-kv-blocks", "64", "--swap-space
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random model whose generation_config.json asks for top_k 1 (greedy even at temperature 1) and
-    5 new tokens."""
+    6 new tokens."""
     model = make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
-    (model / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "top_k": 1, "max_new_tokens": 5}))
+    (model / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "top_k": 1, "max_new_tokens": 6}))
     return model
 
 
 @pytest.fixture(scope="module")
 def keyed_server(model_dir, tmp_path_factory):
-    """`--generation-config auto` (the default), with the HTTP gateway, its API key given only as $VLLM_API_KEY,
-    and no access log (`--disable-log-requests`)."""
+    """`--generation-config auto` (the default) with `--override-generation-config` setting 5 new tokens over
+    the file's 6, the HTTP gateway, its API key given only as $VLLM_API_KEY, and no access log
+    (`--disable-log-requests`)."""
     with running_server(tmp_path_factory.mktemp("keyed"), str(model_dir), *SERVER_FLAGS, "--disable-log-requests",
+                        "--override-generation-config", '{"max_new_tokens": 5}',
                         http=True,
                         env={"VLLM_API_KEY": KEY}, client_options={"api_key": KEY}) as server:
         yield server
@@ -50,7 +52,7 @@ def test_unset_fields_take_the_models_generation_config_and_set_ones_win(keyed_s
         assert info.default_sampling == {"top_k": 1, "max_tokens": 5}
         assert (info.generation_config, info.version) == ("auto", importlib.metadata.version("pagedserve"))
         greedy = client.generate(PROMPT, temperature=0.0).token_ids
-        assert len(greedy) == 5  # max_new_tokens, not vLLM's 16
+        assert len(greedy) == 5  # the overridden max_new_tokens, not the file's 6 or vLLM's 16
         # temperature 1 (unset), but top_k 1 from the file: every unseeded request is the greedy answer
         assert [client.generate(PROMPT).token_ids for _ in range(3)] == [greedy] * 3
         assert len(client.generate(PROMPT, max_tokens=9, temperature=0.0).token_ids) == 9
