@@ -203,7 +203,10 @@ class GenerationResult:
 @dataclass(frozen=True)
 class ModelInfo:
     """What the server serves (mirrors ModelInfoResponse). `has_tokenizer` False: only token-id prompts work;
-    `has_chat_template` False: chat messages are refused."""
+    `has_chat_template` False: chat messages are refused. `default_sampling`: what a request's unset sampling
+    fields take on this server (only those its generation config sets, e.g. {"temperature": 0.6, "top_p":
+    0.9}); `generation_config`: where they came from ("auto", "vllm" or a directory); `version`: the server's
+    pagedserve version."""
 
     model_name: str
     max_model_len: int
@@ -214,14 +217,26 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     has_tokenizer: bool
     has_chat_template: bool
+    default_sampling: dict[str, float | int] = dataclasses.field(default_factory=dict)
+    generation_config: str = ""
+    version: str = ""
 
     @classmethod
     def from_response(cls, response: generate_pb2.ModelInfoResponse) -> ModelInfo:
+        special = {
+            "eos_token_ids": tuple(response.eos_token_ids),
+            "default_sampling": {field.name: _float32_shortest(value) if isinstance(value, float) else value
+                                 for field, value in response.default_sampling.ListFields()},
+        }
         return cls(**{
-            field.name: tuple(getattr(response, field.name)) if field.name == "eos_token_ids"
-            else getattr(response, field.name)
+            field.name: special[field.name] if field.name in special else getattr(response, field.name)
             for field in dataclasses.fields(cls)
         })
+
+
+def _float32_shortest(value: float) -> float:
+    """A float field as its file said it (0.9, not 0.8999999761581421): the wire holds 32 bits, 7 digits."""
+    return float(f"{value:.7g}")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,21 @@
-"""The gateway's one configuration, parsed from its command line in one place (frozen, no environment).
+"""The gateway's one configuration, parsed from its command line in one place (frozen).
 
 `pagedserve gateway` parses it directly; `pagedserve serve` starts the gateway as a child process with the
-same flags built from its own (--http-port, --api-key, --served-model-name; its --api-key also becomes
---grpc-api-key, its --tls-cert-file --grpc-root-cert), and docker compose passes them
-on the gateway service's command line.
+same flags built from its own (--host, --port, --served-model-name, --uvicorn-log-level,
+--disable-log-requests; its --tls-cert-file becomes --grpc-root-cert), and docker compose passes them on the
+gateway service's command line. The API keys may come from the environment instead (PAGEDSERVE_API_KEY,
+VLLM_API_KEY, PAGEDSERVE_GRPC_API_KEY), so that `ps` does not show them: `serve` hands its key over this way.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
+
+from service_runtime.api_key_source import GRPC_API_KEY_ENV, api_key_from, grpc_api_key_from
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,10 @@ class GatewayConfig:
     # The scheduler's --api-key (sent on every gRPC call) and, when it serves TLS, the PEM file to trust.
     grpc_api_key: str | None = None
     grpc_root_cert: str | None = None
+    # uvicorn's own log level (vLLM's --uvicorn-log-level), and whether it logs each request (its access log,
+    # the only per-request log line pagedserve writes; vLLM's --disable-log-requests turns it off).
+    uvicorn_log_level: str = "info"
+    log_requests: bool = True
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,17 +48,22 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_access_arguments(parser)
     parser.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 429 and 503")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
-    parser.add_argument("--grpc-api-key", default=None, help="the scheduler's --api-key, sent on every gRPC call")
+    parser.add_argument("--grpc-api-key", default=None,
+                        help=f"the scheduler's --api-key, sent on every gRPC call (default: ${GRPC_API_KEY_ENV})")
     parser.add_argument("--grpc-root-cert", default=None, help="the scheduler serves TLS: trust this PEM certificate")
 
 
 def add_gateway_access_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `pagedserve serve` shares with `pagedserve gateway` (it forwards them to its gateway)."""
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key); "
-                             "`serve` also requires it on gRPC calls")
+                        help="require `Authorization: Bearer KEY` on /v1 requests (empty: no key; default: "
+                             "$PAGEDSERVE_API_KEY, else $VLLM_API_KEY); `serve` also requires it on gRPC calls")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name the HTTP API lists and accepts (default: the served model's)")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS,
+                        help="log level of the HTTP server (uvicorn)")
+    parser.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="log_requests",
+                        action="store_false", help="write no log line per HTTP request")
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -60,10 +75,12 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         grpc_target=args.grpc_target,
         host=args.host,
         port=args.port,
-        api_key=args.api_key or None,
+        api_key=api_key_from(args.api_key, os.environ),
         served_model_name=args.served_model_name or None,
         retry_after_s=args.retry_after,
         shutdown_timeout=args.shutdown_timeout,
-        grpc_api_key=args.grpc_api_key or None,
+        grpc_api_key=grpc_api_key_from(args.grpc_api_key, os.environ),
         grpc_root_cert=args.grpc_root_cert,
+        uvicorn_log_level=args.uvicorn_log_level,
+        log_requests=args.log_requests,
     )

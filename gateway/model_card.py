@@ -2,7 +2,7 @@
 `root`, `parent`, `max_model_len` and `permission`).
 
 Why one builder: both routes must describe the model identically, and what a card says about the model
-(its context length, and the generation defaults h-cli adds) is read from ModelInfo in this one place.
+(its context length, the generation defaults and the version) is read from ModelInfo in this one place.
 """
 
 from __future__ import annotations
@@ -25,4 +25,8 @@ def model_card(served_name: str, info: ModelInfo) -> dict:
         "parent": None,
         "max_model_len": info.max_model_len,
         "permission": [],
+        # Not in vLLM's card (issue 18 asks for them): what unset sampling fields take, and from where.
+        "default_sampling": info.default_sampling,
+        "generation_config": info.generation_config,
+        "version": info.version,
     }

@@ -38,10 +38,14 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # OpenAI's chat default is "until the context is full" (vLLM's too); the scheduler ends the request at
-    # max_model_len with finish_reason "length". A max_tokens given is checked against the context (strict).
-    return {**_common_keywords(body), "max_tokens": model.max_model_len if max_tokens is None else max_tokens,
-            "strict_context_length": max_tokens is not None, "best_of": body.best_of,
-            "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+    # max_model_len with finish_reason "length". A generation config's max_new_tokens is the default instead
+    # (vLLM's too): the field then stays unset and the scheduler applies it. A max_tokens given is checked
+    # against the context (strict).
+    strict = max_tokens is not None
+    if max_tokens is None and "max_tokens" not in model.default_sampling:
+        max_tokens = model.max_model_len
+    return {**_common_keywords(body), "max_tokens": max_tokens, "strict_context_length": strict,
+            "best_of": body.best_of, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
             **chat_options(body)}
 
 

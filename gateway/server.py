@@ -26,7 +26,8 @@ def run_gateway(config: GatewayConfig) -> int:
         host=config.host,
         port=config.port,
         timeout_graceful_shutdown=config.shutdown_timeout,
-        log_level="info",
+        log_level=config.uvicorn_log_level,
+        access_log=config.log_requests,
         log_config=None,  # the process's own logging setup (service_runtime/service_process.py), not uvicorn's
     ))
     logger.info("OpenAI-compatible API on http://%s:%d/v1 for the scheduler at %s%s", config.host, config.port,

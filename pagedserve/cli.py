@@ -1,6 +1,10 @@
 """`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
 `gateway`, and `health` (a readiness probe for container health checks).
 
+`serve` reads like `vllm serve`: `pagedserve serve [MODEL]`, `--host`/`--port` the OpenAI HTTP server's
+(default 127.0.0.1:8000; vLLM binds every interface, we bind loopback unless told), `--grpc-host`/`--grpc-port`
+the gRPC API's (127.0.0.1:50051). The vLLM flags it does not support are refused by name (vllm_flags.py).
+
 `scheduler`, `worker` and `gateway` are each service's own entry point (`scheduler_svc/main.py`, ...: the
 same flags as `python -m scheduler_svc`); `serve` parses the flags of all three and forwards each child its
 share (launcher.py), the same command lines docker compose uses.
@@ -13,6 +17,7 @@ import sys
 
 from gateway import main as gateway_main
 from gateway.config import add_gateway_access_arguments
+from pagedserve.vllm_flags import add_refused_vllm_flags
 from scheduler_svc import main as scheduler_main
 from scheduler_svc.config import add_scheduler_arguments
 from service_runtime.service_process import add_exit_with_parent_argument, start_service_process
@@ -27,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="start the scheduler, its worker and the HTTP gateway as processes")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model directory, .gguf file or hub id, as --model (default: SmolLM2-135M-Instruct)")
     add_scheduler_arguments(serve)
     add_worker_arguments(serve)
     serve.add_argument("--worker-address", default=None,
@@ -36,9 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                        help="how the ranks are started: mp, local processes (ray: not supported yet)")
     serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    serve.add_argument("--http-port", type=int, default=8000, help="port of the OpenAI-compatible HTTP gateway")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="bind address of the OpenAI-compatible HTTP server (vLLM's default is every "
+                            "interface; ours is loopback: pass 0.0.0.0 to serve the network)")
+    serve.add_argument("--port", "--http-port", dest="port", type=int, default=8000,
+                       help="port of the OpenAI-compatible HTTP server (--http-port: deprecated, the same)")
+    serve.add_argument("--grpc-host", default="127.0.0.1", help="bind address of the gRPC API")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="port of the gRPC API")
     serve.add_argument("--no-http", dest="enable_http", action="store_false", help="start no HTTP gateway")
     add_gateway_access_arguments(serve)
+    add_refused_vllm_flags(serve)
 
     for name, service in SERVICES.items():
         service_parser = commands.add_parser(name, help=service.DESCRIPTION)
@@ -54,8 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: `serve MODEL` and `serve --model MODEL` are one thing (both, if they differ:
+    a usage error), and the deprecated --http-port is announced."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model if args.model is not None else args.model_tag
+        given = sys.argv[1:] if argv is None else argv
+        if any(arg == "--http-port" or arg.startswith("--http-port=") for arg in given):
+            print("pagedserve: --http-port is deprecated and will be removed in the next release: use --port",
+                  file=sys.stderr, flush=True)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.command == "health":
         from pagedserve.health_probe import grpc_serving, http_ok
 

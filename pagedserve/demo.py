@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     port = free_port()
-    command = [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), "--no-http"]
+    command = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), "--no-http"]
     if args.model:
         command += ["--model", args.model]
     server = subprocess.Popen(command, stderr=subprocess.DEVNULL)

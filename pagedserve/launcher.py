@@ -14,6 +14,9 @@ drains, then tells the worker to exit), and if any child dies on its own (the sc
 loses a worker), stops the others and exits 1 so a restart policy can bring the stack back. Children die
 with the launcher (see service_runtime/service_process.py); a child still running 10 s after its SIGTERM is killed.
 
+The API key (--api-key, else $PAGEDSERVE_API_KEY, else $VLLM_API_KEY) reaches the scheduler and the gateway
+in their environment, never on their command lines, which every user of the host can read (`ps`).
+
 The gateway is a gRPC client of the scheduler like any other; it is ready when its /health says the
 scheduler is SERVING. On SIGTERM it is signalled together with the scheduler, so HTTP streams in flight
 keep flowing while the scheduler drains them.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +36,9 @@ import time
 
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
+from scheduler_svc.generation_defaults import load_generation_defaults
+from scheduler_svc.text.chat_template_source import chat_template_text
+from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
 from service_runtime.model_source import resolve_model
 from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
@@ -45,6 +52,8 @@ def serve(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)
+    refuse_bad_text_options(args, model.path)
+    api_key = api_key_from(args.api_key, os.environ)
     model_argv = [] if args.model is None else ["--model", args.model]
     ray_group = None
     if args.distributed_executor_backend == "ray":
@@ -58,11 +67,14 @@ def serve(args: argparse.Namespace) -> int:
         else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
             address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
             init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
-        children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address))}
+        children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address),
+                                        child_environment({API_KEY_ENV: api_key}))}
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
-            children[f"worker rank {rank}"] = _start("worker", argv) if ray_group is None else ray_group.start(rank, argv)
+            children[f"worker rank {rank}"] = (_start("worker", argv, child_environment({})) if ray_group is None
+                                               else ray_group.start(rank, argv))
         if args.enable_http:
-            children["gateway"] = _start("gateway", _gateway_argv(args))
+            children["gateway"] = _start("gateway", _gateway_argv(args),
+                                         child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}))
         stop_requested = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, f: stop_requested.append(s))
@@ -73,8 +85,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list) -> int:
-    target = _local_address(args.host, args.port)
-    http_health = f"http://{_local_address(args.host, args.http_port)}/health" if args.enable_http else None
+    target = _local_address(args.grpc_host, args.grpc_port)
+    http_health = f"http://{_local_address(args.host, args.port)}/health" if args.enable_http else None
     ready_deadline = time.monotonic() + args.ready_timeout
     ready = False
     while True:
@@ -121,11 +133,11 @@ def _local_address(host: str, port: int) -> str:
     return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
-def _start(role: str, argv: list[str]) -> subprocess.Popen:
+def _start(role: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Runs the service through its own entry point (`python -m scheduler_svc ...`), which imports that
     service alone."""
     return subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[role], "--exit-with-parent", *argv],
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 def _wait(child: subprocess.Popen, timeout: float) -> int | None:
@@ -148,7 +160,7 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
 
 
 def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
-    argv = [*model_argv, "--host", args.host, "--port", str(args.port), "--worker-address", address,
+    argv = [*model_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port), "--worker-address", address,
             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
@@ -156,9 +168,15 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if not args.enable_prefix_caching:
-        argv.append("--no-prefix-caching")
+        argv.append("--no-enable-prefix-caching")
     if not args.enable_chunked_prefill:
-        argv.append("--no-chunked-prefill")
+        argv.append("--no-enable-chunked-prefill")
+    for flag in ("tokenizer", "chat_template"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    argv += ["--generation-config", args.generation_config, "--seed", str(args.seed)]
+    if args.override_generation_config:
+        argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
     if args.plan_log:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
@@ -169,16 +187,30 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
 
 
 def _protection_argv(args) -> list[str]:
-    """The scheduler's admission limits, size limits and access flags, as `serve` was given them."""
+    """The scheduler's admission limits, size limits and TLS files, as `serve` was given them (the API key
+    goes through the environment: child_environment)."""
     argv = []
     for flag in ("max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_strings",
                  "max_stop_string_length", "max_logprobs", "max_message_bytes", "tls_cert_file", "tls_key_file"):
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.api_key:
-        argv += ["--api-key", args.api_key]  # one key guards both the gRPC API and the HTTP gateway
     return argv
+
+
+def refuse_bad_text_options(args, model_path: str) -> None:
+    """Exits naming the flag if --quantization, --chat-template or --[override-]generation-config cannot be
+    honoured, before any child starts; resolves --tokenizer (a hub download happens once, here)."""
+    if args.quantization == "gguf" and not model_path.endswith(".gguf"):
+        raise SystemExit(f"pagedserve: --quantization gguf: {model_path} is not a .gguf file")
+    try:
+        if args.chat_template is not None:
+            chat_template_text(args.chat_template)
+        load_generation_defaults(args.generation_config, model_path, args.override_generation_config)
+    except ValueError as error:
+        raise SystemExit(f"pagedserve: {error}") from None
+    if args.tokenizer is not None:
+        args.tokenizer = resolve_model(args.tokenizer).path
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:
@@ -250,10 +282,11 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
 
 
 def _gateway_argv(args) -> list[str]:
-    argv = ["--grpc-target", _local_address(args.host, args.port), "--host", args.host, "--port", str(args.http_port),
-            "--shutdown-timeout", str(args.shutdown_timeout)]
-    if args.api_key:
-        argv += ["--api-key", args.api_key, "--grpc-api-key", args.api_key]
+    argv = ["--grpc-target", _local_address(args.grpc_host, args.grpc_port), "--host", args.host,
+            "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
+            "--uvicorn-log-level", args.uvicorn_log_level]
+    if not args.log_requests:
+        argv.append("--disable-log-requests")
     if args.tls_cert_file:
         argv += ["--grpc-root-cert", args.tls_cert_file]
     if args.served_model_name:

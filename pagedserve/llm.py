@@ -39,7 +39,7 @@ class LLM:
     `ready_timeout` seconds."""
 
     def __init__(self, model: str | None = None, *, ready_timeout: float = 600.0, **server_options: Any) -> None:
-        self._server = PrivateServer(server_argv(model, server_options))
+        self._server = PrivateServer(server_argv(model, server_options), server_options.get("api_key"))
         self.target = self._server.target
         self.log_path = self._server.log_path
         self._tokenizer_source = server_options.get("tokenizer") or model

@@ -9,6 +9,7 @@ the interpreter) at the latest; its log is kept on disk only when it failed, for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -21,25 +22,28 @@ from typing import Any
 
 from client.sync_client import Client
 from pagedserve.free_port import free_port
+from service_runtime.api_key_source import API_KEY_ENV, child_environment
 
 _READY_POLL_S = 1.0
 _STOP_TIMEOUT_S = 30.0
 # Options the private server sets itself: where it listens, and that it serves no HTTP.
-_RESERVED_OPTIONS = frozenset({"host", "port", "http_port", "grpc_host", "grpc_port", "enable_http", "help"})
+_RESERVED_OPTIONS = frozenset({"host", "port", "grpc_host", "grpc_port", "enable_http", "help"})
 
 
 class PrivateServer:
-    """Owns one `pagedserve serve` child process on a free loopback port (`target`)."""
+    """Owns one `pagedserve serve` child process on a free loopback port (`target`). `api_key`: the key the
+    server requires, handed over in its environment (never its argv, which `ps` shows)."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], api_key: str | None = None) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="pagedserve-llm-", suffix=".log", delete=False)
         self.log_path = self._log.name
         port = free_port()
         self.target = f"127.0.0.1:{port}"
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "serve", "--host", "127.0.0.1", "--port", str(port), "--no-http",
-             *argv],
+            [sys.executable, "-m", "pagedserve", "serve", "--grpc-host", "127.0.0.1", "--grpc-port", str(port),
+             "--no-http", *argv],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=child_environment({API_KEY_ENV: api_key}),
         )
         self._finalizer = weakref.finalize(self, _stop_server, self._process, self._log, self.log_path)
 
@@ -71,24 +75,45 @@ class PrivateServer:
 
 def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
     """`pagedserve serve` flags for LLM's keywords, checked against the real parser (so a misspelt or
-    unknown option fails here, naming the known ones, rather than in the child)."""
+    unknown option fails here, naming the known ones, rather than in the child). A keyword is a flag's
+    destination (`enable_prefix_caching=False`) or, for a switch, the switch's name (`enforce_eager=True`, as
+    vLLM's LLM takes it). `api_key` is left out: it goes through the environment (PrivateServer)."""
     from pagedserve.cli import build_parser
 
     serve = _serve_parser(build_parser())
     actions = {action.dest: action for action in serve._actions if action.option_strings}
+    switches = {option.lstrip("-").replace("-", "_"): option for action in serve._actions
+                if action.option_strings and action.nargs == 0 for option in action.option_strings
+                if option.startswith("--") and not option.startswith("--no-")}
     argv = [] if model is None else ["--model", str(model)]
     for name, value in options.items():
         action = actions.get(name)
+        if name in switches and action is None and name not in _RESERVED_OPTIONS:
+            if value:
+                argv.append(switches[name])
+            continue
         if action is None or name in _RESERVED_OPTIONS:
-            known = ", ".join(sorted(set(actions) - _RESERVED_OPTIONS - {"model"}))
+            known = ", ".join(sorted((set(actions) | set(switches)) - _RESERVED_OPTIONS - {"model"}))
             raise TypeError(f"unknown server option {name!r}; known: {known}")
+        if name == "api_key":
+            continue
         flag = action.option_strings[0]
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None and bool(value) != action.default:
+                argv.append(flag if value else _negative_flag(action))
+        elif action.nargs == 0 and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if value:  # a refused switch (trust_remote_code=True): the server says why
+                argv.append(flag)
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if bool(value) != action.default:  # the flag flips the default; the default needs no flag
                 argv.append(flag)
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv
+
+
+def _negative_flag(action: argparse.BooleanOptionalAction) -> str:
+    return next(option for option in action.option_strings if option.startswith("--no-"))
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

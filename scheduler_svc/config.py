@@ -1,15 +1,23 @@
 """The scheduler service's one configuration, parsed from its command line in one place.
 
 Frozen: every component receives the same immutable object at start-up, so no setting can drift at run time
-and no module reads the environment. `pagedserve serve` builds this command line for its child process from
-its own flags (see pagedserve/launcher.py), and docker compose passes the same flags.
+and no other module reads the environment (only the API key may come from it: api_key_from). `pagedserve
+serve` builds this command line for its child process from its own flags (see pagedserve/launcher.py), and
+docker compose passes the same flags.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
 
+from scheduler_svc.text.chat_template_source import chat_template_text
+from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 
 
@@ -58,23 +66,51 @@ class SchedulerConfig:
     api_key: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # A tokenizer directory, .gguf file or hub id other than the model's (vLLM's --tokenizer); None: the model's.
+    tokenizer: str | None = None
+    # The text of the template that replaces the tokenizer's chat template (--chat-template: a file or the
+    # template itself, read when the flags are parsed); None: the tokenizer's.
+    chat_template: str | None = None
+    # Where unset sampling fields take their defaults from (generation_defaults.py): "auto" (the model's
+    # generation_config.json), "vllm" (vLLM's built-in defaults), or a directory holding a generation_config.json.
+    generation_config: str = "auto"
+    # vLLM's --override-generation-config: generation_config.json keys set over the file's (read-only).
+    override_generation_config: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # Seeds the source of the per-request seeds of requests that carry none (engine.py), so that the same
+    # requests in the same order sample the same tokens after a restart. vLLM V1's default is 0 too.
+    seed: int = 0
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     """Scheduler flags, shared by `pagedserve scheduler` and `pagedserve serve`."""
     parser.add_argument("--model", default=None, help="model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC bind address")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory, .gguf file or hub id to use instead of the model's")
+    parser.add_argument("--chat-template", default=None,
+                        help="chat template replacing the tokenizer's: a Jinja file path or the template itself")
+    parser.add_argument("--generation-config", default="auto",
+                        help="defaults of unset sampling fields: auto (the model's generation_config.json), vllm "
+                             "(vLLM's defaults), or a directory with a generation_config.json")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        help='generation_config.json values set over the model\'s, as JSON: \'{"temperature": 0.5}\'')
+    parser.add_argument("--seed", type=_seed, default=0,
+                        help="seeds the seeds of requests that give none: the same requests in the same order "
+                             "sample the same tokens after a restart")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of earlier requests' common prefixes (default: on)")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                        help="do not reuse the KV blocks of earlier requests' common prefixes")
+                        help="the same as --no-enable-prefix-caching")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                        help="split long prompts over steps (default: on; off needs --max-num-batched-tokens >= "
+                             "max model len)")
     parser.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                        help="schedule each prompt whole (needs --max-num-batched-tokens >= max model len)")
+                        help="the same as --no-enable-chunked-prefill")
     parser.add_argument("--plan-log", default=None, help="append every step plan to this file (replay, tests)")
     parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                         help="wait for each step's result before planning the next (default: plan step N+1 "
@@ -101,11 +137,37 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add_heartbeat_argument(parser)
 
 
+def _seed(value: str) -> int:
+    """--seed's type: refused by argparse, naming the flag, in `serve` before any child starts."""
+    seed = int(value)
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError("must lie in [0, 2**63)")
+    return seed
+
+
+def _json_object(value: str) -> dict[str, Any]:
+    """--override-generation-config's type: a JSON object, refused by argparse otherwise."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return parsed
+
+
+def add_grpc_listen_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where `pagedserve scheduler` listens: `--grpc-host`/`--grpc-port`, as `pagedserve serve` names them
+    (whose --host/--port are the HTTP server's, as vLLM's), or the older `--host`/`--port`."""
+    parser.add_argument("--grpc-host", "--host", dest="host", default="127.0.0.1", help="gRPC bind address")
+    parser.add_argument("--grpc-port", "--port", dest="port", type=int, default=50051, help="gRPC port")
+
+
 def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
     """`--api-key` of `pagedserve scheduler` (`pagedserve serve` has its own, which guards gRPC and HTTP)."""
     parser.add_argument("--api-key", default=None,
                         help="require `authorization: Bearer KEY` (or `x-api-key: KEY`) metadata on every RPC "
-                             "but health")
+                             f"but health (default: ${API_KEY_ENV}, else ${VLLM_API_KEY_ENV})")
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -125,6 +187,12 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 0")
     if (args.tls_cert_file is None) != (args.tls_key_file is None):
         raise SystemExit("--tls-cert-file and --tls-key-file go together")
+    if args.generation_config not in ("auto", "vllm") and not os.path.isdir(args.generation_config):
+        raise SystemExit(f"--generation-config: {args.generation_config!r} is not auto, vllm or a directory")
+    try:
+        chat_template = None if args.chat_template is None else chat_template_text(args.chat_template)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
     return SchedulerConfig(
         model=args.model,
         host=args.host,
@@ -152,7 +220,12 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_stop_string_length=args.max_stop_string_length,
         max_logprobs=args.max_logprobs,
         max_message_bytes=args.max_message_bytes,
-        api_key=getattr(args, "api_key", None) or None,
+        api_key=api_key_from(getattr(args, "api_key", None), os.environ),
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
+        tokenizer=args.tokenizer,
+        chat_template=chat_template,
+        generation_config=args.generation_config,
+        override_generation_config=MappingProxyType(args.override_generation_config or {}),
+        seed=args.seed,
     )

@@ -64,6 +64,7 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         plan_log=None,
         max_messages_per_step: int = 64,
+        seed: int | None = None,
     ):
         self._scheduler = scheduler
         self._link = link
@@ -75,7 +76,10 @@ class Engine:
         self._wake = asyncio.Event()
         self._groups: dict[str, RequestGroup] = {}  # client request id -> group
         self._context = GroupContext(scheduler, tokenizer, owners={})
-        self._seed_source = random.Random()
+        # The seeds of requests that carry none, drawn in admission order: with a fixed `seed` (--seed) the
+        # k-th unseeded request gets the same seed in every run, and a seeded request samples the same tokens
+        # whatever else is in its batch, so the same requests in the same order give the same tokens.
+        self._seed_source = random.Random(seed)
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None

@@ -30,6 +30,7 @@ from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.engine import Engine
+from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
 from scheduler_svc.worker_io.plan_log import PlanLogWriter
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
@@ -43,8 +44,11 @@ SERVER_OPTIONS = (("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
 
 async def run_scheduler_service(config: SchedulerConfig) -> int:
     model = resolve_model(config.model)
-    tokenizer = load_tokenizer(model.path)
+    tokenizer_path = model.path if config.tokenizer is None else resolve_model(config.tokenizer).path
+    tokenizer = load_tokenizer(tokenizer_path, config.chat_template)
     eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else read_eos_token_ids(model.path)
+    generation_defaults = load_generation_defaults(config.generation_config, model.path,
+                                                   config.override_generation_config)
 
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -104,12 +108,13 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         )
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log,
-                        max_messages_per_step=config.stream_messages_per_step)
+                        max_messages_per_step=config.stream_messages_per_step, seed=config.seed)
         # Everything built so far (tokenizer, model limits, the scheduler's tables) lives as long as the
         # service: keep it out of the cyclic collector's full passes, which would scan it on every one.
         gc.freeze()
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
-                                                   pool.num_swap_blocks, eos_token_ids, config.max_queued_requests))
+                                                   pool.num_swap_blocks, eos_token_ids, config.max_queued_requests,
+                                                   generation_defaults))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)

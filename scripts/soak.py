@@ -158,7 +158,7 @@ def own_server(args: argparse.Namespace):
             port = probe.getsockname()[1]
         log = open(Path(scratch) / "server.log", "wb")
         server = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "pagedserve", "serve", "--model", model, "--grpc-host", "127.0.0.1", "--grpc-port", str(port),
              "--no-http", "--max-model-len", "256", "--num-kv-blocks", str(args.num_kv_blocks), "--swap-space", "0.01",
              "--preemption-mode", args.preemption_mode],
             stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,

@@ -199,7 +199,7 @@ def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_sta
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_anything_starts(models):
     completed = subprocess.run(
         [sys.executable, "-m", "pagedserve", "serve", "--model", str(models["llama"]), "-tp", "3", "--no-http",
-         "--port", str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+         "--grpc-port", str(free_port())], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert completed.returncode != 0
     assert "--tensor-parallel-size 3 does not divide the model's 4 attention heads" in completed.stderr
     assert "gRPC listening" not in completed.stderr, "the scheduler must not have started"

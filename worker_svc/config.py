@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 GIB = 1 << 30
+# vLLM's --dtype spellings: half is float16, float is float32.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class WorkerConfig:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Worker flags, shared by `pagedserve worker` and `pagedserve serve` (which passes --model itself)."""
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
+                        help="weights and activations (half = float16, float = float32; auto: bfloat16 on a "
+                             "GPU, float32 on the CPU)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="fraction of GPU memory for weights, activations and the KV pool")
@@ -57,8 +61,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the model's shape (benchmarks)")
     parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                         help="auto: triton on a GPU, the torch reference on the CPU")
-    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                        help="run decode steps eagerly on a GPU")
+    parser.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
+                        help="run decode steps eagerly on a GPU, without CUDA graphs (vLLM's --enforce-eager)")
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -82,7 +86,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         scheduler_address=args.scheduler_address,
         model=args.model,
         device=args.device,
-        dtype=args.dtype,
+        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
         num_kv_blocks=args.num_kv_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cpu_kv_cache_space=args.cpu_kv_cache_space,

@@ -115,12 +115,13 @@ def descendants(pid: int) -> list[int]:
 
 @contextlib.contextmanager
 def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0,
-                   client_options: dict | None = None):
+                   client_options: dict | None = None, env: dict[str, str] | None = None):
     """Runs `pagedserve serve ARGS` and yields a ServerProcess; asserts a clean SIGTERM shutdown after.
     `http=True` starts the gateway on a free port (ServerProcess.http_url) and waits for its /health too.
-    `client_options`: what a Client needs to get in (api_key, root_certificates) when ARGS guard the server."""
+    `client_options`: what a Client needs to get in (api_key, root_certificates) when ARGS guard the server.
+    `env`: variables added to the server's environment (PAGEDSERVE_API_KEY, ...)."""
     with launched_server(tmp_dir, *args, http=http, ready_timeout=ready_timeout,
-                         client_options=client_options) as server:
+                         client_options=client_options, env=env) as server:
         yield server
         server.process.send_signal(signal.SIGTERM)
         code = server.process.wait(timeout=60)
@@ -130,17 +131,17 @@ def running_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout:
 
 @contextlib.contextmanager
 def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout: float = 180.0,
-                    client_options: dict | None = None):
+                    client_options: dict | None = None, env: dict[str, str] | None = None):
     """Runs `pagedserve serve ARGS` and yields a SERVING ServerProcess (whose `children` are its child pids),
     asserting nothing about how it ends; kills it if it still runs after."""
     port = free_port()
     http_port = free_port() if http else None
-    http_args = ["--http-port", str(http_port)] if http else ["--no-http"]
+    http_args = ["--port", str(http_port)] if http else ["--no-http"]
     log_path = Path(tmp_dir) / f"server-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pagedserve", "serve", "--port", str(port), *http_args, *args],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", str(port), *http_args, *args],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env=None if env is None else {**os.environ, **env},
         )
     server = ServerProcess(process, port, log_path, http_port, client_options)
     try:

@@ -13,6 +13,7 @@ engine, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import uuid
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.token_logprobs import TokenLogprob
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.engine import Engine
+from scheduler_svc.generation_defaults import GenerationDefaults
 from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.text.output_stream import OutputDelta
@@ -40,6 +42,7 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
+PACKAGE_VERSION = importlib.metadata.version("pagedserve")
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
 
@@ -55,6 +58,8 @@ class ServedModel:
     num_swap_blocks: int
     eos_token_ids: tuple[int, ...]
     max_queued_requests: int | None = None  # None: no bound
+    # What requests' unset sampling fields take (--generation-config), applied before validation.
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 class MalformedRequest:
@@ -118,6 +123,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
+        if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
+            request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
             if prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS:
                 validated = await asyncio.to_thread(validate_request, request, self._tokenizer, model.limits)
@@ -170,6 +177,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             eos_token_ids=list(model.eos_token_ids),
             has_tokenizer=tokenizer is not None,
             has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
+            default_sampling=model.generation_defaults.as_sampling_params(),
+            generation_config=model.generation_defaults.source,
+            version=PACKAGE_VERSION,
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):

@@ -8,6 +8,7 @@ so the GGUF conversion and the directory reader import tokenizer.py and nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -24,13 +25,15 @@ from scheduler_svc.text.vocab_merges_tokenizer import (
 )
 
 
-def load_tokenizer(model_path: str) -> Tokenizer | None:
-    """The tokenizer of a model directory or .gguf file; None for a directory without tokenizer.json."""
+def load_tokenizer(model_path: str, chat_template: str | None = None) -> Tokenizer | None:
+    """The tokenizer of a model directory or .gguf file; None for a directory without tokenizer.json.
+    `chat_template`: a template that replaces the files' (--chat-template)."""
     if os.path.isdir(model_path):
-        return _load_directory_tokenizer(model_path)
+        return _load_directory_tokenizer(model_path, chat_template)
     if model_path.endswith(".gguf") and os.path.isfile(model_path):
-
         backend, spec = load_gguf_tokenizer(model_path)
+        if chat_template is not None:
+            spec = dataclasses.replace(spec, chat_template=chat_template)
         return Tokenizer(backend, spec)
     raise ValueError(f"not a model directory or .gguf file: {model_path!r}")
 
@@ -44,7 +47,7 @@ def read_eos_token_ids(model_path: str) -> tuple[int, ...]:
     return ()
 
 
-def _load_directory_tokenizer(directory: str) -> Tokenizer | None:
+def _load_directory_tokenizer(directory: str, chat_template: str | None) -> Tokenizer | None:
     """tokenizer.json if there is one, else vocab.json + merges.txt (OPT, GPT-2), else None."""
     tokenizer_file = os.path.join(directory, "tokenizer.json")
     if not os.path.isfile(tokenizer_file) and not has_vocab_and_merges(directory):
@@ -69,7 +72,7 @@ def _load_directory_tokenizer(directory: str) -> Tokenizer | None:
         special_tokens=special_tokens,
         extra_special_tokens=tuple(_token_content(token) for token in extra),
         extra_eos_token_ids=_eos_ids_of(generation_config.get("eos_token_id")),
-        chat_template=_directory_chat_template(directory, config),
+        chat_template=chat_template if chat_template is not None else _directory_chat_template(directory, config),
     )
     return Tokenizer(backend, spec)
 
