@@ -147,7 +147,11 @@ def test_model_info_and_stats_mirror_the_server_responses(client):
                 if field.message_type is None]
     assert [getattr(stats, name) for _, name in counters] == [position for position, _ in counters]
     histograms = set(proto_fields) - {name for _, name in counters}
-    assert histograms == {"time_to_first_token", "time_per_output_token", "e2e_request_latency"}
+    assert histograms == {"time_to_first_token", "time_per_output_token", "e2e_request_latency",
+                          "inter_token_latency", "request_queue_time", "request_prefill_time",
+                          "request_decode_time", "request_inference_time", "request_prompt_tokens",
+                          "request_generation_tokens", "request_params_n", "request_params_max_tokens",
+                          "iteration_tokens"}
     for name in histograms:
         assert getattr(stats, name) == LatencyHistogram(upper_bounds=(0.5, 1.0), counts=(1, 0, 0), sum=0.25, count=1)
 
