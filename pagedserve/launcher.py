@@ -29,11 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
-from service_runtime.model_source import resolve_model
-from worker_svc.model_config import ModelConfig
+from service_runtime.model_source import ResolvedModel, resolve_model
+from worker_svc.model_config import ModelConfig, find_gguf_file
 from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
 _POLL_SECONDS = 0.2
@@ -42,7 +43,7 @@ SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gatewa
 
 
 def serve(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
+    model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     model_argv = [] if args.model is None else ["--model", args.model]
@@ -179,6 +180,23 @@ def _protection_argv(args) -> list[str]:
     if args.api_key:
         argv += ["--api-key", args.api_key]  # one key guards both the gRPC API and the HTTP gateway
     return argv
+
+
+def resolve_servable_model(args) -> ResolvedModel:
+    """The model's local files, or an exit with one line (no traceback) if the worker would refuse it: an
+    unknown --model, an architecture or config feature we do not serve, a checkpoint without weights. Why
+    here: found by the worker, it would surface as the worker's traceback after the scheduler and the
+    gateway had already started."""
+    try:
+        model = resolve_model(args.model)
+        config = ModelConfig.from_path(model.path)
+    except (ValueError, RuntimeError, OSError) as error:
+        raise SystemExit(f"pagedserve: cannot serve {args.model or 'the default model'}: {error}") from None
+    weightless = find_gguf_file(model.path) is None and not any(Path(model.path).glob("*.safetensors"))
+    if weightless and args.load_format != "dummy":
+        raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "
+                         f"(its config says {config.architecture}; --load-format dummy serves random weights)")
+    return model
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:

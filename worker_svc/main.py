@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import NoReturn
 
+from service_runtime.quiet_exit import exit_after_flush
 from service_runtime.service_process import service_main
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 from worker_svc.config import add_worker_arguments, worker_config_from_args
@@ -26,10 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_heartbeat_argument(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
+    """Serves until told to stop, then exits without the interpreter's teardown (service_runtime/quiet_exit.py
+    says why); a failure before serving (a model that does not load) still raises with its traceback."""
     from worker_svc.serving_loop import run_worker
 
-    return run_worker(worker_config_from_args(args))
+    exit_after_flush(run_worker(worker_config_from_args(args)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

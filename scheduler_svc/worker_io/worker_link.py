@@ -68,6 +68,7 @@ class WorkerLink:
         self._heartbeat_interval = heartbeat_interval
         self._identities: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self._ranks: dict[bytes, int] = {}  # ZeroMQ identity -> rank
+        self._greeted: set[bytes] = set()  # identities whose hello is queued, not yet taken by connect_workers
         self._health = WorkerHealth(heartbeat_interval)
         self._arrivals: asyncio.Queue[_Arrival | WorkerFailure] = asyncio.Queue()
         self._failure: WorkerFailure | None = None
@@ -225,7 +226,10 @@ class WorkerLink:
         rank = self._ranks.get(identity)
         if rank is None:
             if kind == "hello" and len(self._identities) < self._num_workers:
+                self._greeted.add(identity)
                 self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message))
+            elif kind == "heartbeat" and identity in self._greeted:
+                logger.debug("a heartbeat from %r before its hello was taken (health starts at the hello)", identity)
             else:
                 logger.warning("dropped a %s message from a peer that is no worker (%d bytes)", kind, len(payload))
             return
