@@ -184,3 +184,12 @@ finished = [l for l in text.splitlines() if re.match(r'(pagedserve_requests_fini
 print('\n'.join(finished))
 assert sum(float(l.rsplit(' ', 1)[1]) for l in finished if not l.startswith('#')) >= 2, 'fewer than the 2 requests counted'
 "
+
+step "the stack's logs, after a stop, carry no noise"
+"${COMPOSE[@]}" stop >/dev/null 2>&1
+"${COMPOSE[@]}" logs --no-color >"$WORK/stack.log" 2>&1
+echo "$(wc -l <"$WORK/stack.log") log lines"
+if grep -E "peer that is no worker|slow step launch|nanobind|leaked|Traceback" "$WORK/stack.log"; then
+  echo "noise in the logs (above)"
+  exit 1
+fi

@@ -10,13 +10,14 @@ the gateway are up.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
 
 import zmq
 
-from pagedserve.testing.server_harness import REPO_ROOT, running_server
+from pagedserve.testing.server_harness import REPO_ROOT, free_port, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.scheduler_link import SchedulerLink
@@ -57,6 +58,40 @@ def test_the_first_frame_a_worker_sends_is_its_hello(tmp_path):
         link.close()
         router.close(linger=0)
         context.term()
+
+
+def test_a_standalone_worker_signalled_first_leaves_with_its_draining_scheduler(tmp_path):
+    """docker compose stop signals the worker before (or with) the scheduler: the worker serves on, the
+    scheduler drains and shuts it down, and both exit 0 with no worker failure logged."""
+    model = make_tiny_model(tmp_path / "model", "llama", seed=5)
+    port, worker_address = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "stack.log"
+    started = []
+    with open(log_path, "wb") as log:
+        try:
+            for argv in (["scheduler", "--port", str(port), "--worker-address", worker_address],
+                         ["worker", "--scheduler-address", worker_address, "--num-kv-blocks", "64"]):
+                started.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv, "--model", str(model)],
+                                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
+            scheduler, worker = started
+            from client import Client
+
+            with Client(f"127.0.0.1:{port}") as client:
+                client.wait_ready(timeout=180)
+                worker.send_signal(signal.SIGTERM)
+                time.sleep(1.0)
+                assert worker.poll() is None, "the worker left before its scheduler"
+                assert len(client.generate([1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
+            scheduler.send_signal(signal.SIGTERM)
+            assert scheduler.wait(timeout=60) == 0 and worker.wait(timeout=30) == 0
+        finally:
+            for process in started:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    log = log_path.read_text(errors="replace")
+    assert "serving until the scheduler shuts this worker down" in log
+    assert [line for line in log.splitlines() if any(noise in line for noise in NOISE)] == [], log[-3000:]
 
 
 def _serve_refused(model_dir, *args: str) -> subprocess.CompletedProcess:

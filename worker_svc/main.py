@@ -11,6 +11,7 @@ from service_runtime.quiet_exit import exit_after_flush
 from service_runtime.service_process import service_main
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 from worker_svc.config import add_worker_arguments, worker_config_from_args
+from worker_svc.stop_signal import leave_with_the_scheduler_on_sigterm
 
 DESCRIPTION = "start one worker process alone"
 
@@ -33,6 +34,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     says why); a failure before serving (a model that does not load) still raises with its traceback."""
     from worker_svc.serving_loop import run_worker
 
+    if not getattr(args, "exit_with_parent", False):
+        leave_with_the_scheduler_on_sigterm()
     exit_after_flush(run_worker(worker_config_from_args(args)))
 
 
