@@ -185,10 +185,15 @@ print('\n'.join(finished))
 assert sum(float(l.rsplit(' ', 1)[1]) for l in finished if not l.startswith('#')) >= 2, 'fewer than the 2 requests counted'
 "
 
-step "the stack's logs, after a stop, carry no noise"
+step "docker-compose stop: every service exits 0, and the logs carry no noise"
 "${COMPOSE[@]}" stop >/dev/null 2>&1
 "${COMPOSE[@]}" logs --no-color >"$WORK/stack.log" 2>&1
 echo "$(wc -l <"$WORK/stack.log") log lines"
+for service in scheduler worker-cpu gateway; do  # the scheduler drained and shut its worker down: all exit 0
+  code=$(docker inspect --format '{{.State.ExitCode}}' "$("${COMPOSE[@]}" ps -q "$service")")
+  echo "$service exit code $code"
+  [ "$code" = 0 ] || { grep "${service}_1" "$WORK/stack.log" | tail -5; exit 1; }
+done
 if grep -E "peer that is no worker|slow step launch|nanobind|leaked|Traceback" "$WORK/stack.log"; then
   echo "noise in the logs (above)"
   exit 1
