@@ -9,6 +9,7 @@ the gateway are up.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -92,6 +93,40 @@ def test_a_standalone_worker_signalled_first_leaves_with_its_draining_scheduler(
     log = log_path.read_text(errors="replace")
     assert "serving until the scheduler shuts this worker down" in log
     assert [line for line in log.splitlines() if any(noise in line for noise in NOISE)] == [], log[-3000:]
+
+
+def test_a_worker_killed_mid_request_is_reported_without_a_traceback(tmp_path):
+    """A worker's death is a fault and is logged as one (ERROR lines naming it), once, with no asyncio
+    "Task exception was never retrieved" traceback after it."""
+    model = make_tiny_model(tmp_path / "model", "llama", seed=5)
+    port, worker_address = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    log_path = tmp_path / "stack.log"
+    started = []
+    with open(log_path, "wb") as log:
+        try:
+            for argv in (["scheduler", "--port", str(port), "--worker-address", worker_address],
+                         ["worker", "--scheduler-address", worker_address, "--num-kv-blocks", "64"]):
+                started.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv, "--model", str(model)],
+                                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
+            scheduler, worker = started
+            from client import Client
+
+            with Client(f"127.0.0.1:{port}") as client:
+                client.wait_ready(timeout=180)
+                stream = client.generate_stream([1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True)
+                next(iter(stream))
+                worker.kill()
+                with contextlib.suppress(Exception):
+                    list(stream)
+            assert scheduler.wait(timeout=60) == 1
+        finally:
+            for process in started:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    log = log_path.read_text(errors="replace")
+    assert "worker rank 0 disconnected" in log
+    assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
 
 
 def _serve_refused(model_dir, *args: str) -> subprocess.CompletedProcess:
