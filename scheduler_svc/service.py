@@ -165,6 +165,8 @@ async def _fail(engine: Engine, engine_task, link_failed, servicer, health, link
         engine_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await engine_task
+    elif not engine_task.cancelled():
+        engine_task.exception()  # taken: it repeats the link's failure (else asyncio logs it with a traceback)
     engine.fail_all(failure)
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     await link.shutdown_workers()  # ranks still alive exit now rather than when our heartbeats stop

@@ -66,6 +66,9 @@ def test_the_worker_heartbeats_while_its_main_thread_is_busy(scheduler_socket):
     router, address = scheduler_socket
     link = SchedulerLink(address, b"rank-0", heartbeat_interval=0.1)
     try:
+        # Heartbeats start after the worker's first message, its hello (tests/test_log_noise.py says why).
+        link.send(worker_pb2.WorkerToScheduler(hello=worker_pb2.WorkerHello(rank=0, world_size=1)))
+        assert _receive(router)[1].WhichOneof("kind") == "hello"
         kinds = [_receive(router)[1] for _ in range(4)]  # the main thread never calls receive meanwhile
         assert {m.WhichOneof("kind") for m in kinds} == {"heartbeat"}
         assert kinds[0].heartbeat.interval_ms == 100
@@ -94,6 +97,7 @@ def test_a_silent_scheduler_is_reported_lost_after_three_of_its_intervals(schedu
     router, address = scheduler_socket
     link = SchedulerLink(address, b"rank-0", heartbeat_interval=0.1)
     try:
+        link.send(worker_pb2.WorkerToScheduler(hello=worker_pb2.WorkerHello(rank=0, world_size=1)))
         identity, _ = _receive(router)
         router.send_multipart([identity, _heartbeat(300)])  # the scheduler announces 0.3 s: lost after ~0.9 s
         started = time.monotonic()

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import NoReturn
 
+from service_runtime.quiet_exit import exit_after_flush
 from service_runtime.service_process import service_main
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 from worker_svc.config import add_worker_arguments, worker_config_from_args
+from worker_svc.stop_signal import leave_with_the_scheduler_on_sigterm
 
 DESCRIPTION = "start one worker process alone"
 
@@ -26,10 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_heartbeat_argument(parser)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> NoReturn:
+    """Serves until told to stop, then exits without the interpreter's teardown (service_runtime/quiet_exit.py
+    says why); a failure before serving (a model that does not load) still raises with its traceback."""
     from worker_svc.serving_loop import run_worker
 
-    return run_worker(worker_config_from_args(args))
+    if not getattr(args, "exit_with_parent", False):
+        leave_with_the_scheduler_on_sigterm()
+    exit_after_flush(run_worker(worker_config_from_args(args)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

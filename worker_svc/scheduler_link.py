@@ -16,6 +16,7 @@ closed the link `_EXIT_GRACE_S` later, the IO thread ends the process itself.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -90,16 +91,20 @@ class SchedulerLink:
         heartbeat = worker_pb2.WorkerToScheduler(
             heartbeat=worker_pb2.Heartbeat(interval_ms=round(self._interval * 1000))).SerializeToString()
         peer_interval = self._interval
-        last_heard = next_beat = time.monotonic()
+        # No heartbeat before the worker's first message (its hello): the scheduler knows a peer only from
+        # its hello, and would log an earlier heartbeat as coming from a stranger.
+        last_heard = time.monotonic()
+        next_beat = math.inf
         lost_at = None
         try:
             while True:
-                events = dict(poller.poll(timeout=max(0.0, next_beat - time.monotonic()) * 1000))
+                events = dict(poller.poll(timeout=min(max(0.0, next_beat - time.monotonic()), self._interval) * 1000))
                 if pipe in events:
                     frame = pipe.recv()
                     if frame == _STOP:
                         return
                     dealer.send(frame)
+                    next_beat = min(next_beat, time.monotonic() + self._interval)
                 if dealer in events:
                     message = _parse(dealer.recv())
                     if message is not None:

@@ -192,7 +192,9 @@ class Worker:
                                                                      inputs.sample_rows[is_beam]))
         timer.mark("sample_launch")
         elapsed = time.perf_counter() - started
-        if elapsed > _SLOW_LAUNCH_S:  # the host, not the GPU, was slow: a compile (a kernel variant seen first)?
+        # On a GPU a launch only queues kernels, so a slow one means the host was slow (a compile of a kernel
+        # variant seen first?); on the CPU the launch is the computation itself, slow by nature: not logged.
+        if self.device.type == "cuda" and elapsed > _SLOW_LAUNCH_S:
             logger.info("slow step launch: %.2f s for %d tokens, %d decodes, %d chunks", elapsed,
                         len(inputs.input_ids), inputs.num_decode_seqs, len(inputs.rows) - inputs.num_decode_seqs)
         return step

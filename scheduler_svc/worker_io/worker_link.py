@@ -68,6 +68,8 @@ class WorkerLink:
         self._heartbeat_interval = heartbeat_interval
         self._identities: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self._ranks: dict[bytes, int] = {}  # ZeroMQ identity -> rank
+        self._greeted: set[bytes] = set()  # identities whose hello is queued, not yet taken by connect_workers
+        self._shutdown_sent = False  # after it, a worker's disconnect is its expected exit, not a failure
         self._health = WorkerHealth(heartbeat_interval)
         self._arrivals: asyncio.Queue[_Arrival | WorkerFailure] = asyncio.Queue()
         self._failure: WorkerFailure | None = None
@@ -139,6 +141,7 @@ class WorkerLink:
         return self._failure
 
     async def shutdown_workers(self) -> None:
+        self._shutdown_sent = True
         for rank in sorted(self._identities):
             await self._send(rank, worker_pb2.SchedulerToWorker(shutdown=worker_pb2.Shutdown()))
 
@@ -207,7 +210,9 @@ class WorkerLink:
     def _on_monitor_event(self, event: dict) -> None:
         if event["event"] == zmq.EVENT_DISCONNECTED:
             rank = self._health.rank_of_connection(event["value"])
-            if rank is not None:
+            if rank is not None and self._shutdown_sent:
+                logger.debug("worker rank %d exited after its shutdown", rank)
+            elif rank is not None:
                 self._fail(f"worker rank {rank} disconnected: its process exited or its connection broke")
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
@@ -225,7 +230,10 @@ class WorkerLink:
         rank = self._ranks.get(identity)
         if rank is None:
             if kind == "hello" and len(self._identities) < self._num_workers:
+                self._greeted.add(identity)
                 self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message))
+            elif kind == "heartbeat" and identity in self._greeted:
+                logger.debug("a heartbeat from %r before its hello was taken (health starts at the hello)", identity)
             else:
                 logger.warning("dropped a %s message from a peer that is no worker (%d bytes)", kind, len(payload))
             return
