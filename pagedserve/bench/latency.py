@@ -26,7 +26,7 @@ import numpy as np
 
 from client.sampling_params import SamplingParams
 from pagedserve.beam_search import BeamSearchParams
-from pagedserve.bench.offline_engine import add_engine_arguments, start_engine
+from pagedserve.bench.offline_engine import add_engine_arguments, refuse_below, start_engine
 from pagedserve.bench.random_token_requests import random_requests
 from pagedserve.llm import LLM
 
@@ -73,11 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("input_len", "output_len", "batch_size", "n", "num_iters"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"pagedserve bench latency: --{name.replace('_', '-')} must be at least 1")
-    if args.num_iters_warmup < 0:
-        raise SystemExit("pagedserve bench latency: --num-iters-warmup must be at least 0")
+    refuse_below("latency", args, 1, "input_len", "output_len", "batch_size", "n", "num_iters")
+    refuse_below("latency", args, 0, "num_iters_warmup")
     with start_engine(args) as llm:
         requests = random_requests(args.batch_size, args.input_len, args.output_len, llm.model_info.vocab_size,
                                    seed=args.seed)

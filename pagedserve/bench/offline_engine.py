@@ -48,6 +48,14 @@ def start_engine(args: argparse.Namespace) -> LLM:
         raise SystemExit(f"pagedserve bench: the engine did not start: {error}") from None
 
 
+def refuse_below(command: str, args: argparse.Namespace, minimum: int, *names: str) -> None:
+    """SystemExit naming the first workload flag of `names` below `minimum`, before any engine starts."""
+    for name in names:
+        if getattr(args, name) < minimum:
+            raise SystemExit(f"pagedserve bench {command}: --{name.replace('_', '-')} must be at least {minimum}, "
+                             f"not {getattr(args, name)}")
+
+
 def _engine_defaults() -> dict[str, Any]:
     """{dest: default} of every engine flag but the refused ones (their values are accepted ones, which
     are what pagedserve does anyway), read from a parser of the engine flags alone."""

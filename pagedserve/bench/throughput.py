@@ -25,7 +25,7 @@ from pathlib import Path
 
 from client.sampling_params import SamplingParams
 from client.types import GenerationResult
-from pagedserve.bench.offline_engine import add_engine_arguments, start_engine
+from pagedserve.bench.offline_engine import add_engine_arguments, refuse_below, start_engine
 from pagedserve.bench.random_token_requests import BenchRequest, random_requests
 from pagedserve.llm import LLM
 
@@ -98,9 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if args.disable_detokenize:
         raise SystemExit("pagedserve bench throughput: --disable-detokenize: not supported: the server detokenizes "
                          "whenever the model has a tokenizer")
-    _check_positive(args, "num_prompts", "input_len", "output_len", "n")
-    if args.num_iters_warmup < 0:
-        raise SystemExit("pagedserve bench throughput: --num-iters-warmup must be at least 0")
+    refuse_below("throughput", args, 1, "num_prompts", "input_len", "output_len", "n")
+    refuse_below("throughput", args, 0, "num_iters_warmup")
     with start_engine(args) as llm:
         vocab_size = llm.model_info.vocab_size
         warmups = [random_requests(args.num_prompts, args.input_len, args.output_len, vocab_size,
@@ -143,8 +142,3 @@ def _output_tokens(result: GenerationResult) -> int:
     return sum(output.completion_tokens if output.completion_tokens is not None else len(output.token_ids)
                for output in result.outputs)
 
-
-def _check_positive(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            raise SystemExit(f"pagedserve bench: --{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
