@@ -23,12 +23,7 @@ from worker_svc.config import add_worker_arguments
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """`pagedserve serve`'s engine flags (model, scheduler, worker, -tp; not where it listens) and its
     refusals of the vLLM flags it does not support."""
-    add_scheduler_arguments(parser)
-    add_worker_arguments(parser)
-    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
-                        help="worker processes (one per GPU) the model is split over")
-    parser.add_argument("--ready-timeout", type=float, default=600.0,
-                        help="seconds to wait for the engine to load the model and be ready")
+    _add_engine_flags(parser)
     add_refused_vllm_flags(parser)
 
 
@@ -56,12 +51,18 @@ def refuse_below(command: str, args: argparse.Namespace, minimum: int, *names: s
                              f"not {getattr(args, name)}")
 
 
-def _engine_defaults() -> dict[str, Any]:
-    """{dest: default} of every engine flag but the refused ones (their values are accepted ones, which
-    are what pagedserve does anyway), read from a parser of the engine flags alone."""
-    parser = argparse.ArgumentParser(add_help=False)
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_scheduler_arguments(parser)
     add_worker_arguments(parser)
-    parser.add_argument("--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=1)
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
+                        help="worker processes (one per GPU) the model is split over")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for the engine to load the model and be ready")
+
+
+def _engine_defaults() -> dict[str, Any]:
+    """{dest: default} of every engine flag but the refused ones (a refused flag that parses holds an
+    accepted value, which is what pagedserve does anyway), read from a parser of the engine flags alone."""
+    parser = argparse.ArgumentParser(add_help=False)
+    _add_engine_flags(parser)
     return {action.dest: action.default for action in parser._actions}
