@@ -9,6 +9,12 @@ submitted at once, greedy. Peers: HF `generate` in static batches of 64, and HF 
 (`generate_batch`). The floor: prefill FLOPs at the measured bf16 matmul rate plus, for each decode step,
 (weight bytes + KV bytes read) at the measured copy bandwidth. Writes JSON (and a bar chart PNG) to $OUT.
 
+The engine's run is `pagedserve bench throughput`'s (pagedserve/bench/throughput.py: its random dataset, its
+offline engine and its measurement, greedy here), so W1 is also one command without the peers and the floor:
+
+    pagedserve bench throughput --model DIR --load-format dummy --device cuda --input-len 512 --output-len 256
+        --num-prompts 256 --num-iters-warmup 1 --max-num-batched-tokens 16384 --max-model-len 1024
+
 With `--tensor-parallel-size N` the engine shards the model over N GPUs (`-tp N`) and the floor is that of N
 cards: each reads 1/N of the weights and KV and does 1/N of the FLOPs (the all-reduces are not in the floor,
 so the fraction of it says what they cost). Tokens per second per GPU is the total over N.
@@ -20,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -34,8 +39,11 @@ import torch  # noqa: E402
 from benchmarks.model_shapes import (  # noqa: E402
     SHAPES, active_parameters_per_token, decode_weight_bytes, hf_config, kv_bytes_per_token, write_config_dir,
 )
-from client import AsyncClient  # noqa: E402
-from pagedserve.testing.server_harness import running_server  # noqa: E402
+from client import AsyncClient, Client  # noqa: E402
+from pagedserve.bench.offline_engine import start_engine  # noqa: E402
+from pagedserve.bench.random_token_requests import BenchRequest, random_requests  # noqa: E402
+from pagedserve.bench.throughput import measure_throughput  # noqa: E402
+from pagedserve.cli import parse_args  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN, HF_STATIC_BATCH = 512, 256, 64
 
@@ -91,52 +99,54 @@ def w1_floor(shape: str, num_requests: int, ceilings: dict, num_gpus: int = 1) -
 
 
 def prompts(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(PROMPT_LEN)] for _ in range(num_requests)]
-
-
-async def _engine_w1(target: str, requests: list[list[int]], vocab: int) -> tuple[float, int, list[float], float]:
-    """Runs W1 twice: first over other random prompts (it pays Triton's and cuBLAS's one-time costs of batch
-    shapes not seen before), then over `requests`, the run reported. Other prompts, because prefix caching is
-    on: the same prompts again would find every full block cached and skip nearly all of the prefill."""
-    async with AsyncClient(target) as client:
-        await client.generate([5] * 16, max_tokens=4, temperature=0.0)
-        timings = []
-        for batch in (prompts(len(requests), vocab, seed=1), requests):
-            start = time.perf_counter()
-            results = await asyncio.gather(*(
-                client.generate(p, max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True) for p in batch))
-            timings.append(time.perf_counter() - start)
-        elapsed = timings[-1]
-        generated = sum(len(r.token_ids) for r in results)
-        # TPOT of a lone request: inter-chunk times of one stream on the idle server.
-        stamps = []
-        lone = prompts(1, vocab, seed=2)[0]
-        async for _ in client.generate_stream(lone, max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True):
-            stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return elapsed, generated, gaps, timings[0]
+    """W1's prompts: `pagedserve bench throughput`'s random dataset (the same for the Hugging Face peers)."""
+    return [request.prompt_token_ids
+            for request in random_requests(num_requests, PROMPT_LEN, OUTPUT_LEN, vocab, seed=seed)]
 
 
 def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
+    """W1 through `pagedserve bench throughput`'s engine and measurement, greedy: first over other random
+    prompts (it pays Triton's and cuBLAS's one-time costs of batch shapes not seen before), then over
+    `requests`, the run reported. Other prompts, because prefix caching is on: the same prompts again would
+    find every full block cached and skip nearly all of the prefill. Then the TPOT of a lone request."""
     model_dir = write_config_dir(shape, work / shape)
-    flags = ["--model", str(model_dir), "--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
-             "--max-num-seqs", "256", "--max-num-batched-tokens", "16384", "--max-model-len", "1024",
-             "--swap-space", "1", *extra]
-    with running_server(work, *flags, ready_timeout=900) as server:
-        elapsed, generated, gaps, first_run = asyncio.run(_engine_w1(server.target, requests, SHAPES[shape]["vocab_size"]))
-        stats = server.wait_all_blocks_free()
-    # Where a step's time goes: the scheduler's and the worker's step timers, logged at shutdown (means over
-    # every step of the run: both W1 passes and the single-request TPOT phase).
-    step_timers = [line.split(" INFO ", 1)[-1] for line in server.log().splitlines()
+    args = parse_args(["bench", "throughput", "--model", str(model_dir), "--load-format", "dummy", "--device", "cuda",
+                       "--dtype", "bfloat16", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
+                       "--max-model-len", "1024", "--swap-space", "1", "--ready-timeout", "900", *extra])
+    vocab = SHAPES[shape]["vocab_size"]
+    measured = [BenchRequest(prompt, OUTPUT_LEN) for prompt in requests]
+    warmup = [BenchRequest(prompt, OUTPUT_LEN) for prompt in prompts(len(requests), vocab, seed=1)]
+    llm = start_engine(args)
+    # The scheduler's and worker's step timers are logged at shutdown, and the LLM deletes the log of a server
+    # that exits cleanly: a handle opened now still reads the whole file after.
+    with open(llm.log_path, errors="replace") as log, llm:
+        first_run = measure_throughput(llm, warmup, temperature=0.0)
+        run = measure_throughput(llm, measured, temperature=0.0)
+        gaps = asyncio.run(_lone_request_gaps(llm.target, prompts(1, vocab, seed=2)[0]))
+        with Client(llm.target) as client:
+            stats = client.stats()
+        llm.shutdown()
+        server_log = log.read()
+    # Where a step's time goes: means over every step of the run (both W1 passes and the lone request).
+    step_timers = [line.split(" INFO ", 1)[-1] for line in server_log.splitlines()
                    if "step time over" in line or "slow step launch" in line or "warmed up" in line]
     return {
         "step_timers": step_timers,
-        "elapsed_s": elapsed, "output_tokens": generated, "output_tokens_per_s": generated / elapsed,
-        "first_run_elapsed_s": first_run,
+        "elapsed_s": run.elapsed_time, "output_tokens": run.total_output_tokens,
+        "output_tokens_per_s": run.output_tokens_per_second, "bench_throughput": run.to_json(),
+        "first_run_elapsed_s": first_run.elapsed_time,
         "tpot_median_ms": 1e3 * statistics.median(gaps), "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))],
         "num_kv_blocks": stats.num_kv_blocks, "preemptions": stats.num_preemptions, "steps": stats.num_steps,
     }
+
+
+async def _lone_request_gaps(target: str, prompt: list[int]) -> list[float]:
+    """TPOT of a lone request: inter-chunk times of one stream on the idle server."""
+    stamps = []
+    async with AsyncClient(target) as client:
+        async for _ in client.generate_stream(prompt, max_tokens=OUTPUT_LEN, temperature=0.0, ignore_eos=True):
+            stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
 def run_hf_static(model, requests) -> dict:
