@@ -61,35 +61,42 @@ def test_the_first_frame_a_worker_sends_is_its_hello(tmp_path):
         context.term()
 
 
-def test_a_standalone_worker_signalled_first_leaves_with_its_draining_scheduler(tmp_path):
-    """docker compose stop signals the worker before (or with) the scheduler: the worker serves on, the
-    scheduler drains and shuts it down, and both exit 0 with no worker failure logged."""
+@contextlib.contextmanager
+def _standalone_stack(tmp_path):
+    """A scheduler and a worker started as separate services (as compose does), logging to one file; yields
+    (scheduler, worker, client, log_path) once serving, and kills whatever still runs afterwards."""
+    from client import Client
+
     model = make_tiny_model(tmp_path / "model", "llama", seed=5)
     port, worker_address = free_port(), f"tcp://127.0.0.1:{free_port()}"
     log_path = tmp_path / "stack.log"
     started = []
     with open(log_path, "wb") as log:
         try:
-            for argv in (["scheduler", "--port", str(port), "--worker-address", worker_address],
+            for argv in (["scheduler", "--grpc-port", str(port), "--worker-address", worker_address],
                          ["worker", "--scheduler-address", worker_address, "--num-kv-blocks", "64"]):
                 started.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv, "--model", str(model)],
                                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
-            scheduler, worker = started
-            from client import Client
-
             with Client(f"127.0.0.1:{port}") as client:
                 client.wait_ready(timeout=180)
-                worker.send_signal(signal.SIGTERM)
-                time.sleep(1.0)
-                assert worker.poll() is None, "the worker left before its scheduler"
-                assert len(client.generate([1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
-            scheduler.send_signal(signal.SIGTERM)
-            assert scheduler.wait(timeout=60) == 0 and worker.wait(timeout=30) == 0
+                yield started[0], started[1], client, log_path
         finally:
             for process in started:
                 if process.poll() is None:
                     process.kill()
                     process.wait()
+
+
+def test_a_standalone_worker_signalled_first_leaves_with_its_draining_scheduler(tmp_path):
+    """docker compose stop signals the worker before (or with) the scheduler: the worker serves on, the
+    scheduler drains and shuts it down, and both exit 0 with no worker failure logged."""
+    with _standalone_stack(tmp_path) as (scheduler, worker, client, log_path):
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert worker.poll() is None, "the worker left before its scheduler"
+        assert len(client.generate([1, 2, 3], max_tokens=4, temperature=0.0, ignore_eos=True).token_ids) == 4
+        scheduler.send_signal(signal.SIGTERM)
+        assert scheduler.wait(timeout=60) == 0 and worker.wait(timeout=30) == 0
     log = log_path.read_text(errors="replace")
     assert "serving until the scheduler shuts this worker down" in log
     assert [line for line in log.splitlines() if any(noise in line for noise in NOISE)] == [], log[-3000:]
@@ -98,32 +105,13 @@ def test_a_standalone_worker_signalled_first_leaves_with_its_draining_scheduler(
 def test_a_worker_killed_mid_request_is_reported_without_a_traceback(tmp_path):
     """A worker's death is a fault and is logged as one (ERROR lines naming it), once, with no asyncio
     "Task exception was never retrieved" traceback after it."""
-    model = make_tiny_model(tmp_path / "model", "llama", seed=5)
-    port, worker_address = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    log_path = tmp_path / "stack.log"
-    started = []
-    with open(log_path, "wb") as log:
-        try:
-            for argv in (["scheduler", "--port", str(port), "--worker-address", worker_address],
-                         ["worker", "--scheduler-address", worker_address, "--num-kv-blocks", "64"]):
-                started.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv, "--model", str(model)],
-                                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))
-            scheduler, worker = started
-            from client import Client
-
-            with Client(f"127.0.0.1:{port}") as client:
-                client.wait_ready(timeout=180)
-                stream = client.generate_stream([1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True)
-                next(iter(stream))
-                worker.kill()
-                with contextlib.suppress(Exception):
-                    list(stream)
-            assert scheduler.wait(timeout=60) == 1
-        finally:
-            for process in started:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+    with _standalone_stack(tmp_path) as (scheduler, worker, client, log_path):
+        stream = client.generate_stream([1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True)
+        next(iter(stream))
+        worker.kill()
+        with contextlib.suppress(Exception):
+            list(stream)
+        assert scheduler.wait(timeout=60) == 1
     log = log_path.read_text(errors="replace")
     assert "worker rank 0 disconnected" in log
     assert "Traceback" not in log and "never retrieved" not in log, log[-3000:]
