@@ -1,5 +1,5 @@
 """`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
-`gateway`, and `health` (a readiness probe for container health checks).
+`gateway`, `health` (a readiness probe for container health checks) and `bench` (benchmarks, pagedserve/bench/).
 
 `serve` reads like `vllm serve`: `pagedserve serve [MODEL]`, `--host`/`--port` the OpenAI HTTP server's
 (default 127.0.0.1:8000; vLLM binds every interface, we bind loopback unless told), `--grpc-host`/`--grpc-port`
@@ -17,6 +17,7 @@ import sys
 
 from gateway import main as gateway_main
 from gateway.config import add_gateway_access_arguments
+from pagedserve.bench.cli import add_bench_commands, run_bench
 from pagedserve.vllm_flags import add_refused_vllm_flags
 from scheduler_svc import main as scheduler_main
 from scheduler_svc.config import add_scheduler_arguments
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--http-url", help="a gateway's /health URL: it must answer 200")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     health.add_argument("--tls-root-cert", default=None, help="--grpc-target serves TLS: trust this PEM certificate")
+    add_bench_commands(commands)
     return parser
 
 
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             ready = http_ok(args.http_url, args.timeout)
         return 0 if ready else 1
+    if args.command == "bench":
+        return run_bench(args)
     if args.command == "serve":
         from pagedserve.launcher import serve
 
