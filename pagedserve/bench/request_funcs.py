@@ -48,9 +48,9 @@ class OpenAIStreamingBackend:
 
     async def __call__(self, request: RequestInput) -> RequestOutcome:
         outcome = RequestOutcome(prompt_len=request.prompt_len)
-        body = self.payload(request)
-        outcome.start_time = time.perf_counter()
         try:
+            body = self.payload(request)
+            outcome.start_time = time.perf_counter()
             async with self._http.stream("POST", self._api_url, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")

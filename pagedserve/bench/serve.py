@@ -32,7 +32,7 @@ from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, 
 from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
 from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS, GrpcBackend, OpenAIStreamingBackend
 from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
-from pagedserve.bench.serve_datasets import SampleRequest, add_dataset_arguments, sample_requests
+from pagedserve.bench.serve_datasets import add_dataset_arguments, sample_requests
 from pagedserve.bench.serve_metrics import PERCENTILE_METRICS, calculate_metrics, parse_goodput
 from pagedserve.bench.serve_summary import RunSettings, result_record, summary_lines
 
@@ -88,6 +88,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
         model, tokens = _model_and_tokens(args, backend, base_url, api_key)
+        if backend == "openai-chat" and tokens.tokenizer is None:
+            raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
         requests = sample_requests(args, tokens)
     except (ValueError, OSError, httpx.HTTPError, RuntimeError) as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
