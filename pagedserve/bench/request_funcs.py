@@ -60,39 +60,70 @@ class OpenAIStreamingBackend:
             return outcome.fail(f"{type(error).__name__}: {error}")
 
     async def _read_events(self, response, outcome: RequestOutcome) -> RequestOutcome:
-        last_output = None
-        last_chunk = None
-        pieces = []
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:"):].strip()
+        """Reads the SSE stream in network reads: every event of one read arrived at that read's time. Reads
+        on to the body's end after [DONE], so the connection goes back to the pool."""
+        stream = _SseStream(outcome, self._chat)
+        pending = b""
+        async for data in response.aiter_bytes():
             now = time.perf_counter()
-            if data == "[DONE]":
-                outcome.generated_text = "".join(pieces)
-                if last_output is None:
-                    return outcome.fail("the stream ended without any output")
-                outcome.latency = (last_chunk or now) - outcome.start_time
-                outcome.success = True
-                return outcome
-            event = json.loads(data)
-            if "error" in event:
-                return outcome.fail(f"error event: {json.dumps(event['error'])[:500]}")
-            if event.get("usage"):
-                outcome.prompt_len = event["usage"].get("prompt_tokens") or outcome.prompt_len
-                outcome.output_tokens = event["usage"].get("completion_tokens")
-            choices = event.get("choices")
-            if not choices:
-                continue
-            last_chunk = now
-            text = self._text(choices[0])
-            # Completions: a chunk with no text and no finish_reason still carries tokens (held back text,
-            # or a model without tokenizer). Chat: the first chunk only names the role, so text decides.
-            if text or (not self._chat and choices[0].get("finish_reason") is None):
-                last_output = outcome.saw_output(now, last_output)
-                pieces.append(text)
-        outcome.generated_text = "".join(pieces)
-        return outcome.fail("the stream ended before data: [DONE]")
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                stream.feed(line.rstrip(b"\r"), now)
+        return stream.finish()
+
+
+
+class _SseStream:
+    """One response's server-sent events as they are read: fills the outcome until [DONE] or an error event,
+    and ignores what follows."""
+
+    def __init__(self, outcome: RequestOutcome, chat: bool) -> None:
+        self._outcome = outcome
+        self._chat = chat
+        self._pieces: list[str] = []
+        self._last_output: float | None = None
+        self._last_chunk: float | None = None
+        self._done = False
+        self._error = ""
+
+    def feed(self, line: bytes, now: float) -> None:
+        if self._done or self._error or not line.startswith(b"data:"):
+            return
+        data = line[len(b"data:"):].strip()
+        if data == b"[DONE]":
+            self._done = True
+            return
+        event = json.loads(data)
+        if "error" in event:
+            self._error = f"error event: {json.dumps(event['error'])[:500]}"
+            return
+        outcome = self._outcome
+        if event.get("usage"):
+            outcome.prompt_len = event["usage"].get("prompt_tokens") or outcome.prompt_len
+            outcome.output_tokens = event["usage"].get("completion_tokens")
+        choices = event.get("choices")
+        if not choices:
+            return
+        self._last_chunk = now
+        text = self._text(choices[0])
+        # Completions: a chunk with no text and no finish_reason still carries tokens (held back text, or a
+        # model without tokenizer). Chat: the first chunk only names the role, so the text decides.
+        if text or (not self._chat and choices[0].get("finish_reason") is None):
+            self._last_output = outcome.saw_output(now, self._last_output)
+            self._pieces.append(text)
+
+    def finish(self) -> RequestOutcome:
+        outcome = self._outcome
+        outcome.generated_text = "".join(self._pieces)
+        if self._error:
+            return outcome.fail(self._error)
+        if not self._done:
+            return outcome.fail("the stream ended before data: [DONE]")
+        if self._last_output is None:
+            return outcome.fail("the stream ended without any output")
+        outcome.latency = self._last_chunk - outcome.start_time
+        outcome.success = True
+        return outcome
 
     def _text(self, choice: dict) -> str:
         if self._chat:
