@@ -23,6 +23,13 @@ COMPLETION_EVENTS = [
     (0.3, {"choices": [{"index": 0, "text": "c", "finish_reason": "length"}]}),
     (0.0, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11}}),
 ]
+# A model without tokenizer: chunks carry token ids but no text; only the last has a finish_reason.
+TOKENLESS_EVENTS = [
+    (0.2, {"choices": [{"index": 0, "text": "", "finish_reason": None}]}),
+    (0.2, {"choices": [{"index": 0, "text": "", "finish_reason": None}]}),
+    (0.1, {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}),
+    (0.0, {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}}),
+]
 CHAT_EVENTS = [
     (0.05, {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}),
     (0.25, {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}),
@@ -37,7 +44,9 @@ class FakeOpenAIServer:
     `cut_from` with HTTP 500, the others by closing the stream after its first event. /v1/chat/completions
     streams CHAT_EVENTS."""
 
-    def __init__(self, fail_every_second: bool = False, cut_from: int = 10**9) -> None:
+    def __init__(self, fail_every_second: bool = False, cut_from: int = 10**9,
+                 completion_events: list = COMPLETION_EVENTS) -> None:
+        self.completion_events = completion_events
         self.fail_every_second = fail_every_second
         self.cut_from = cut_from
         self.num_completions = 0
@@ -85,9 +94,9 @@ class FakeOpenAIServer:
                     if self.num_completions < self.cut_from:
                         await self._json(writer, {"error": {"message": "boom", "type": "server_error"}}, 500)
                     else:
-                        await self._stream(writer, COMPLETION_EVENTS[:1], done=False)
+                        await self._stream(writer, self.completion_events[:1], done=False)
                 else:
-                    await self._stream(writer, COMPLETION_EVENTS)
+                    await self._stream(writer, self.completion_events)
         finally:
             writer.close()
 
@@ -131,6 +140,18 @@ def test_completion_ttft_itl_and_latency_follow_the_chunk_arrivals():
     assert (outcome.generated_text, outcome.output_tokens, outcome.prompt_len) == ("abc", 4, 7)
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert (body["max_tokens"], body["ignore_eos"], body["prompt"]) == (4, True, "hello")
+
+
+def test_completion_chunks_without_text_still_carry_output():
+    """As a model without tokenizer streams: the empty-text chunks are its tokens; the finishing one is not
+    output (it carries no token of its own) but ends the request."""
+    with FakeOpenAIServer(completion_events=TOKENLESS_EVENTS) as server:
+        outcome = _one_request(f"{server.url}/v1/completions", chat=False)
+    assert outcome.success, outcome.error
+    assert outcome.ttft == pytest.approx(0.2, abs=TOLERANCE)
+    assert outcome.itl == [pytest.approx(0.2, abs=TOLERANCE)]
+    assert outcome.latency == pytest.approx(0.5, abs=TOLERANCE)
+    assert outcome.output_tokens == 3
 
 
 def test_chat_ttft_waits_for_content_not_the_role_chunk():
