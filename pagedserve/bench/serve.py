@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from client import AsyncClient, Client
+from client.errors import PagedServeError
 from pagedserve.bench.arrivals import send_offsets
 from pagedserve.bench.http_client import httpx
 from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, http_prompt_tokens
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=None, help="default 8000 (HTTP), 50051 (grpc)")
     parser.add_argument("--endpoint", default=None, help="API path (default: the backend's)")
     parser.add_argument("--model", default=None, help="the model name sent (default: the server's first model)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name sent in requests when it differs from --model (which names the tokenizer)")
+    parser.add_argument("--label", default=None, help="prefix of the result file name (default: the backend)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer to build and count prompts with: a directory or hub id (default: the "
                              "model's if transformers finds it locally, else the server's /tokenize)")
@@ -74,6 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                         help="SLOs a request must meet to count in goodput: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="requests (copies of the first) sent before the measured run, not counted")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
 
@@ -91,17 +97,18 @@ def run(args: argparse.Namespace) -> int:
         if backend == "openai-chat" and tokens.tokenizer is None:
             raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
         requests = sample_requests(args, tokens)
-    except (ValueError, OSError, httpx.HTTPError, RuntimeError) as error:
+    except (ValueError, OSError, httpx.HTTPError, RuntimeError, PagedServeError) as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
     print(f"Model: {model}; tokenizer: {tokens.source}; {len(requests)} requests ({args.dataset_name})")
-    settings = RunSettings(backend=backend, model_id=model, tokenizer_id=args.tokenizer or model,
-                           num_prompts=len(requests), request_rate=args.request_rate, burstiness=args.burstiness,
+    settings = RunSettings(backend=backend, label=args.label or backend, model_id=model,
+                           tokenizer_id=args.tokenizer or model, num_prompts=len(requests), request_rate=args.request_rate, burstiness=args.burstiness,
                            max_concurrency=args.max_concurrency, percentile_metrics=percentile_metrics,
                            goodput=goodput)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     sampling = {name: value for name, value in sampling.items() if value is not None}
-    inputs = [RequestInput(model, r.prompt, r.prompt_len, r.expected_output_len, args.ignore_eos, sampling)
+    request_model = args.served_model_name or model
+    inputs = [RequestInput(request_model, r.prompt, r.prompt_len, r.expected_output_len, args.ignore_eos, sampling)
               for r in requests]
     offsets = send_offsets(len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -163,7 +170,7 @@ def _model_and_tokens(args, backend: str, base_url: str, api_key: str | None) ->
     else:
         headers = _headers(api_key)
         model = args.model or _first_served_model(base_url, headers)
-        server_tokens = lambda: http_prompt_tokens(base_url, model, headers)  # noqa: E731
+        server_tokens = lambda: http_prompt_tokens(base_url, args.served_model_name or model, headers)  # noqa: E731
     if args.tokenizer is not None:
         tokens = local_prompt_tokens(args.tokenizer, args.trust_remote_code, local_files_only=False)
         if tokens is None:
@@ -202,7 +209,13 @@ async def _benchmark(args, backend_name: str, api_url: str, base_url: str, api_k
         test = await backend(inputs[0])
         if not test.success:
             raise RuntimeError(f"Initial test run failed - check the benchmark arguments. Error: {test.error}")
-        print("Initial test run completed. Starting main benchmark run...")
+        print("Initial test run completed.")
+        if args.num_warmups > 0:
+            print(f"Warming up with {args.num_warmups} requests...")
+            await _send_all(backend, [inputs[0]] * args.num_warmups, [0.0] * args.num_warmups,
+                            args.max_concurrency, disable_tqdm=True)
+            print("Warmup run completed.")
+        print("Starting main benchmark run...")
         distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({distribution})")
@@ -240,5 +253,6 @@ async def _send_all(backend, inputs, offsets, max_concurrency, disable_tqdm):
 def _result_path(args, backend: str, model: str, date: str) -> Path:
     rate = "inf" if math.isinf(args.request_rate) else args.request_rate
     concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
-    name = args.result_filename or f"{backend}-{rate}qps{concurrency}-{model.rstrip('/').split('/')[-1]}-{date}.json"
+    base_model = model.rstrip("/").split("/")[-1]
+    name = args.result_filename or f"{args.label or backend}-{rate}qps{concurrency}-{base_model}-{date}.json"
     return Path(args.result_dir or ".") / name

@@ -28,6 +28,7 @@ class RunSettings:
     """What the summary and the record say about how the run was driven."""
 
     backend: str
+    label: str
     model_id: str
     tokenizer_id: str
     num_prompts: int
@@ -76,7 +77,7 @@ def summary_lines(metrics: BenchmarkMetrics, settings: RunSettings, duration_s: 
 def result_record(metrics: BenchmarkMetrics, settings: RunSettings, duration_s: float, date: str,
                   outcomes: Sequence[RequestOutcome]) -> dict:
     record = {
-        "date": date, "backend": settings.backend, "model_id": settings.model_id,
+        "date": date, "backend": settings.backend, "label": settings.label, "model_id": settings.model_id,
         "tokenizer_id": settings.tokenizer_id, "num_prompts": settings.num_prompts,
         "request_rate": "inf" if math.isinf(settings.request_rate) else settings.request_rate,
         "burstiness": settings.burstiness, "max_concurrency": settings.max_concurrency,
