@@ -103,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"Model: {model}; tokenizer: {tokens.source}; {len(requests)} requests ({args.dataset_name})")
     settings = RunSettings(backend=backend, label=args.label or backend, model_id=model,
                            tokenizer_id=args.tokenizer or model, num_prompts=len(requests),
-                           request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency, percentile_metrics=percentile_metrics,
+                           request_rate=args.request_rate, burstiness=args.burstiness,
+                           max_concurrency=args.max_concurrency, percentile_metrics=percentile_metrics,
                            goodput=goodput)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     sampling = {name: value for name, value in sampling.items() if value is not None}
