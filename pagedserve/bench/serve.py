@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -84,28 +85,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
 
 
+@dataclass(frozen=True)
+class ServeTarget:
+    """Where requests go and how they are scored, from the flags that need more than argparse."""
+
+    backend: str
+    base_url: str  # http://host:port, or host:port for grpc
+    endpoint: str  # "" for grpc
+    api_key: str | None
+    percentile_metrics: tuple[str, ...]
+    percentiles: tuple[float, ...]
+    goodput: dict[str, float]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeTarget:
+        """Raises ValueError naming the flag."""
+        backend = args.backend or ("openai-chat" if args.endpoint and "chat" in args.endpoint else "openai")
+        port = args.port or (DEFAULT_GRPC_PORT if backend == "grpc" else DEFAULT_HTTP_PORT)
+        if backend == "grpc":
+            base_url = (args.base_url or f"{args.host}:{port}").removeprefix("grpc://").removeprefix("http://")
+        else:
+            base_url = (args.base_url or f"http://{args.host}:{port}").rstrip("/")
+        metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+        unknown = [m for m in metrics if m not in PERCENTILE_METRICS]
+        if unknown:
+            raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)} "
+                             f"(known: {', '.join(PERCENTILE_METRICS)})")
+        try:
+            percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+        except ValueError:
+            raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: comma-separated numbers") from None
+        if not all(0 < p <= 100 for p in percentiles):
+            raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: each must be in (0, 100]")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be at least 1")
+        if args.request_rate <= 0 or args.burstiness <= 0:
+            raise ValueError("--request-rate and --burstiness must be positive")
+        return cls(backend=backend, base_url=base_url,
+                   endpoint="" if backend == "grpc" else (args.endpoint or DEFAULT_ENDPOINTS[backend]),
+                   api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), percentile_metrics=metrics,
+                   percentiles=percentiles, goodput=parse_goodput(args.goodput or []))
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        settings_check = _checked(args)
+        target = ServeTarget.from_args(args)
     except ValueError as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 2
-    backend, base_url, endpoint, percentile_metrics, percentiles, goodput = settings_check
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     try:
-        model, tokens = _model_and_tokens(args, backend, base_url, api_key)
-        if backend == "openai-chat" and tokens.tokenizer is None:
+        model, tokens = _model_and_tokens(args, target)
+        if target.backend == "openai-chat" and tokens.tokenizer is None:
             raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
         requests = sample_requests(args, tokens)
     except (ValueError, OSError, httpx.HTTPError, RuntimeError, PagedServeError) as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
     print(f"Model: {model}; tokenizer: {tokens.source}; {len(requests)} requests ({args.dataset_name})")
-    settings = RunSettings(backend=backend, label=args.label or backend, model_id=model,
+    settings = RunSettings(backend=target.backend, label=args.label or target.backend, model_id=model,
                            tokenizer_id=args.tokenizer or model, num_prompts=len(requests),
                            request_rate=args.request_rate, burstiness=args.burstiness,
-                           max_concurrency=args.max_concurrency, percentile_metrics=percentile_metrics,
-                           goodput=goodput)
+                           max_concurrency=args.max_concurrency, percentile_metrics=target.percentile_metrics,
+                           goodput=target.goodput)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     sampling = {name: value for name, value in sampling.items() if value is not None}
     request_model = args.served_model_name or model
@@ -114,12 +155,11 @@ def run(args: argparse.Namespace) -> int:
     offsets = send_offsets(len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        outcomes, duration = asyncio.run(_benchmark(args, backend, base_url + endpoint, base_url, api_key,
-                                                    inputs, offsets))
+        outcomes, duration = asyncio.run(_benchmark(args, target, inputs, offsets))
     except RuntimeError as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
-    metrics = calculate_metrics(outcomes, duration, tokens.tokenizer, percentiles, goodput)
+    metrics = calculate_metrics(outcomes, duration, tokens.tokenizer, target.percentiles, target.goodput)
     failures = [o.error for o in outcomes if not o.success]
     if failures:
         print("Failed requests during benchmark run detected (capping to 10):")
@@ -127,43 +167,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"Error {index}: {error}")
     print("\n".join(summary_lines(metrics, settings, duration)))
     if args.save_result or args.result_dir or args.result_filename:
-        path = _result_path(args, backend, model, date)
+        path = _result_path(args, target.backend, model, date)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result_record(metrics, settings, duration, date, outcomes)))
         print(f"Result written to {path}")
     return 0
 
 
-def _checked(args: argparse.Namespace):
-    """The flags that need more than argparse: ValueError naming the flag."""
-    backend = args.backend or ("openai-chat" if args.endpoint and "chat" in args.endpoint else "openai")
-    port = args.port or (DEFAULT_GRPC_PORT if backend == "grpc" else DEFAULT_HTTP_PORT)
-    if backend == "grpc":
-        base_url = (args.base_url or f"{args.host}:{port}").removeprefix("grpc://").removeprefix("http://")
-    else:
-        base_url = (args.base_url or f"http://{args.host}:{port}").rstrip("/")
-    endpoint = "" if backend == "grpc" else (args.endpoint or DEFAULT_ENDPOINTS[backend])
-    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
-    unknown = [m for m in metrics if m not in PERCENTILE_METRICS]
-    if unknown:
-        raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)} (known: {', '.join(PERCENTILE_METRICS)})")
-    try:
-        percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
-    except ValueError:
-        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: comma-separated numbers") from None
-    if not all(0 < p <= 100 for p in percentiles):
-        raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: each must be in (0, 100]")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
-    if args.request_rate <= 0 or args.burstiness <= 0:
-        raise ValueError("--request-rate and --burstiness must be positive")
-    goodput = parse_goodput(args.goodput or [])
-    return backend, base_url, endpoint, metrics, percentiles, goodput
-
-
-def _model_and_tokens(args, backend: str, base_url: str, api_key: str | None) -> tuple[str, PromptTokens]:
+def _model_and_tokens(args, target: ServeTarget) -> tuple[str, PromptTokens]:
     """The model name to send and the tokens to build prompts from (prompt_tokenizer.py's order)."""
-    if backend == "grpc":
+    base_url, api_key = target.base_url, target.api_key
+    if target.backend == "grpc":
         sync_client = Client(base_url, api_key=api_key)
         info = sync_client.model_info()
         model = args.model or info.model_name
@@ -198,13 +212,13 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _benchmark(args, backend_name: str, api_url: str, base_url: str, api_key: str | None,
-                     inputs: list[RequestInput], offsets: list[float]) -> tuple[list[RequestOutcome], float]:
-    if backend_name == "grpc":
-        backend = GrpcBackend(AsyncClient(base_url, api_key=api_key, max_retries=0))
+async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput],
+                     offsets: list[float]) -> tuple[list[RequestOutcome], float]:
+    if target.backend == "grpc":
+        backend = GrpcBackend(AsyncClient(target.base_url, api_key=target.api_key, max_retries=0))
     else:
-        backend = OpenAIStreamingBackend(api_url, backend_name == "openai-chat", _headers(api_key),
-                                         args.max_concurrency)
+        backend = OpenAIStreamingBackend(target.base_url + target.endpoint, target.backend == "openai-chat",
+                                         _headers(target.api_key), args.max_concurrency)
     try:
         print("Starting initial single prompt test run...")
         test = await backend(inputs[0])
