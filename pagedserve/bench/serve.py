@@ -1,0 +1,274 @@
+"""`pagedserve bench serve`: vLLM's online serving benchmark (`vllm bench serve`) against a running server.
+
+It builds the workload first (serve_datasets.py), sends one test request, then sends every request at the
+arrival times of arrivals.py (at most --max-concurrency in flight), each through a backend of
+request_funcs.py that times the stream as it arrives; serve_metrics.py turns the outcomes into vLLM's
+figures and serve_summary.py prints them and writes the JSON record.
+
+Works against any OpenAI-compatible server over HTTP (ours, vLLM, a transformers server) and, with
+`--backend grpc`, against ours over gRPC (the host/port are then the gRPC API's, default port 50051).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from client import AsyncClient, Client
+from client.errors import PagedServeError
+from pagedserve.bench.arrivals import send_offsets
+from pagedserve.bench.http_client import httpx
+from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, http_prompt_tokens
+from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
+from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS, GrpcBackend, OpenAIStreamingBackend
+from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
+from pagedserve.bench.serve_datasets import add_dataset_arguments, sample_requests
+from pagedserve.bench.serve_metrics import PERCENTILE_METRICS, calculate_metrics, parse_goodput
+from pagedserve.bench.serve_summary import RunSettings, result_record, summary_lines
+
+HELP = "online serving benchmark against a running server (vLLM's `vllm bench serve`)"
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default=None, choices=BACKENDS,
+                        help="openai: /v1/completions; openai-chat: /v1/chat/completions; grpc: our gRPC API "
+                             "(default: openai-chat if --endpoint is a chat endpoint, else openai)")
+    parser.add_argument("--base-url", default=None,
+                        help="the server's root URL (http://host:port; for grpc host:port), else --host/--port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=None, help="default 8000 (HTTP), 50051 (grpc)")
+    parser.add_argument("--endpoint", default=None, help="API path (default: the backend's)")
+    parser.add_argument("--model", default=None, help="the model name sent (default: the server's first model)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name sent in requests when it differs from --model (which names the tokenizer)")
+    parser.add_argument("--label", default=None, help="prefix of the result file name (default: the backend)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer to build and count prompts with: a directory or hub id (default: the "
+                             "model's if transformers finds it locally, else the server's /tokenize)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="for transformers' AutoTokenizer")
+    add_dataset_arguments(parser)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests per second (a Poisson process with --burstiness 1); inf: all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="shape of the gamma-distributed gaps between requests: 1 Poisson, <1 burstier")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past EOS")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrival times")
+    parser.add_argument("--save-result", action="store_true", help="write the JSON record")
+    parser.add_argument("--result-dir", default=None, help="directory of the JSON record (implies --save-result)")
+    parser.add_argument("--result-filename", default=None,
+                        help="its file name (default: BACKEND-RATEqps[-concurrencyN]-MODEL-DATE.json)")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="comma-separated metrics to report percentiles of: ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="SLOs a request must meet to count in goodput: ttft:MS tpot:MS e2el:MS")
+    parser.add_argument("--num-warmups", type=int, default=0,
+                        help="requests (copies of the first) sent before the measured run, not counted")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    parser.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
+
+
+@dataclass(frozen=True)
+class ServeTarget:
+    """Where requests go and how they are scored, from the flags that need more than argparse."""
+
+    backend: str
+    base_url: str  # http://host:port, or host:port for grpc
+    endpoint: str  # "" for grpc
+    api_key: str | None
+    percentile_metrics: tuple[str, ...]
+    percentiles: tuple[float, ...]
+    goodput: dict[str, float]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeTarget:
+        """Raises ValueError naming the flag."""
+        backend = args.backend or ("openai-chat" if args.endpoint and "chat" in args.endpoint else "openai")
+        port = args.port or (DEFAULT_GRPC_PORT if backend == "grpc" else DEFAULT_HTTP_PORT)
+        if backend == "grpc":
+            base_url = (args.base_url or f"{args.host}:{port}").removeprefix("grpc://").removeprefix("http://")
+        else:
+            base_url = (args.base_url or f"http://{args.host}:{port}").rstrip("/")
+        metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+        unknown = [m for m in metrics if m not in PERCENTILE_METRICS]
+        if unknown:
+            raise ValueError(f"--percentile-metrics: unknown {', '.join(unknown)} "
+                             f"(known: {', '.join(PERCENTILE_METRICS)})")
+        try:
+            percentiles = tuple(float(p) for p in args.metric_percentiles.split(","))
+        except ValueError:
+            raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: comma-separated numbers") from None
+        if not all(0 < p <= 100 for p in percentiles):
+            raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: each must be in (0, 100]")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError("--max-concurrency must be at least 1")
+        if args.request_rate <= 0 or args.burstiness <= 0:
+            raise ValueError("--request-rate and --burstiness must be positive")
+        return cls(backend=backend, base_url=base_url,
+                   endpoint="" if backend == "grpc" else (args.endpoint or DEFAULT_ENDPOINTS[backend]),
+                   api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), percentile_metrics=metrics,
+                   percentiles=percentiles, goodput=parse_goodput(args.goodput or []))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        target = ServeTarget.from_args(args)
+    except ValueError as error:
+        print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        model, tokens = _model_and_tokens(args, target)
+        if target.backend == "openai-chat" and tokens.tokenizer is None:
+            raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
+        requests = sample_requests(args, tokens)
+    except (ValueError, OSError, httpx.HTTPError, RuntimeError, PagedServeError) as error:
+        print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
+        return 1
+    print(f"Model: {model}; tokenizer: {tokens.source}; {len(requests)} requests ({args.dataset_name})")
+    settings = RunSettings(backend=target.backend, label=args.label or target.backend, model_id=model,
+                           tokenizer_id=args.tokenizer or model, num_prompts=len(requests),
+                           request_rate=args.request_rate, burstiness=args.burstiness,
+                           max_concurrency=args.max_concurrency, percentile_metrics=target.percentile_metrics,
+                           goodput=target.goodput)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {name: value for name, value in sampling.items() if value is not None}
+    request_model = args.served_model_name or model
+    inputs = [RequestInput(request_model, r.prompt, r.prompt_len, r.expected_output_len, args.ignore_eos, sampling)
+              for r in requests]
+    offsets = send_offsets(len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        outcomes, duration = asyncio.run(_benchmark(args, target, inputs, offsets))
+    except RuntimeError as error:
+        print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
+        return 1
+    metrics = calculate_metrics(outcomes, duration, tokens.tokenizer, target.percentiles, target.goodput)
+    failures = [o.error for o in outcomes if not o.success]
+    if failures:
+        print("Failed requests during benchmark run detected (capping to 10):")
+        for index, error in enumerate(failures[:10]):
+            print(f"Error {index}: {error}")
+    print("\n".join(summary_lines(metrics, settings, duration)))
+    if args.save_result or args.result_dir or args.result_filename:
+        path = _result_path(args, target.backend, model, date)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result_record(metrics, settings, duration, date, outcomes)))
+        print(f"Result written to {path}")
+    return 0
+
+
+def _model_and_tokens(args, target: ServeTarget) -> tuple[str, PromptTokens]:
+    """The model name to send and the tokens to build prompts from (prompt_tokenizer.py's order)."""
+    base_url, api_key = target.base_url, target.api_key
+    if target.backend == "grpc":
+        sync_client = Client(base_url, api_key=api_key)
+        info = sync_client.model_info()
+        model = args.model or info.model_name
+        server_tokens = lambda: grpc_prompt_tokens(sync_client, info)  # noqa: E731
+    else:
+        headers = _headers(api_key)
+        model = args.model or _first_served_model(base_url, headers)
+        server_tokens = lambda: http_prompt_tokens(base_url, args.served_model_name or model, headers)  # noqa: E731
+    if args.tokenizer is not None:
+        tokens = local_prompt_tokens(args.tokenizer, args.trust_remote_code, local_files_only=False)
+        if tokens is None:
+            raise ValueError(f"--tokenizer {args.tokenizer}: transformers cannot load it and it is no model "
+                             f"directory with a config.json")
+        return model, tokens
+    tokens = local_prompt_tokens(model, args.trust_remote_code, local_files_only=True) or server_tokens()
+    if tokens is None:
+        raise ValueError(f"no tokenizer for {model!r}: transformers has none locally and {base_url}/tokenize "
+                         f"does not answer; pass --tokenizer")
+    return model, tokens
+
+
+def _first_served_model(base_url: str, headers: dict[str, str]) -> str:
+    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+    response.raise_for_status()
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput],
+                     offsets: list[float]) -> tuple[list[RequestOutcome], float]:
+    if target.backend == "grpc":
+        backend = GrpcBackend(AsyncClient(target.base_url, api_key=target.api_key, max_retries=0))
+    else:
+        backend = OpenAIStreamingBackend(target.base_url + target.endpoint, target.backend == "openai-chat",
+                                         _headers(target.api_key), args.max_concurrency)
+    try:
+        print("Starting initial single prompt test run...")
+        test = await backend(inputs[0])
+        if not test.success:
+            raise RuntimeError(f"Initial test run failed - check the benchmark arguments. Error: {test.error}")
+        print("Initial test run completed.")
+        if args.num_warmups > 0:
+            print(f"Warming up with {args.num_warmups} requests...")
+            await _send_all(backend, [inputs[0]] * args.num_warmups, [0.0] * args.num_warmups,
+                            args.max_concurrency, disable_tqdm=True)
+            print("Warmup run completed.")
+        print("Starting main benchmark run...")
+        distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
+        print(f"Traffic request rate: {args.request_rate}")
+        print(f"Burstiness factor: {args.burstiness} ({distribution})")
+        print(f"Maximum request concurrency: {args.max_concurrency}")
+        return await _send_all(backend, inputs, offsets, args.max_concurrency, args.disable_tqdm)
+    finally:
+        await backend.close()
+
+
+async def _send_all(backend, inputs, offsets, max_concurrency, disable_tqdm):
+    """Sends request i at offsets[i] after the start (waiting for a free slot under max_concurrency);
+    returns the outcomes in input order and the wall time from the start to the last outcome."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+    progress = tqdm(total=len(inputs), disable=disable_tqdm)
+
+    async def send(request: RequestInput) -> RequestOutcome:
+        async with limit:
+            outcome = await backend(request)
+        progress.update(1)
+        return outcome
+
+    start = time.perf_counter()
+    tasks = []
+    for request, offset in zip(inputs, offsets):
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(request)))
+    outcomes = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    progress.close()
+    return list(outcomes), duration
+
+
+def _result_path(args, backend: str, model: str, date: str) -> Path:
+    rate = "inf" if math.isinf(args.request_rate) else args.request_rate
+    concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    base_model = model.rstrip("/").split("/")[-1]
+    name = args.result_filename or f"{args.label or backend}-{rate}qps{concurrency}-{base_model}-{date}.json"
+    return Path(args.result_dir or ".") / name

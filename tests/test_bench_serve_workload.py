@@ -1,0 +1,116 @@
+"""`bench serve`'s workload, without a server: vLLM's random lengths in [len(1-r), len(1+r)], prompts of the
+exact token length asked for (text cut at a token boundary, or random ids below the vocab size), prefix
+repetition sharing its prefixes, sharegpt-like lengths with ShareGPT's means and vLLM's clipping, a local
+ShareGPT file read as vLLM does, seeded arrival times at the asked rate, and --goodput parsed or refused by
+name."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from pagedserve.bench.arrivals import send_offsets
+from pagedserve.bench.prompt_tokenizer import PromptTokens
+from pagedserve.bench.serve_datasets import (SHAREGPT_MEAN_INPUT_LEN, SHAREGPT_MEAN_OUTPUT_LEN, add_dataset_arguments,
+                                             sample_requests, sharegpt_like_lengths)
+from pagedserve.bench.serve_metrics import parse_goodput
+
+
+class CharTokenizer:
+    """One token per character (ids are code points): lengths are easy to check."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids) -> str:
+        return "".join(chr(i) for i in token_ids)
+
+
+TEXT = PromptTokens(CharTokenizer(), None, "test")
+IDS_ONLY = PromptTokens(None, 50, "test")
+
+
+def workload(*flags: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_dataset_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(list(flags))
+
+
+def test_random_lengths_stay_in_the_range_and_prompts_have_them_exactly():
+    args = workload("--num-prompts", "200", "--random-input-len", "40", "--random-output-len", "10",
+                    "--random-range-ratio", "0.5")
+    requests = sample_requests(args, TEXT)
+    assert {len(CharTokenizer().encode(r.prompt)) == r.prompt_len for r in requests} == {True}
+    assert min(r.prompt_len for r in requests) == 20 and max(r.prompt_len for r in requests) == 60
+    assert {r.expected_output_len for r in requests} <= set(range(5, 16))
+    assert len({r.prompt for r in requests}) == 200, "prompts differ (no accidental prefix-cache hits)"
+    assert sample_requests(args, TEXT) == requests, "one seed, one workload"
+
+
+def test_without_a_tokenizer_prompts_are_random_ids_below_the_vocab_size():
+    requests = sample_requests(workload("--num-prompts", "20", "--random-input-len", "30"), IDS_ONLY)
+    assert all(len(r.prompt) == r.prompt_len == 30 for r in requests)
+    assert max(max(r.prompt) for r in requests) < 50 and len({tuple(r.prompt) for r in requests}) == 20
+
+
+def test_prefix_repetition_shares_each_prefix_among_its_requests():
+    args = workload("--dataset-name", "prefix-repetition", "--num-prompts", "12", "--prefix-repetition-prefix-len",
+                    "16", "--prefix-repetition-suffix-len", "8", "--prefix-repetition-num-prefixes", "3",
+                    "--prefix-repetition-output-len", "5")
+    requests = sample_requests(args, IDS_ONLY)
+    assert {(r.prompt_len, r.expected_output_len) for r in requests} == {(24, 5)}
+    prefixes = [tuple(r.prompt[:16]) for r in requests]
+    assert len(set(prefixes)) == 3 and all(prefixes.count(p) == 4 for p in set(prefixes))
+    assert len({tuple(r.prompt) for r in requests}) == 12
+
+
+def test_sharegpt_like_lengths_have_sharegpts_means_and_vllms_bounds():
+    lengths = sharegpt_like_lengths(20000, np.random.default_rng(0))
+    inputs, outputs = np.array(lengths).T
+    assert inputs.min() >= 4 and inputs.max() <= 1024 and outputs.min() >= 4 and (inputs + outputs).max() <= 2048
+    # Clipping trims the long tail, so the means land a little under the unclipped ones.
+    assert 0.85 * SHAREGPT_MEAN_INPUT_LEN < inputs.mean() < 1.02 * SHAREGPT_MEAN_INPUT_LEN
+    assert 0.85 * SHAREGPT_MEAN_OUTPUT_LEN < outputs.mean() < 1.02 * SHAREGPT_MEAN_OUTPUT_LEN
+    requests = sample_requests(workload("--dataset-name", "sharegpt-like", "--num-prompts", "50"), TEXT)
+    assert [(r.prompt_len, r.expected_output_len) for r in requests] == sharegpt_like_lengths(
+        50, np.random.default_rng(0))
+
+
+def test_a_sharegpt_file_gives_first_turn_prompts_and_answer_lengths(tmp_path):
+    def conversation(human: str, gpt: str) -> dict:
+        return {"conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]}
+
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps([conversation("hi", "too short prompt"), conversation("what is up?", "fine!!"),
+                                {"conversations": [{"from": "human", "value": "no answer"}]},
+                                conversation("tell me more", "ok")]))  # the answer is under 4 tokens
+    args = workload("--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "1")
+    (request,) = sample_requests(args, TEXT)
+    assert (request.prompt, request.prompt_len, request.expected_output_len) == ("what is up?", 11, 6)
+    with pytest.raises(ValueError, match="1 usable conversations"):
+        sample_requests(workload("--dataset-path", str(path), "--dataset-name", "sharegpt-like",
+                                 "--num-prompts", "2"), TEXT)
+
+
+def test_arrivals_follow_the_rate_and_inf_sends_everything_at_once():
+    assert send_offsets(5, float("inf"), 1.0, np.random.default_rng(0)) == [0.0] * 5
+    offsets = send_offsets(1000, 20.0, 1.0, np.random.default_rng(0))
+    assert offsets == sorted(offsets) and offsets[-1] == pytest.approx(1000 / 20.0)
+    gaps = np.diff(offsets)
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, abs=0.1)  # exponential gaps: CV 1
+    even = np.diff(send_offsets(1000, 20.0, 100.0, np.random.default_rng(0)))
+    assert np.std(even) / np.mean(even) < 0.2  # high burstiness: nearly even
+    assert send_offsets(10, 5.0, 0.5, np.random.default_rng(3)) == send_offsets(10, 5.0, 0.5, np.random.default_rng(3))
+    with pytest.raises(ValueError, match="--burstiness"):
+        send_offsets(3, 1.0, 0.0, np.random.default_rng(0))
+
+
+def test_goodput_pairs_parse_and_bad_ones_name_the_flag():
+    assert parse_goodput(["ttft:500", "tpot:50", "e2el:2000.5"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.5}
+    for bad in ("ttft", "itl:5", "tpot:fast", "e2el:-1"):
+        with pytest.raises(ValueError, match="--goodput"):
+            parse_goodput([bad])
