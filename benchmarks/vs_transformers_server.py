@@ -43,7 +43,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's packages, wherever it runs from
 
 from benchmarks.id_word_tokenizer import write_id_word_tokenizer  # noqa: E402
 from benchmarks.model_shapes import SHAPES, write_config_dir  # noqa: E402
@@ -52,14 +52,18 @@ from pagedserve.health_probe import http_ok  # noqa: E402
 from pagedserve.testing.server_harness import launched_server  # noqa: E402
 from service_runtime.model_source import resolve_model  # noqa: E402
 
+REPO_ROOT = Path(__file__).resolve().parent.parent  # `python -m pagedserve bench` runs this checkout's code
 SERVERS = ("transformers_lock", "pagedserve")
 QUESTION = "Explain in detail how a large language model generates text, one token at a time."
 # The tutorial's sampling parameters for the same-question test.
 TUTORIAL_SAMPLING = {"temperature": 0.01, "top_p": 1.0, "top_k": 1, "seed": 42}
 CPU_DEFAULTS = {"output_lens": "16,32,64", "rounds": 3, "answer_max_tokens": 64, "request_rates": "1,inf",
                 "bench_num_prompts": 8, "bench_input_len": 32, "bench_output_len": 32}
+# A CPU KV cache of 0.5 GiB holds 11,000 tokens of SmolLM2-135M: plenty for 3 threads, small beside the lock
+# server's memory on a shared machine.
+CPU_ENGINE_FLAGS = "--cpu-kv-cache-space 0.5 --swap-space 0.1"
 GPU_DEFAULTS = {"output_lens": "16,32,64,128,256,512,1024", "rounds": 20, "answer_max_tokens": 128,
-                "request_rates": "1,4,inf", "bench_num_prompts": 32, "bench_input_len": 512, "bench_output_len": 256}
+                "request_rates": "1,inf", "bench_num_prompts": 16, "bench_input_len": 512, "bench_output_len": 256}
 
 
 def post_json(base_url: str, path: str, body: dict, timeout: float) -> dict:
@@ -159,7 +163,7 @@ BENCH_SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "
 def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path) -> list[dict]:
     """(iii): `pagedserve bench serve` at each request rate, as a subprocess; its JSON summaries."""
     help_text = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--help"],
-                               capture_output=True, text=True).stdout
+                               capture_output=True, text=True, cwd=REPO_ROOT).stdout
     runs = []
     for rate in args.request_rates.split(","):
         filename = f"bench_serve_{server}_rate_{rate}.json"
@@ -171,7 +175,7 @@ def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, re
         if "--tokenizer" in help_text:
             command += ["--tokenizer", tokenizer]
         print("  $", " ".join(command[1:]), flush=True)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.bench_timeout, cwd=REPO_ROOT)
         if done.returncode != 0:
             runs.append({"request_rate": rate, "error": f"exit {done.returncode}: {done.stderr[-2000:]}"})
             print(f"  bench serve failed at rate {rate}: {done.stderr[-2000:]}", flush=True)
@@ -280,7 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bench-output-len", type=int, default=None)
     parser.add_argument("--bench-timeout", type=float, default=3600.0, help="seconds for one bench serve run")
     parser.add_argument("--request-timeout", type=float, default=1800.0, help="seconds for one HTTP request")
-    parser.add_argument("--engine-flags", default="", help="extra `pagedserve serve` flags")
+    parser.add_argument("--engine-flags", default=None,
+                        help=f"extra `pagedserve serve` flags (CPU default: {CPU_ENGINE_FLAGS!r})")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
     parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
@@ -292,6 +297,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (GPU_DEFAULTS if args.device != "cpu" else CPU_DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.engine_flags is None:
+        args.engine_flags = CPU_ENGINE_FLAGS if args.device == "cpu" else ""
     if not 1 <= args.answer_max_tokens <= 1000:
         parser.error("--answer-max-tokens: between 1 and 1000, as in the tutorial")
     return args
@@ -315,12 +322,15 @@ def main(argv: list[str] | None = None) -> int:
                "question": QUESTION, "date": time.strftime("%Y%m%d-%H%M%S"),
                "arguments": {k: v for k, v in vars(args).items() if k != "result_dir"}, "servers": {}}
     started = time.perf_counter()
-    with lock_server(work, model_flags + device_flags, name, args.ready_timeout) as url:
-        summary["servers"]["transformers_lock"] = measure("transformers_lock", url, name, model_path, args, result_dir)
-    with pagedserve_server(work, model_flags + device_flags, name, args.engine_flags.split(), args.ready_timeout) as url:
-        summary["servers"]["pagedserve"] = measure("pagedserve", url, name, model_path, args, result_dir)
-    summary["duration_s"] = time.perf_counter() - started
-    (result_dir / "vs_transformers_server.json").write_text(json.dumps(summary, indent=2))
+    json_path = result_dir / "vs_transformers_server.json"
+    servers = {"transformers_lock": lambda: lock_server(work, model_flags + device_flags, name, args.ready_timeout),
+               "pagedserve": lambda: pagedserve_server(work, model_flags + device_flags, name,
+                                                       args.engine_flags.split(), args.ready_timeout)}
+    for server, start in servers.items():
+        with start() as url:
+            summary["servers"][server] = measure(server, url, name, model_path, args, result_dir)
+        summary["duration_s"] = time.perf_counter() - started
+        json_path.write_text(json.dumps(summary, indent=2))  # after each server: a late failure keeps the first
     draw(summary, result_dir / "vs_transformers_server.png")
     print(f"wrote {result_dir / 'vs_transformers_server.json'} and vs_transformers_server.png "
           f"in {summary['duration_s']:.0f} s", flush=True)
