@@ -8,7 +8,7 @@ the tutorial's experiment (benchmarks/vs_transformers_server.py) runs it against
         [--load-format dummy] [--port 8100] [--served-model-name NAME]
 
 It serves /v1/completions and /v1/chat/completions (streamed as server-sent events one token per chunk, or
-whole), /v1/models and /health, with temperature, top_p, top_k, seed, max_tokens, ignore_eos, n=1 and
+whole), /v1/models, /health, and vLLM's /tokenize and /detokenize, with temperature, top_p, top_k, seed, max_tokens, ignore_eos, n=1 and
 stream_options.include_usage. `--model` takes what `pagedserve serve` takes (a model directory, a .gguf file,
 or none for the embedded SmolLM2); `--load-format dummy` builds random weights from the directory's
 config.json. A field it does not know or cannot honour is a 400 in OpenAI's error shape naming the field.
@@ -91,6 +91,19 @@ class ChatMessage(BaseModel):
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
 
 
 class _TokenQueue(BaseStreamer):
@@ -186,6 +199,15 @@ def build_app(generator: LockedGenerator) -> FastAPI:
     async def models() -> dict:
         return {"object": "list", "data": [{"id": generator.name, "object": "model", "owned_by": "transformers",
                                             "max_model_len": generator.max_model_len}]}
+
+    @app.post("/tokenize")  # vLLM's routes: benchmark clients build prompts of exact lengths with them
+    async def tokenize(body: TokenizeBody) -> dict:
+        ids = generator.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": generator.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict:
+        return {"prompt": generator.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):

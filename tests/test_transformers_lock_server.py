@@ -1,6 +1,6 @@
 """The tutorial's baseline (benchmarks/transformers_lock_server.py) is a fair OpenAI-compatible peer: it streams one
 SSE chunk per token and the chunks add up to the whole answer, a seed repeats a sampled answer, a bad or unknown
-field is a 400 naming it, and the lock makes two requests take turns. One server on a tiny random model."""
+field is a 400 naming it, /tokenize and /detokenize answer as vLLM's, and the lock makes two requests take turns. One server on a tiny random model."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def test_a_seed_repeats_a_sampled_answer(port):
     answers = [post(port, "/v1/chat/completions", {**request, "seed": seed})[1]["choices"][0]["message"]["content"]
                for seed in (7, 7, 8)]
     assert answers[0] == answers[1] != answers[2]
+
+
+def test_tokenize_and_detokenize_are_vllms_routes(port):
+    status, body = post(port, "/tokenize", {"prompt": "w5 w6 nonsense", "add_special_tokens": False})
+    assert status == 200 and body["tokens"] == [5, 6, 0] and body["count"] == 3 and body["max_model_len"] == 512
+    assert post(port, "/detokenize", {"tokens": [5, 6]}) == (200, {"prompt": "w5 w6"})
 
 
 @pytest.mark.parametrize("field, value", [("top_p", 2.0), ("max_tokens", 0), ("frequency_penalty", 0.5)])
