@@ -158,7 +158,9 @@ def same_question(base_url: str, model: str, rounds: int, threads: int, max_toke
 BENCH_SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
                       "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                       "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms",
-                      "mean_e2el_ms", "p99_e2el_ms")
+                      "mean_e2el_ms", "p99_e2el_ms", "request_goodput")
+# Issue 19's SLO: a request is "good" when its TTFT is under 500 ms and its TPOT under 50 ms.
+GOODPUT_SLO = ("ttft:500", "tpot:50")
 
 
 def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path) -> list[dict]:
@@ -173,6 +175,7 @@ def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, re
                    "--random-input-len", str(args.bench_input_len), "--random-output-len", str(args.bench_output_len),
                    "--num-prompts", str(args.bench_num_prompts), "--request-rate", rate, "--ignore-eos",
                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                   "--goodput", *GOODPUT_SLO,
                    "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
         if "--tokenizer" in help_text and os.path.isdir(tokenizer):  # else: the server's /tokenize
             command += ["--tokenizer", tokenizer]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hmac
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version as package_version
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,13 +30,10 @@ from gateway.request_ids import RequestIdEcho
 from gateway.streaming import ClientDisconnected
 from gateway.tokenization import detokenize, tokenize
 from gateway.vllm_metrics import ServedModel
+from service_runtime.package_version import pagedserve_version
 
 # Not an HTTP status a client ever reads (it has gone): nginx's "client closed request", for the access log.
 _CLIENT_CLOSED_REQUEST = 499
-try:
-    _VERSION = package_version("pagedserve")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    _VERSION = "unknown"
 
 
 def build_app(config: GatewayConfig) -> FastAPI:
@@ -94,7 +90,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": _VERSION}
+        return {"version": pagedserve_version()}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -13,7 +13,6 @@ engine, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 import uuid
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.text.output_stream import OutputDelta
 from scheduler_svc.text.tokenizer import Tokenizer
+from service_runtime.package_version import pagedserve_version
 
 _FINISH_REASONS = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -42,7 +42,6 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
-PACKAGE_VERSION = importlib.metadata.version("pagedserve")
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
 
@@ -179,7 +178,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             has_chat_template=tokenizer is not None and tokenizer.has_chat_template,
             default_sampling=model.generation_defaults.as_sampling_params(),
             generation_config=model.generation_defaults.source,
-            version=PACKAGE_VERSION,
+            version=pagedserve_version(),
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
