@@ -3,7 +3,8 @@ against the same engine offline, and the sustainable rate under a goodput SLO.
 
     python benchmarks/online_serving.py --shape qwen2.5-1.5b [--result-dir DIR]
 
-It serves the shape's random weights (`--load-format dummy`, bf16, the W1 engine flags), then:
+It serves the shape's random weights (`--load-format dummy`, bf16, the W1 engine flags) with a word tokenizer
+of the shape's vocabulary (benchmarks/id_word_tokenizer.py), then:
   1. warms the server up (one small pass), and runs `bench serve` random --input-len/--output-len (EOS
      ignored) at --request-rate inf: the HTTP path's maximum request throughput;
   2. runs `bench throughput` (offline, the same workload and engine flags) for the ratio of the two (the
@@ -26,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.id_word_tokenizer import write_id_word_tokenizer  # noqa: E402
 from benchmarks.model_shapes import SHAPES, write_config_dir  # noqa: E402
 from pagedserve.testing.server_harness import running_server  # noqa: E402
 
@@ -66,6 +68,7 @@ def main() -> int:
                      "num_prompts": args.num_prompts, "engine_flags": ENGINE_FLAGS}
     with tempfile.TemporaryDirectory() as work:
         model_dir = write_config_dir(args.shape, Path(work) / args.shape)
+        write_id_word_tokenizer(model_dir, SHAPES[args.shape]["vocab_size"])  # bench serve counts tokens with it
         with running_server(Path(work), str(model_dir), *ENGINE_FLAGS, http=True, ready_timeout=900.0) as server:
             url = server.http_url
             serve_run(url, result_dir, "warmup", args, float("inf"), 256)
