@@ -192,14 +192,15 @@ def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, re
 
 
 @contextlib.contextmanager
-def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: float):
+def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: float, env: dict[str, str]):
     """benchmarks/transformers_lock_server.py on a free port: yields its base URL, stops it after."""
     port = free_port()
     log_path = work / "transformers_lock_server.log"
     script = Path(__file__).resolve().parent / "transformers_lock_server.py"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, str(script), *model_flags, "--served-model-name", name,
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **env})
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
@@ -218,10 +219,11 @@ def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: fl
 
 
 @contextlib.contextmanager
-def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flags: list[str], ready_timeout: float):
+def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flags: list[str], ready_timeout: float,
+                      env: dict[str, str]):
     """`pagedserve serve` with its HTTP gateway: yields the gateway's URL, stops it (SIGTERM) after."""
     with launched_server(work, *model_flags, "--served-model-name", name, *engine_flags, http=True,
-                         ready_timeout=ready_timeout) as server:
+                         ready_timeout=ready_timeout, env=env) as server:
         yield server.http_url
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=60)
@@ -229,9 +231,13 @@ def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flag
 
 def measure(server: str, base_url: str, name: str, tokenizer: str, args, result_dir: Path) -> dict:
     print(f"{server} at {base_url}", flush=True)
-    chat(base_url, name, 4, args.request_timeout, temperature=0.0)  # warm-up
     output_lens = [int(n) for n in args.output_lens.split(",")]
     threads = [int(n) for n in args.threads.split(",")]
+    # Warm-up, unmeasured: the first requests pay one-time costs (allocator growth, lazy imports, the engine's
+    # first batches of each size), once from one thread and once from the most threads.
+    for count in sorted({1, max(threads)}):
+        together(count, lambda _: chat(base_url, name, min(output_lens), args.request_timeout, temperature=0.0,
+                                       ignore_eos=True))
     figures = {"sweep": sweep_output_lengths(base_url, name, output_lens, threads, args.request_timeout)}
     figures["same_question"] = same_question(base_url, name, args.rounds, max(threads), args.answer_max_tokens,
                                              args.request_timeout)
@@ -289,6 +295,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-flags", default=None,
                         help=f"extra `pagedserve serve` flags (CPU default: {CPU_ENGINE_FLAGS!r})")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of both servers (CPU: 1 keeps a shared machine's cores from "
+                             "being oversubscribed; default: torch's own choice)")
     parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if args.shape and args.model:
@@ -325,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
                "arguments": {k: v for k, v in vars(args).items() if k != "result_dir"}, "servers": {}}
     started = time.perf_counter()
     json_path = result_dir / "vs_transformers_server.json"
-    servers = {"transformers_lock": lambda: lock_server(work, model_flags + device_flags, name, args.ready_timeout),
+    # The same torch thread count in both servers' processes (OMP_NUM_THREADS), when asked.
+    env = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
+    servers = {"transformers_lock": lambda: lock_server(work, model_flags + device_flags, name, args.ready_timeout,
+                                                        env),
                "pagedserve": lambda: pagedserve_server(work, model_flags + device_flags, name,
-                                                       args.engine_flags.split(), args.ready_timeout)}
+                                                       args.engine_flags.split(), args.ready_timeout, env)}
     for server, start in servers.items():
         with start() as url:
             summary["servers"][server] = measure(server, url, name, model_path, args, result_dir)
