@@ -11,8 +11,8 @@ device and dtype), it starts the server, waits until it answers, and measures:
   (ii)  the same question from 3 threads at once, --rounds times, with the tutorial's sampling (temperature
         0.01, top_p 1, top_k 1, seed 42, max_tokens --answer-max-tokens), and as a control from 1 thread
         --rounds times: how many distinct answers each server gave;
-  (iii) `pagedserve bench serve` (random prompts, EOS ignored) at each of --request-rates, when the package
-        `pagedserve.bench` is there (else one printed line says it was skipped).
+  (iii) `pagedserve bench serve` (random prompts, EOS ignored) at each of --request-rates, where this checkout
+        has that command (else one printed line says it was skipped).
 It writes vs_transformers_server.json (every figure, the answers, the bench JSONs' summaries) and
 vs_transformers_server.png (output tok/s against output length, one line per server and thread count) into
 --result-dir (default $OUT, else the current directory).
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import importlib.util
 import json
 import os
 import signal
@@ -158,13 +157,21 @@ def same_question(base_url: str, model: str, rounds: int, threads: int, max_toke
 BENCH_SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
                       "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms",
                       "mean_tpot_ms", "median_tpot_ms", "p90_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "p99_itl_ms",
-                      "mean_e2el_ms", "p99_e2el_ms")
+                      "mean_e2el_ms", "p99_e2el_ms", "request_goodput")
+# Issue 19's SLO: a request is "good" when its TTFT is under 500 ms and its TPOT under 50 ms.
+GOODPUT_SLO = ("ttft:500", "tpot:50")
 
 
-def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path) -> list[dict]:
+def bench_serve_help() -> str | None:
+    """`pagedserve bench serve --help` as this checkout runs it; None where it has no `bench` command."""
+    done = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--help"],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
+    return done.stdout if done.returncode == 0 else None
+
+
+def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path,
+                help_text: str) -> list[dict]:
     """(iii): `pagedserve bench serve` at each request rate, as a subprocess; its JSON summaries."""
-    help_text = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--help"],
-                               capture_output=True, text=True, cwd=REPO_ROOT).stdout
     runs = []
     for rate in args.request_rates.split(","):
         filename = f"bench_serve_{server}_rate_{rate}.json"
@@ -173,6 +180,7 @@ def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, re
                    "--random-input-len", str(args.bench_input_len), "--random-output-len", str(args.bench_output_len),
                    "--num-prompts", str(args.bench_num_prompts), "--request-rate", rate, "--ignore-eos",
                    "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+                   "--goodput", *GOODPUT_SLO,
                    "--save-result", "--result-dir", str(result_dir), "--result-filename", filename]
         if "--tokenizer" in help_text and os.path.isdir(tokenizer):  # else: the server's /tokenize
             command += ["--tokenizer", tokenizer]
@@ -244,11 +252,12 @@ def measure(server: str, base_url: str, name: str, tokenizer: str, args, result_
     answers = figures["same_question"]
     print(f"  same question: {answers['distinct_answers_concurrent']} distinct answers from {answers['threads']} "
           f"threads x {args.rounds} rounds, {answers['distinct_answers_single_thread']} from 1 thread", flush=True)
-    if importlib.util.find_spec("pagedserve.bench") is None:
-        print("  bench serve: skipped (pagedserve bench is not importable here)", flush=True)
-        figures["bench_serve"] = {"skipped": "pagedserve bench is not importable"}
+    help_text = bench_serve_help()
+    if help_text is None:
+        print("  bench serve: skipped (this checkout has no `pagedserve bench serve`)", flush=True)
+        figures["bench_serve"] = {"skipped": "this checkout has no `pagedserve bench serve`"}
     else:
-        figures["bench_serve"] = bench_serve(base_url, name, tokenizer, server, args, result_dir)
+        figures["bench_serve"] = bench_serve(base_url, name, tokenizer, server, args, result_dir, help_text)
     return figures
 
 
