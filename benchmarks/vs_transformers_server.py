@@ -23,7 +23,7 @@ library's HTTP client: it is on every machine (the GPU machine has no openai pac
 client threads were plain blocking HTTP calls too.
 
 With --shape both servers load random weights of a benchmarks/model_shapes.py shape (--load-format dummy)
-and a word tokenizer of the shape's vocabulary (benchmarks/id_word_tokenizer.py).
+and a word tokenizer of the shape's vocabulary (benchmarks/id_word_tokenizer.py), given as --tokenizer.
 """
 
 from __future__ import annotations
@@ -288,6 +288,7 @@ def draw(summary: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file (default: the model's)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --shape, else cpu)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
@@ -330,13 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     result_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="vs_transformers_"))
     if args.shape:
+        # The tokenizer in a directory of its own: beside the shape's config.json, transformers would read it
+        # as the config's model type's tokenizer class (id_word_tokenizer.py).
+        tokenizer_path = str(write_id_word_tokenizer(work / "tokenizer", SHAPES[args.shape]["vocab_size"]))
         model_path = str(write_config_dir(args.shape, work / args.shape))
-        write_id_word_tokenizer(model_path, SHAPES[args.shape]["vocab_size"])
         name, model_flags = args.shape, ["--model", model_path, "--load-format", "dummy"]
     else:
         resolved = resolve_model(args.model)
         model_path, name = resolved.path, resolved.name
+        tokenizer_path = resolve_model(args.tokenizer).path if args.tokenizer else model_path
         model_flags = ["--model", model_path]
+    if tokenizer_path != model_path:
+        model_flags += ["--tokenizer", tokenizer_path]
     device_flags = ["--device", args.device, "--dtype", args.dtype]
     summary = {"model": name, "shape": args.shape, "device": args.device, "dtype": args.dtype,
                "question": QUESTION, "date": time.strftime("%Y%m%d-%H%M%S"),
@@ -351,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        args.engine_flags.split(), args.ready_timeout, env)}
     for server, start in servers.items():
         with start() as url:
-            summary["servers"][server] = measure(server, url, name, model_path, args, result_dir)
+            summary["servers"][server] = measure(server, url, name, tokenizer_path, args, result_dir)
         summary["duration_s"] = time.perf_counter() - started
         json_path.write_text(json.dumps(summary, indent=2))  # after each server: a late failure keeps the first
     draw(summary, result_dir / "vs_transformers_server.png")

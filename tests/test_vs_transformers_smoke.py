@@ -1,7 +1,8 @@
 """The tutorial's experiment (benchmarks/vs_transformers_server.py) runs end to end on the CPU: it starts the
 transformers-behind-a-lock server and pagedserve on the same tiny model, and its JSON and PNG hold both
 servers' output speeds, the same-question answers and (where `pagedserve bench serve` is) the online benchmark.
-The tiny model is random llama weights with the word tokenizer the GPU shapes use; short lengths, 2 rounds."""
+The tiny model is random llama weights with the word tokenizer the GPU shapes use (--tokenizer, a directory of
+its own as with --shape); short lengths, 2 rounds."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ OUTPUT_LENS, ROUNDS, THREADS, BENCH_PROMPTS = (4, 8), 2, 3, 4
 
 def test_the_experiment_measures_both_servers_and_draws_them(tmp_path):
     model = make_tiny_model(tmp_path, "llama", eos_token_id=2)
-    write_id_word_tokenizer(model, vocab_size=512)
+    tokenizer = write_id_word_tokenizer(tmp_path / "tokenizer", vocab_size=512)  # as --shape does
     out = tmp_path / "out"
     command = [sys.executable, "benchmarks/vs_transformers_server.py", "--model", str(model),
+               "--tokenizer", str(tokenizer),
                "--output-lens", ",".join(map(str, OUTPUT_LENS)), "--threads", f"1,{THREADS}", "--rounds", str(ROUNDS),
                "--answer-max-tokens", "8", "--request-rates", "inf", "--bench-num-prompts", str(BENCH_PROMPTS),
                "--bench-input-len", "8", "--bench-output-len", "8", "--result-dir", str(out)]
