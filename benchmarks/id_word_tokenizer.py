@@ -8,6 +8,11 @@ tiny_models give bos and eos), so every id decodes to text and the text encodes 
 servers count the same tokens, and a prompt of N words is N tokens (plus the chat template's). Words outside
 the vocabulary are <unk>.
 
+Write it into a directory of its own and pass it as --tokenizer: beside a config.json, transformers 5's
+AutoTokenizer takes the tokenizer class of the config's model type (Qwen2Tokenizer for a Qwen2 shape), which
+rebuilds a byte-level BPE from these files and turns every word into <unk> (pagedserve's own loader reads the
+files as written, wherever they are).
+
 The files are tokenizer.json (read by our scheduler and by transformers), tokenizer_config.json (the special
 tokens and a plain chat template, so /v1/chat/completions works on both servers) and special_tokens_map.json.
 """

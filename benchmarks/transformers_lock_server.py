@@ -4,8 +4,8 @@ The documents this project starts from serve a model with FastAPI around `model.
 lock so that one request runs at a time (a second one waits for the first to finish). This is that server, as
 the tutorial's experiment (benchmarks/vs_transformers_server.py) runs it against pagedserve on the same model:
 
-    python benchmarks/transformers_lock_server.py [--model PATH|--shape NAME] [--device cuda] [--dtype bfloat16]
-        [--load-format dummy] [--port 8100] [--served-model-name NAME]
+    python benchmarks/transformers_lock_server.py [--model PATH] [--tokenizer PATH] [--device cuda]
+        [--dtype bfloat16] [--load-format dummy] [--port 8100] [--served-model-name NAME]
 
 It serves /v1/completions and /v1/chat/completions (streamed as server-sent events one token per chunk, or
 whole), /v1/models, /health, and vLLM's /tokenize and /detokenize, with temperature, top_p, top_k, seed, max_tokens, ignore_eos, n=1 and
@@ -53,6 +53,7 @@ class LockServerConfig:
     """The server's whole configuration, parsed once from the command line."""
 
     model: str | None  # what `pagedserve serve --model` takes; None: the embedded default
+    tokenizer: str | None  # a tokenizer directory or .gguf file other than the model's (vLLM's --tokenizer)
     load_format: str  # "auto": the files' weights; "dummy": random weights of config.json's shape
     device: str
     dtype: str  # a key of DTYPES
@@ -142,7 +143,8 @@ class LockedGenerator:
     def __init__(self, config: LockServerConfig):
         resolved = resolve_model(config.model)
         self.name = config.served_model_name or resolved.name
-        self.tokenizer, self.model = _load(resolved.path, config)
+        tokenizer_path = resolve_model(config.tokenizer).path if config.tokenizer else resolved.path
+        self.tokenizer, self.model = _load(resolved.path, tokenizer_path, config)
         self.max_model_len = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.lock = threading.Lock()
 
@@ -165,9 +167,15 @@ class LockedGenerator:
         return output[0, len(prompt_ids):].tolist()
 
 
-def _load(path: str, config: LockServerConfig):
-    directory, gguf_file = (os.path.dirname(path), os.path.basename(path)) if os.path.isfile(path) else (path, None)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+def _split_gguf(path: str) -> tuple[str, str | None]:
+    """(directory, gguf file name) of a .gguf file, as transformers takes it; (path, None) for a directory."""
+    return (os.path.dirname(path), os.path.basename(path)) if os.path.isfile(path) else (path, None)
+
+
+def _load(path: str, tokenizer_path: str, config: LockServerConfig):
+    tokenizer_directory, tokenizer_gguf = _split_gguf(tokenizer_path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_directory, gguf_file=tokenizer_gguf)
+    directory, gguf_file = _split_gguf(path)
     dtype = DTYPES[config.dtype]
     if config.load_format == "dummy":
         with torch.device(config.device):
@@ -302,6 +310,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def parse_config(argv: list[str] | None = None) -> LockServerConfig:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file (default: the model's)")
     parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="dummy: random weights of the directory's config.json")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -312,7 +321,7 @@ def parse_config(argv: list[str] | None = None) -> LockServerConfig:
     parser.add_argument("--served-model-name", default=None)
     args = parser.parse_args(argv)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
-    return LockServerConfig(model=args.model, load_format=args.load_format, device=args.device, dtype=dtype,
+    return LockServerConfig(model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, device=args.device, dtype=dtype,
                             host=args.host, port=args.port, served_model_name=args.served_model_name)
 
 

@@ -11,8 +11,8 @@ device and dtype), it starts the server, waits until it answers, and measures:
   (ii)  the same question from 3 threads at once, --rounds times, with the tutorial's sampling (temperature
         0.01, top_p 1, top_k 1, seed 42, max_tokens --answer-max-tokens), and as a control from 1 thread
         --rounds times: how many distinct answers each server gave;
-  (iii) `pagedserve bench serve` (random prompts, EOS ignored) at each of --request-rates, when the package
-        `pagedserve.bench` is there (else one printed line says it was skipped).
+  (iii) `pagedserve bench serve` (random prompts, EOS ignored) at each of --request-rates, where this checkout
+        has that command (else one printed line says it was skipped).
 It writes vs_transformers_server.json (every figure, the answers, the bench JSONs' summaries) and
 vs_transformers_server.png (output tok/s against output length, one line per server and thread count) into
 --result-dir (default $OUT, else the current directory).
@@ -23,7 +23,7 @@ library's HTTP client: it is on every machine (the GPU machine has no openai pac
 client threads were plain blocking HTTP calls too.
 
 With --shape both servers load random weights of a benchmarks/model_shapes.py shape (--load-format dummy)
-and a word tokenizer of the shape's vocabulary (benchmarks/id_word_tokenizer.py).
+and a word tokenizer of the shape's vocabulary (benchmarks/id_word_tokenizer.py), given as --tokenizer.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import importlib.util
 import json
 import os
 import signal
@@ -163,10 +162,16 @@ BENCH_SUMMARY_KEYS = ("completed", "failed", "duration", "request_throughput", "
 GOODPUT_SLO = ("ttft:500", "tpot:50")
 
 
-def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path) -> list[dict]:
+def bench_serve_help() -> str | None:
+    """`pagedserve bench serve --help` as this checkout runs it; None where it has no `bench` command."""
+    done = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--help"],
+                          capture_output=True, text=True, cwd=REPO_ROOT)
+    return done.stdout if done.returncode == 0 else None
+
+
+def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, result_dir: Path,
+                help_text: str) -> list[dict]:
     """(iii): `pagedserve bench serve` at each request rate, as a subprocess; its JSON summaries."""
-    help_text = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "serve", "--help"],
-                               capture_output=True, text=True, cwd=REPO_ROOT).stdout
     runs = []
     for rate in args.request_rates.split(","):
         filename = f"bench_serve_{server}_rate_{rate}.json"
@@ -195,14 +200,15 @@ def bench_serve(base_url: str, model: str, tokenizer: str, server: str, args, re
 
 
 @contextlib.contextmanager
-def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: float):
+def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: float, env: dict[str, str]):
     """benchmarks/transformers_lock_server.py on a free port: yields its base URL, stops it after."""
     port = free_port()
     log_path = work / "transformers_lock_server.log"
     script = Path(__file__).resolve().parent / "transformers_lock_server.py"
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, str(script), *model_flags, "--served-model-name", name,
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **env})
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_timeout
@@ -221,10 +227,11 @@ def lock_server(work: Path, model_flags: list[str], name: str, ready_timeout: fl
 
 
 @contextlib.contextmanager
-def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flags: list[str], ready_timeout: float):
+def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flags: list[str], ready_timeout: float,
+                      env: dict[str, str]):
     """`pagedserve serve` with its HTTP gateway: yields the gateway's URL, stops it (SIGTERM) after."""
     with launched_server(work, *model_flags, "--served-model-name", name, *engine_flags, http=True,
-                         ready_timeout=ready_timeout) as server:
+                         ready_timeout=ready_timeout, env=env) as server:
         yield server.http_url
         server.process.send_signal(signal.SIGTERM)
         server.process.wait(timeout=60)
@@ -232,20 +239,25 @@ def pagedserve_server(work: Path, model_flags: list[str], name: str, engine_flag
 
 def measure(server: str, base_url: str, name: str, tokenizer: str, args, result_dir: Path) -> dict:
     print(f"{server} at {base_url}", flush=True)
-    chat(base_url, name, 4, args.request_timeout, temperature=0.0)  # warm-up
     output_lens = [int(n) for n in args.output_lens.split(",")]
     threads = [int(n) for n in args.threads.split(",")]
+    # Warm-up, unmeasured: the first requests pay one-time costs (allocator growth, lazy imports, the engine's
+    # first batches of each size), once from one thread and once from the most threads.
+    for count in sorted({1, max(threads)}):
+        together(count, lambda _: chat(base_url, name, min(output_lens), args.request_timeout, temperature=0.0,
+                                       ignore_eos=True))
     figures = {"sweep": sweep_output_lengths(base_url, name, output_lens, threads, args.request_timeout)}
     figures["same_question"] = same_question(base_url, name, args.rounds, max(threads), args.answer_max_tokens,
                                              args.request_timeout)
     answers = figures["same_question"]
     print(f"  same question: {answers['distinct_answers_concurrent']} distinct answers from {answers['threads']} "
           f"threads x {args.rounds} rounds, {answers['distinct_answers_single_thread']} from 1 thread", flush=True)
-    if importlib.util.find_spec("pagedserve.bench") is None:
-        print("  bench serve: skipped (pagedserve bench is not importable here)", flush=True)
-        figures["bench_serve"] = {"skipped": "pagedserve bench is not importable"}
+    help_text = bench_serve_help()
+    if help_text is None:
+        print("  bench serve: skipped (this checkout has no `pagedserve bench serve`)", flush=True)
+        figures["bench_serve"] = {"skipped": "this checkout has no `pagedserve bench serve`"}
     else:
-        figures["bench_serve"] = bench_serve(base_url, name, tokenizer, server, args, result_dir)
+        figures["bench_serve"] = bench_serve(base_url, name, tokenizer, server, args, result_dir, help_text)
     return figures
 
 
@@ -276,6 +288,7 @@ def draw(summary: dict, path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory or .gguf file (default: the model's)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda with --shape, else cpu)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on the CPU")
@@ -292,6 +305,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-flags", default=None,
                         help=f"extra `pagedserve serve` flags (CPU default: {CPU_ENGINE_FLAGS!r})")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds for a server to start")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="OMP_NUM_THREADS of both servers (CPU: 1 keeps a shared machine's cores from "
+                             "being oversubscribed; default: torch's own choice)")
     parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
     args = parser.parse_args(argv)
     if args.shape and args.model:
@@ -315,25 +331,33 @@ def main(argv: list[str] | None = None) -> int:
     result_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="vs_transformers_"))
     if args.shape:
+        # The tokenizer in a directory of its own: beside the shape's config.json, transformers would read it
+        # as the config's model type's tokenizer class (id_word_tokenizer.py).
+        tokenizer_path = str(write_id_word_tokenizer(work / "tokenizer", SHAPES[args.shape]["vocab_size"]))
         model_path = str(write_config_dir(args.shape, work / args.shape))
-        write_id_word_tokenizer(model_path, SHAPES[args.shape]["vocab_size"])
         name, model_flags = args.shape, ["--model", model_path, "--load-format", "dummy"]
     else:
         resolved = resolve_model(args.model)
         model_path, name = resolved.path, resolved.name
+        tokenizer_path = resolve_model(args.tokenizer).path if args.tokenizer else model_path
         model_flags = ["--model", model_path]
+    if tokenizer_path != model_path:
+        model_flags += ["--tokenizer", tokenizer_path]
     device_flags = ["--device", args.device, "--dtype", args.dtype]
     summary = {"model": name, "shape": args.shape, "device": args.device, "dtype": args.dtype,
                "question": QUESTION, "date": time.strftime("%Y%m%d-%H%M%S"),
                "arguments": {k: v for k, v in vars(args).items() if k != "result_dir"}, "servers": {}}
     started = time.perf_counter()
     json_path = result_dir / "vs_transformers_server.json"
-    servers = {"transformers_lock": lambda: lock_server(work, model_flags + device_flags, name, args.ready_timeout),
+    # The same torch thread count in both servers' processes (OMP_NUM_THREADS), when asked.
+    env = {} if args.torch_threads is None else {"OMP_NUM_THREADS": str(args.torch_threads)}
+    servers = {"transformers_lock": lambda: lock_server(work, model_flags + device_flags, name, args.ready_timeout,
+                                                        env),
                "pagedserve": lambda: pagedserve_server(work, model_flags + device_flags, name,
-                                                       args.engine_flags.split(), args.ready_timeout)}
+                                                       args.engine_flags.split(), args.ready_timeout, env)}
     for server, start in servers.items():
         with start() as url:
-            summary["servers"][server] = measure(server, url, name, model_path, args, result_dir)
+            summary["servers"][server] = measure(server, url, name, tokenizer_path, args, result_dir)
         summary["duration_s"] = time.perf_counter() - started
         json_path.write_text(json.dumps(summary, indent=2))  # after each server: a late failure keeps the first
     draw(summary, result_dir / "vs_transformers_server.png")

@@ -23,9 +23,10 @@ from pagedserve.testing.tiny_models import make_tiny_model
 @pytest.fixture(scope="module")
 def port(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("model"), "llama")
-    write_id_word_tokenizer(model, vocab_size=512)
+    tokenizer = write_id_word_tokenizer(tmp_path_factory.mktemp("tokenizer"), vocab_size=512)
     port = free_port()
     process = subprocess.Popen([sys.executable, "benchmarks/transformers_lock_server.py", "--model", str(model),
+                                "--tokenizer", str(tokenizer),
                                 "--port", str(port), "--served-model-name", "tiny"], cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 120
