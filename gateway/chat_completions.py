@@ -52,6 +52,8 @@ class _ChatRelay:
         self._created = int(time.time())
         self._with_logprobs = body.logprobs
         self._with_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's continuous_usage_stats (with include_usage): every chunk also carries the usage so far.
+        self._usage_every_chunk = self._with_usage and body.stream_options.continuous_usage_stats
         self._choices: dict[int, ChoiceLog] = {}
         self._prompt_tokens = 0
 
@@ -62,6 +64,8 @@ class _ChatRelay:
         span = choice.add(chunk)
         if chunk.prompt_tokens is not None:
             self._prompt_tokens = chunk.prompt_tokens
+        elif chunk.prompt_token_ids is not None:  # asked for by continuous_usage_stats
+            self._prompt_tokens = len(chunk.prompt_token_ids)
         deltas = []
         if opening:
             deltas.append({"index": chunk.index, "delta": {"role": "assistant", "content": ""},
@@ -75,7 +79,7 @@ class _ChatRelay:
     async def events(self, chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[dict]:
         async for _, chunk in chunks:
             for delta in self.record(chunk):
-                yield self._object("chat.completion.chunk", choices=[delta])
+                yield self._object("chat.completion.chunk", choices=[delta], **self._running_usage())
         if self._with_usage:
             yield self._object("chat.completion.chunk", choices=[], usage=self._usage())
 
@@ -90,6 +94,9 @@ class _ChatRelay:
 
     def _object(self, kind: str, **fields) -> dict:
         return {"id": self._id, "object": kind, "created": self._created, "model": self._model, **fields}
+
+    def _running_usage(self) -> dict:
+        return {"usage": self._usage()} if self._usage_every_chunk else {}
 
     def _usage(self) -> dict:
         return usage(self._prompt_tokens, list(self._choices.values()))

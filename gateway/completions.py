@@ -57,6 +57,8 @@ class _CompletionRelay:
         self._n = body.n
         self._with_logprobs = body.logprobs is not None
         self._with_usage = bool(body.stream_options and body.stream_options.include_usage)
+        # vLLM's continuous_usage_stats (with include_usage): every chunk also carries the usage so far.
+        self._usage_every_chunk = self._with_usage and body.stream_options.continuous_usage_stats
         self._choices: dict[int, ChoiceLog] = {}
         self._prompt_tokens: dict[int, int] = {}
 
@@ -69,6 +71,8 @@ class _CompletionRelay:
         span = choice.add(chunk)
         if chunk.prompt_tokens is not None:
             self._prompt_tokens[prompt_index] = chunk.prompt_tokens
+        elif chunk.prompt_token_ids is not None:  # asked for by continuous_usage_stats
+            self._prompt_tokens[prompt_index] = len(chunk.prompt_token_ids)
         if not (chunk.text or chunk.token_ids or chunk.finish_reason):
             return None
         return {"index": index, "text": chunk.text,
@@ -79,7 +83,7 @@ class _CompletionRelay:
         async for prompt_index, chunk in chunks:
             choice = self.record(prompt_index, chunk)
             if choice is not None:
-                yield self._object(choices=[choice])
+                yield self._object(choices=[choice], **self._running_usage())
         if self._with_usage:
             yield self._object(choices=[], usage=self._usage())
 
@@ -94,6 +98,9 @@ class _CompletionRelay:
 
     def _object(self, **fields) -> dict:
         return {"id": self._id, "object": "text_completion", "created": self._created, "model": self._model, **fields}
+
+    def _running_usage(self) -> dict:
+        return {"usage": self._usage()} if self._usage_every_chunk else {}
 
     def _usage(self) -> dict:
         return usage(sum(self._prompt_tokens.values()), list(self._choices.values()))

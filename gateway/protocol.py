@@ -22,7 +22,7 @@ class _Body(BaseModel):
 class StreamOptions(_Body):
     # A last chunk with empty choices carries the whole request's usage.
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: refused (refused_fields.py)
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage on every chunk too
 
 
 class SamplingFields(_Body):

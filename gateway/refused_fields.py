@@ -83,9 +83,6 @@ def refuse_unserved(body: BaseModel) -> None:
     for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise unsupported(name, reason)
-    stream_options = getattr(body, "stream_options", None)
-    if stream_options is not None and stream_options.continuous_usage_stats:
-        raise unsupported("stream_options.continuous_usage_stats", "usage is sent once, in the last chunk")
     for index, message in enumerate(getattr(body, "messages", None) or ()):
         refuse_unserved_message(index, message)
 

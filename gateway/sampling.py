@@ -89,7 +89,10 @@ def _common_keywords(body: SamplingFields) -> dict[str, Any]:
             logit_bias = {int(token_id): bias for token_id, bias in body.logit_bias.items()}
         except ValueError:
             raise invalid_request("logit_bias: keys must be token ids", "logit_bias") from None
+    options = body.stream_options
     return {
+        # Usage on every chunk needs the prompt's length from the first one (vLLM's continuous_usage_stats).
+        "return_prompt": bool(options and options.include_usage and options.continuous_usage_stats),
         "presence_penalty": body.presence_penalty,
         "frequency_penalty": body.frequency_penalty,
         "repetition_penalty": body.repetition_penalty,

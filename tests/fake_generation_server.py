@@ -67,6 +67,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             chunks = [(" second", [2])]
         for index, (text, token_ids) in enumerate(chunks):
             response = generate_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=token_ids)
+            if index == 0 and request.return_prompt:  # the prompt as the model saw it: 7 ids, as usage says
+                response.prompt, response.prompt_token_ids[:] = request.text, list(range(7))
             if index == len(chunks) - 1:
                 response.finish_reason = generate_pb2.FINISH_REASON_STOP
                 response.usage.prompt_tokens = 7

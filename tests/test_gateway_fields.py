@@ -69,8 +69,6 @@ def post(gateway_url: str, path: str, body, headers=AUTH):
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "hi", "request_id": "bad\nid"}, "request_id"),
-    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
 ])
 def test_unknown_and_unserved_fields_are_400s_naming_them_and_never_reach_the_scheduler(
         fake, gateway_url, path, body, param):
@@ -78,6 +76,21 @@ def test_unknown_and_unserved_fields_are_400s_naming_them_and_never_reach_the_sc
     assert status == 400, reply
     assert reply["error"]["param"] == param
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", CHAT)])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(fake, gateway_url, path, body):
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it on every request)."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    status, _, reply = post(gateway_url, path, {**body, "stream": False, "stream_options": options})
+    assert status == 200, reply  # accepted unstreamed too, where the one response carries the usage anyway
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=API_KEY, max_retries=0) as api:
+        create = api.completions.create if "prompt" in body else api.chat.completions.create
+        events = list(create(model="fake-model", **body, stream=True, stream_options=options))
+    completion_tokens = [event.usage.completion_tokens for event in events]
+    assert len({event.usage.prompt_tokens for event in events}) == 1
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 5  # the stand-in's tokens
+    assert len(events) > 2
 
 
 def test_chat_fields_reach_the_scheduler_request(fake, gateway_url):
