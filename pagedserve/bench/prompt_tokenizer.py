@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from pagedserve.bench.http_client import httpx
+from pagedserve.bench.http_client import JsonHttpClient, JsonHttpError
 
 
 class TextTokenizer(Protocol):
@@ -51,19 +51,15 @@ class HttpServerTokenizer:
     """The server's tokenizer through vLLM's POST /tokenize and /detokenize."""
 
     def __init__(self, base_url: str, model: str, headers: dict[str, str]) -> None:
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=60.0)
+        self._http = JsonHttpClient(base_url, headers, timeout=60.0)
         self._model = model
 
     def encode(self, text: str) -> list[int]:
-        response = self._http.post("/tokenize", json={"model": self._model, "prompt": text,
-                                                      "add_special_tokens": False})
-        response.raise_for_status()
-        return list(response.json()["tokens"])
+        answer = self._http.post("/tokenize", {"model": self._model, "prompt": text, "add_special_tokens": False})
+        return list(answer["tokens"])
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        response = self._http.post("/detokenize", json={"model": self._model, "tokens": list(token_ids)})
-        response.raise_for_status()
-        return response.json()["prompt"]
+        return self._http.post("/detokenize", {"model": self._model, "tokens": list(token_ids)})["prompt"]
 
 
 class GrpcServerTokenizer:
@@ -103,7 +99,7 @@ def http_prompt_tokens(base_url: str, model: str, headers: dict[str, str]) -> Pr
     tokenizer = HttpServerTokenizer(base_url, model, headers)
     try:
         tokenizer.encode("Hello")
-    except (httpx.HTTPError, KeyError, ValueError):
+    except (JsonHttpError, KeyError, ValueError):
         return None
     return PromptTokens(tokenizer, None, f"server: {base_url}/tokenize")
 

@@ -1,5 +1,6 @@
 """The backends `bench serve` drives, vLLM's names: `openai` (/v1/completions), `openai-chat`
-(/v1/chat/completions), both streamed over HTTP with httpx, and `grpc` (our SDK's AsyncClient.generate_stream).
+(/v1/chat/completions), both streamed over HTTP with aiohttp as in vLLM's `bench serve`, and `grpc` (our SDK's
+AsyncClient.generate_stream).
 
 Each is `async (RequestInput) -> RequestOutcome` and never raises for a failed request: the failure is the
 outcome's error (request_outcome.py says which chunks count as output and when a request has failed).
@@ -11,7 +12,8 @@ import json
 import time
 from collections.abc import Awaitable, Callable
 
-from pagedserve.bench.http_client import httpx
+import aiohttp
+
 from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
 
 BACKENDS = ("openai", "openai-chat", "grpc")
@@ -24,14 +26,17 @@ class OpenAIStreamingBackend:
     """Streams completions or chat completions from `api_url`; one connection pool for the whole run."""
 
     def __init__(self, api_url: str, chat: bool, headers: dict[str, str], max_connections: int | None) -> None:
+        """Call it inside the run's event loop (the session belongs to it). `max_connections` None: no limit."""
         self._api_url = api_url
         self._chat = chat
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(headers=headers, limits=limits,
-                                       timeout=httpx.Timeout(6 * 60 * 60, connect=60.0))
+        # aiohttp's `connect` timeout would include waiting for a free connection of the pool: sock_connect is
+        # the TCP connect alone; total bounds the whole request, as long as a benchmark may run.
+        timeout = aiohttp.ClientTimeout(total=6 * 60 * 60, sock_connect=60.0)
+        connector = aiohttp.TCPConnector(limit=max_connections or 0)
+        self._http = aiohttp.ClientSession(headers=headers, connector=connector, timeout=timeout)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._http.close()
 
     def payload(self, request: RequestInput) -> dict:
         body = {"model": request.model, "max_tokens": request.output_len, "stream": True,
@@ -51,10 +56,10 @@ class OpenAIStreamingBackend:
         try:
             body = self.payload(request)
             outcome.start_time = time.perf_counter()
-            async with self._http.stream("POST", self._api_url, json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    return outcome.fail(f"HTTP {response.status_code}: {text[:500]}")
+            async with self._http.post(self._api_url, json=body) as response:
+                if response.status != 200:
+                    text = (await response.read()).decode(errors="replace")
+                    return outcome.fail(f"HTTP {response.status}: {text[:500]}")
                 return await self._read_events(response, outcome)
         except Exception as error:  # noqa: BLE001 (a failed request is an outcome, whatever the cause)
             return outcome.fail(f"{type(error).__name__}: {error}")
@@ -64,13 +69,12 @@ class OpenAIStreamingBackend:
         on to the body's end after [DONE], so the connection goes back to the pool."""
         stream = _SseStream(outcome, self._chat)
         pending = b""
-        async for data in response.aiter_bytes():
+        async for data in response.content.iter_any():
             now = time.perf_counter()
             *lines, pending = (pending + data).split(b"\n")
             for line in lines:
                 stream.feed(line.rstrip(b"\r"), now)
         return stream.finish()
-
 
 
 class _SseStream:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from client import AsyncClient, Client
 from client.errors import PagedServeError
 from pagedserve.bench.arrivals import send_offsets
-from pagedserve.bench.http_client import httpx
+from pagedserve.bench.http_client import JsonHttpClient, JsonHttpError
 from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, http_prompt_tokens
 from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
 from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS, GrpcBackend, OpenAIStreamingBackend
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         if target.backend == "openai-chat" and tokens.tokenizer is None:
             raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
         requests = sample_requests(args, tokens)
-    except (ValueError, OSError, httpx.HTTPError, RuntimeError, PagedServeError) as error:
+    except (ValueError, OSError, JsonHttpError, RuntimeError, PagedServeError) as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
     print(f"Model: {model}; tokenizer: {tokens.source}; {len(requests)} requests ({args.dataset_name})")
@@ -201,9 +201,11 @@ def _model_and_tokens(args, target: ServeTarget) -> tuple[str, PromptTokens]:
 
 
 def _first_served_model(base_url: str, headers: dict[str, str]) -> str:
-    response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
-    response.raise_for_status()
-    models = response.json().get("data") or []
+    http = JsonHttpClient(base_url, headers, timeout=30.0)
+    try:
+        models = http.get("/v1/models").get("data") or []
+    finally:
+        http.close()
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return models[0]["id"]
