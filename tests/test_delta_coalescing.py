@@ -42,3 +42,14 @@ def test_take_ready_drains_what_is_waiting_in_order():
         return take_ready(queue, await queue.get()), queue.empty()
 
     assert asyncio.run(scenario()) == ([0, 1, 2, 3], True)
+
+
+def test_a_long_run_merges_into_one_delta_in_order():
+    run = [OutputDelta(f"t{i} ", (i,), logprobs=(-i / 100,)) for i in range(60)]
+    merged = coalesce([*run, OutputDelta("end", (60,), FinishReason.LENGTH, completion_tokens=61), StreamEnd()])
+    assert [type(item) for item in merged] == [OutputDelta, StreamEnd]
+    (whole,) = merged[:1]
+    assert whole.text == "".join(f"t{i} " for i in range(60)) + "end"
+    assert whole.token_ids == tuple(range(61))
+    assert whole.logprobs == tuple(-i / 100 for i in range(60))
+    assert (whole.finish_reason, whole.completion_tokens) == (FinishReason.LENGTH, 61)

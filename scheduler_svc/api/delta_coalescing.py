@@ -26,25 +26,33 @@ def take_ready(queue: asyncio.Queue, first) -> list:
 
 def coalesce(items: list) -> list:
     """Items in order, with each run of deltas of the same sequence merged into one (a delta that ends its
-    sequence is never merged with a later one)."""
+    sequence is never merged with a later one). One pass: a run of k deltas costs one merge of k, not k - 1
+    pairwise merges (under load a stream finds dozens waiting, and pairwise merging was quadratic)."""
     out: list = []
+    run: list[OutputDelta] = []
     for item in items:
-        previous = out[-1] if out else None
-        if (isinstance(item, OutputDelta) and isinstance(previous, OutputDelta) and previous.index == item.index
-                and previous.finish_reason is None):
-            out[-1] = merge(previous, item)
+        if run and not (isinstance(item, OutputDelta) and item.index == run[-1].index
+                        and run[-1].finish_reason is None):
+            out.append(merge(run))
+            run = []
+        if isinstance(item, OutputDelta):
+            run.append(item)
         else:
             out.append(item)
+    if run:
+        out.append(merge(run))
     return out
 
 
-def merge(earlier: OutputDelta, later: OutputDelta) -> OutputDelta:
-    """One delta with both deltas' text, tokens and logprobs; the later one's end, counts and score."""
+def merge(run: list[OutputDelta]) -> OutputDelta:
+    """One delta with the run's text, tokens and logprobs in order; the last one's end, counts and score."""
+    if len(run) == 1:
+        return run[0]
     return dataclasses.replace(
-        later,
-        text=earlier.text + later.text,
-        token_ids=earlier.token_ids + later.token_ids,
-        logprobs=earlier.logprobs + later.logprobs,
-        token_logprobs=earlier.token_logprobs + later.token_logprobs,
-        prompt_logprobs=earlier.prompt_logprobs + later.prompt_logprobs,
+        run[-1],
+        text="".join(delta.text for delta in run),
+        token_ids=tuple(token for delta in run for token in delta.token_ids),
+        logprobs=tuple(value for delta in run for value in delta.logprobs),
+        token_logprobs=tuple(entry for delta in run for entry in delta.token_logprobs),
+        prompt_logprobs=tuple(entry for delta in run for entry in delta.prompt_logprobs),
     )

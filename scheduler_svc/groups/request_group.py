@@ -220,12 +220,13 @@ def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outco
     delta, stopped_by_string = stream.advance(request)
     if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
         scheduler.finish_request(request.request_id, FinishReason.STOP)
-    logprob = outcome.logprobs.get(request.request_id)
-    if len(delta.token_ids) == 1 and logprob is not None:  # a step samples one token per sequence
-        delta = dataclasses.replace(delta, logprobs=(logprob,))
-    ranked = outcome.token_logprobs.get(request.request_id)
-    if len(delta.token_ids) == 1 and ranked is not None:
-        delta = dataclasses.replace(delta, token_logprobs=(ranked,))
+    if len(delta.token_ids) == 1:  # a step samples one token per sequence
+        logprob = outcome.logprobs.get(request.request_id)
+        if logprob is not None:
+            delta.logprobs = (logprob,)
+        ranked = outcome.token_logprobs.get(request.request_id)
+        if ranked is not None:
+            delta.token_logprobs = (ranked,)
     return delta
 
 
