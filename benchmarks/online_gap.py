@@ -93,7 +93,7 @@ def headline(record: dict) -> dict:
 
 def step_timers(log: str) -> list[str]:
     return [line.split(" INFO ", 1)[-1] for line in log.splitlines()
-            if "step time over" in line or "slow step launch" in line or "warmed up" in line]
+            if any(mark in line for mark in ("step time over", "slow step launch", "warmed up", "Triton compiles"))]
 
 
 def main() -> int:

@@ -116,7 +116,9 @@ def _attend_window(
     return running_max, running_sum, acc
 
 
-@triton.jit
+# Metadata views are sliced past the step's decodes, so their alignment and the sequence count vary from step
+# to step: specialized on them, the kernel would compile again while serving (worker_svc/compile_watch.py).
+@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_attention_kernel(
     query_ptr,
     key_cache_ptr,

@@ -32,6 +32,7 @@ from protos.pagedserve.v1 import worker_pb2
 from service_runtime.model_source import resolve_model
 from service_runtime.step_timer import BackToBackClock, StepTimer
 from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
+from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
 from worker_svc.host_to_device import to_device
@@ -110,6 +111,8 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)
             self.decode_graphs.capture()
+        if self.device.type == "cuda":
+            warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
         return worker_pb2.WorkerReady(rank=self.config.rank, num_kv_blocks=blocks, num_swap_blocks=swap_blocks)
 
