@@ -32,7 +32,9 @@ from kernels.triton_numerics import dot_precision, needs_upcast
 from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
 
 
-@triton.jit
+# The block table is as wide as the step's longest sequence needs: its row stride varies from step to step, and
+# specialized on it the kernel would compile again while serving (see triton_prefill_attention.py).
+@triton.jit(do_not_specialize=["stride_table_seq"])
 def _decode_attention_kernel(
     query_ptr,
     key_cache_ptr,

@@ -116,9 +116,12 @@ def _attend_window(
     return running_max, running_sum, acc
 
 
-# Metadata views are sliced past the step's decodes, so their alignment and the sequence count vary from step
-# to step: specialized on them, the kernel would compile again while serving (worker_svc/compile_watch.py).
-@triton.jit(do_not_specialize=["num_seqs"], do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"])
+# Metadata views are sliced past the step's decodes, and the block table is as wide as the step's longest
+# sequence needs, so the views' alignment, the sequence count and the table's row stride vary from step to step:
+# specialized on them (== 1, divisible by 16), the kernel would compile again while serving (measured on an
+# H100: seconds of compiles inside a benchmark run after warm-up; worker_svc/compile_watch.py names them).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"],
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_attention_kernel(
     query_ptr,
     key_cache_ptr,

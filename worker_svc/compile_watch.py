@@ -26,8 +26,10 @@ def warn_on_compiles_while_serving() -> bool:
     if runtime is None or not hasattr(runtime, "jit_cache_hook"):
         return False
 
-    def on_compile(*, repr: str, **_: object) -> bool:  # noqa: A002 (Triton's keyword)
-        logger.warning("Triton compiles a kernel variant while serving (the warm-up missed it): %s", repr)
+    def on_compile(*, repr: str, compile: dict | None = None, **_: object) -> bool:  # noqa: A002 (Triton's keywords)
+        specialization = (compile or {}).get("configs")  # each argument's divisibility/alignment attributes
+        logger.warning("Triton compiles a kernel variant while serving (the warm-up missed it): %s%s",
+                       " ".join(repr.split()), f" attributes {specialization}" if specialization else "")
         return False  # compile it
 
     runtime.jit_cache_hook = on_compile
