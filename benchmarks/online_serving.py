@@ -52,6 +52,12 @@ def serve_run(url: str, result_dir: Path, name: str, args, rate: float, num_prom
     return json.loads((result_dir / f"{name}.json").read_text())
 
 
+def stalls(server_log: str) -> list[str]:
+    """The server's kernel compiles after `ready` and slow step launches: each stalls every stream of its step."""
+    return [line.split(" WARNING ", 1)[-1].split(" INFO ", 1)[-1] for line in server_log.splitlines()
+            if "Triton compiles" in line or "slow step launch" in line]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -90,6 +96,8 @@ def main() -> int:
             summary["goodput_sweep"] = sweep
             sustainable = [point["request_rate"] for point in sweep if point["met"] >= SUSTAINED]
             summary["sustainable_rate"] = max(sustainable, default=0.0)
+            log_handle = open(server.log_path, errors="replace")  # still readable after the shutdown below
+        summary["stalls"] = stalls(log_handle.read())
         bench("throughput", "--model", str(model_dir), *ENGINE_FLAGS, "--input-len", str(args.input_len),
               "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
               "--output-json", str(result_dir / "offline.json"))
