@@ -163,10 +163,13 @@ class PersistentBatch:
         row = self._row_of[scheduled.request_id]
         for replaced in scheduled.replaced_blocks:
             self.block_table[row, replaced.index] = replaced.block_id
-        start = self.num_blocks[row]
-        blocks = np.asarray(scheduled.new_block_ids, dtype=np.int64)
-        self.block_table[row, start : start + len(blocks)] = blocks
-        self.num_blocks[row] = start + len(blocks)
+        # Most steps are decodes that bring no block and no token: they cost a dict lookup, not numpy calls
+        # (a few microseconds each, times every row, every step, on the worker's critical path).
+        if scheduled.new_block_ids:
+            start = self.num_blocks[row]
+            blocks = np.asarray(scheduled.new_block_ids, dtype=np.int64)
+            self.block_table[row, start : start + len(blocks)] = blocks
+            self.num_blocks[row] = start + len(blocks)
         if scheduled.new_token_ids:
             tokens = np.asarray(scheduled.new_token_ids, dtype=np.int64)
             self.token_ids[row, self.num_tokens[row] : self.num_tokens[row] + len(tokens)] = tokens
