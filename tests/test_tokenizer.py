@@ -80,6 +80,16 @@ def test_gguf_decode_matches_transformers(ours, reference, text):
     assert ours.decode(ids, skip_special_tokens=False) == reference.decode(ids, skip_special_tokens=False) == text
 
 
+def test_single_token_decodes_match_transformers_whichever_flag_comes_first(ours, reference):
+    """decode([id]) is memoized per (id, skip_special_tokens): both orders of the flags give transformers'
+    text each time, special tokens (skipped or kept) and multi-byte pieces included."""
+    ids = sorted(set(reference("a<|im_end|>b 你好 😀 café").input_ids))
+    for first in (True, False):
+        for skip in (first, not first, first):
+            assert [ours.decode([token_id], skip_special_tokens=skip) for token_id in ids] == [
+                reference.decode([token_id], skip_special_tokens=skip) for token_id in ids]
+
+
 def test_special_token_text_is_one_special_token_and_skipped_on_decode(ours):
     ids = ours.encode("a<|im_end|>b")
     assert 2 in ids

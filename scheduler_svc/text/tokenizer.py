@@ -69,6 +69,10 @@ class Tokenizer:
         self._all_special_ids = tuple(sorted(token_id for token_id, token in added.items() if token.special))
         self._chat_template_source = spec.chat_template
         self._chat_template = compile_chat_template(spec.chat_template) if spec.chat_template else None
+        # decode([id]) by (id, skip_special_tokens): the incremental detokenizer asks for one token's text about
+        # once per streamed token, and it is a pure function of the id (at most two entries per vocabulary id).
+        self._single_token_texts: dict[tuple[int, bool], str] = {}
+        self._num_token_strings = backend.get_vocab_size(with_added_tokens=True)
 
     # ---- encoding / decoding ----
 
@@ -77,6 +81,13 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1 and 0 <= ids[0] < self._num_token_strings:
+            key = (int(ids[0]), skip_special_tokens)
+            text = self._single_token_texts.get(key)
+            if text is None:
+                text = self._backend.decode([key[0]], skip_special_tokens=skip_special_tokens)
+                self._single_token_texts[key] = text
+            return text
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:

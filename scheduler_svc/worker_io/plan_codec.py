@@ -15,14 +15,15 @@ from scheduler_svc.core.token_logprobs import PromptLogprobChunk, TokenLogprob
 
 
 def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
-    plan = worker_pb2.StepPlan(
-        step_id=output.step_id,
-        finished_request_ids=list(output.finished_request_ids),
-        preempted_request_ids=list(output.preempted_request_ids),
-        swap_out=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.swap_out],
-        swap_in=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.swap_in],
-        copy=[worker_pb2.BlockMove(src=src, dst=dst) for src, dst in output.copy],
-    )
+    message = worker_pb2.SchedulerToWorker()
+    plan = message.plan  # filled in place: wrapping a finished StepPlan would copy it whole
+    plan.SetInParent()  # the oneof is `plan` even for a plan whose fields are all defaults
+    plan.step_id = output.step_id
+    plan.finished_request_ids.extend(output.finished_request_ids)
+    plan.preempted_request_ids.extend(output.preempted_request_ids)
+    for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in), (plan.copy, output.copy)):
+        for src, dst in pairs:
+            moves.add(src=src, dst=dst)
     for new in output.new_requests:
         plan.new_requests.append(
             worker_pb2.NewRequest(
@@ -35,17 +36,18 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
                 num_prompt_tokens=new.num_prompt_tokens,
             )
         )
+    # One per running request per step: built in place (add, not append: no copy), repeated fields only
+    # when there is something to put in them (a decode mostly has none).
+    scheduled = plan.scheduled_requests
     for cached in output.scheduled_requests:
-        plan.scheduled_requests.append(
-            worker_pb2.ScheduledRequest(
-                request_id=cached.request_id,
-                new_block_ids=cached.new_block_ids,
-                num_scheduled_tokens=cached.num_scheduled_tokens,
-                new_token_ids=cached.new_token_ids,
-                replaced_blocks=[worker_pb2.BlockReplacement(index=i, block_id=b) for i, b in cached.replaced_blocks],
-            )
-        )
-    return worker_pb2.SchedulerToWorker(plan=plan)
+        entry = scheduled.add(request_id=cached.request_id, num_scheduled_tokens=cached.num_scheduled_tokens)
+        if cached.new_block_ids:
+            entry.new_block_ids.extend(cached.new_block_ids)
+        if cached.new_token_ids:
+            entry.new_token_ids.extend(cached.new_token_ids)
+        for index, block_id in cached.replaced_blocks:
+            entry.replaced_blocks.add(index=index, block_id=block_id)
+    return message
 
 
 def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
