@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.errors import PagedServeError
 from gateway.backend import Backend
+from gateway.body_limit import RequestBodyLimit
 from gateway.chat_completions import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
@@ -103,6 +104,7 @@ def build_app(config: GatewayConfig) -> FastAPI:
 
     _install_error_handlers(app, backend)
     app.add_middleware(RequestIdEcho)
+    app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
     return app
 
 

@@ -39,6 +39,8 @@ class GatewayConfig:
     # the only per-request log line pagedserve writes; vLLM's --disable-log-requests turns it off).
     uvicorn_log_level: str = "info"
     log_requests: bool = True
+    # Larger request bodies get a 413 before they are read (body_limit.py).
+    max_request_body_bytes: int = 16 * 1024 * 1024
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,6 +66,8 @@ def add_gateway_access_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log level of the HTTP server (uvicorn)")
     parser.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="log_requests",
                         action="store_false", help="write no log line per HTTP request")
+    parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
+                        help="larger HTTP request bodies get a 413 (invalid_request_error) before they are read")
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -71,6 +75,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise SystemExit("--port must lie in [0, 65535]")
     if args.retry_after < 0:
         raise SystemExit("--retry-after must be >= 0")
+    if args.max_request_body_bytes < 1:
+        raise SystemExit("--max-request-body-bytes must be at least 1")
     return GatewayConfig(
         grpc_target=args.grpc_target,
         host=args.host,
@@ -83,4 +89,5 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         grpc_root_cert=args.grpc_root_cert,
         uvicorn_log_level=args.uvicorn_log_level,
         log_requests=args.log_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
     )

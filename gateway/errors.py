@@ -61,6 +61,10 @@ def from_scheduler_error(error: PagedServeError, retry_after_s: int) -> OpenAIEr
     details = error.details or error.code.name
     if error.code == grpc.StatusCode.INVALID_ARGUMENT:
         return invalid_request(details, _openai_param(details))
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
+        # gRPC's size limit, not load: a 429 would have OpenAI clients resend the same request forever.
+        return OpenAIError(413, f"the request is larger than the model server accepts: {details}",
+                           type="invalid_request_error", code="request_too_large")
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return OpenAIError(429, f"the server is overloaded: {details}", type="rate_limit_error",
                            code="server_overloaded", retry_after_s=retry_after_s)

@@ -302,7 +302,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
 def _gateway_argv(args) -> list[str]:
     argv = ["--grpc-target", _local_address(args.grpc_host, args.grpc_port), "--host", args.host,
             "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
-            "--uvicorn-log-level", args.uvicorn_log_level]
+            "--uvicorn-log-level", args.uvicorn_log_level,
+            "--max-request-body-bytes", str(args.max_request_body_bytes)]
     if not args.log_requests:
         argv.append("--disable-log-requests")
     if args.tls_cert_file:

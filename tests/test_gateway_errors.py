@@ -22,6 +22,7 @@ from tests.fake_generation_server import STATS, FakeServer
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON_AUTH = {**AUTH, "Content-Type": "application/json"}
+BODY_LIMIT = 100_000
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def server():
 @pytest.fixture(scope="module")
 def gateway_url(server, tmp_path_factory):
     with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--api-key", API_KEY,
-                         "--retry-after", "3") as url:
+                         "--retry-after", "3", "--max-request-body-bytes", str(BODY_LIMIT)) as url:
         yield url
 
 
@@ -79,6 +80,33 @@ def test_scheduler_overload_is_a_429_with_retry_after(fake, gateway_url, openai_
     assert "overloaded" in body["error"]["message"]
     with pytest.raises(openai.RateLimitError):
         openai_client.completions.create(model="fake-model", prompt="overloaded")
+
+
+def test_a_body_over_the_limit_is_a_final_413_and_never_reaches_the_scheduler(fake, gateway_url):
+    big = {"model": "fake-model", "prompt": "word " * BODY_LIMIT}
+    status, headers, body = post(gateway_url, "/v1/completions", big)
+    assert status == 413 and "Retry-After" not in headers
+    assert body["error"]["type"] == "invalid_request_error" and "--max-request-body-bytes" in body["error"]["message"]
+    # Without a Content-Length (chunked), the bytes are counted as they arrive.
+    host, port = gateway_url.removeprefix("http://").split(":")
+    with closing(http.client.HTTPConnection(host, int(port), timeout=30)) as connection:
+        connection.request("POST", "/v1/completions", body=iter([json.dumps(big).encode()]),
+                           headers={**JSON_AUTH, "Transfer-Encoding": "chunked"}, encode_chunked=True)
+        response = connection.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    assert fake.requests == []
+    status, _, _ = post(gateway_url, "/v1/completions", {"model": "fake-model", "prompt": "hello"})
+    assert status == 200  # the server keeps serving
+
+
+def test_a_request_over_the_schedulers_message_limit_is_a_413_not_a_429(fake, gateway_url, openai_client):
+    status, headers, body = post(gateway_url, "/v1/completions", {"prompt": "oversized"})
+    assert status == 413 and "Retry-After" not in headers
+    assert body["error"]["code"] == "request_too_large" and "larger than max" in body["error"]["message"]
+    with pytest.raises(openai.APIStatusError) as raised:
+        openai_client.completions.create(model="fake-model", prompt="oversized")
+    assert raised.value.status_code == 413
 
 
 def test_a_streamed_request_refused_by_the_scheduler_gets_the_status_not_a_stream(fake, gateway_url, openai_client):

@@ -128,6 +128,13 @@ def test_uvicorn_log_level_and_disable_log_requests_reach_the_gateway():
     assert (config.uvicorn_log_level, config.log_requests) == ("warning", False)
 
 
+def test_max_request_body_bytes_reaches_the_gateway():
+    default = gateway_config_from_args(service_args(add_gateway_arguments, *_gateway_argv(serve())))
+    assert default.max_request_body_bytes == 16 * 1024 * 1024
+    argv = _gateway_argv(serve("--max-request-body-bytes", "1000"))
+    assert gateway_config_from_args(service_args(add_gateway_arguments, *argv)).max_request_body_bytes == 1000
+
+
 # ---- the API key: flag or environment, never a child's argv ------------------------------------------------
 
 def test_the_api_key_comes_from_the_flag_else_pagedserve_api_key_else_vllm_api_key():
