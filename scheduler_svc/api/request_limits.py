@@ -35,6 +35,7 @@ class RequestLimits:
     max_stop_strings: int = 32
     max_stop_string_length: int = 1024  # characters
     max_stop_token_ids: int = 256
+    max_bad_words: int = 256  # each at most max_stop_string_length characters
     # Most logprobs (alternatives per token) a request may ask for; checked with the other sampling ranges
     # (request_validation.py).
     max_logprobs: int = 20
@@ -61,6 +62,12 @@ def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimi
             "(--max-stop-string-length)")
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise RequestLimitError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
+    if len(sampling.bad_words) > limits.max_bad_words:
+        raise RequestLimitError("sampling.bad_words", f"at most {limits.max_bad_words} words")
+    if any(len(word) > limits.max_stop_string_length for word in sampling.bad_words):
+        raise RequestLimitError(
+            "sampling.bad_words", f"each word at most {limits.max_stop_string_length} characters "
+            "(--max-stop-string-length)")
 
 
 def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:
