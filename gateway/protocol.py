@@ -10,13 +10,45 @@ each field's fate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Integers as the gRPC wire carries them (protobuf int32 / uint32 / uint64): a value past its range is a 400
+# naming the field here, not a protobuf error naming none later.
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
+UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
+UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+# OpenAI's roles, and Llama 3.1's `ipython` (its chat template's tool-output role).
+Role = Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON types as declared (`max_tokens: true` or `"n": "2"` are 400s, not 1 and 2); a JSON integer
+    # still fills a float field.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # JSON may escape a lone surrogate ("\ud800"), which no UTF-8 wire (protobuf strings) can carry.
+        if _has_lone_surrogate(value):
+            raise ValueError("text must be valid Unicode (a lone surrogate such as \\ud800 is not)")
+        return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(item) for item in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(key) or _has_lone_surrogate(item) for key, item in value.items())
+    return False
 
 
 class StreamOptions(_Body):
@@ -31,32 +63,32 @@ class SamplingFields(_Body):
     model: str | None = None  # None: the served model
     temperature: float | None = None
     top_p: float | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=2**32 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0)
+    seed: UInt64 | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, no effect by definition
-    best_of: int | None = None
+    best_of: UInt32 | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text"} only
     # vLLM's extra sampling fields.
     use_beam_search: bool = False
-    top_k: int | None = None
+    top_k: Int32 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     length_penalty: float | None = None
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: UInt32 | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     # vLLM's extra request fields.
-    priority: int = 0
+    priority: Int32 = 0
     request_id: str | None = None
     add_special_tokens: bool | None = None
     # Declared to be refused by name (refused_fields.py): vLLM fields pagedserve does not serve.
@@ -81,8 +113,8 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a batch of them; each prompt's choices are n consecutive indices.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[Int32] | list[list[Int32]]
+    max_tokens: Int32 | None = 16
     # How many top alternatives per token; 0 returns the sampled token's own logprob only.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -91,7 +123,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Role
     # Text parts ({"type": "text", "text": ...}) are joined; any other part (image_url, input_audio, ...) is
     # refused (sampling.py).
     content: str | list[dict[str, Any]] | None = None
@@ -101,11 +133,18 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        # As OpenAI: only an assistant message that calls tools may come without content.
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
+            raise ValueError(f"content: required in a {self.role} message")
+        return self
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int32 | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's chat options (transformers' apply_chat_template's).
@@ -157,4 +196,4 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int32]

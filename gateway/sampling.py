@@ -89,6 +89,8 @@ def _common_keywords(body: SamplingFields) -> dict[str, Any]:
             logit_bias = {int(token_id): bias for token_id, bias in body.logit_bias.items()}
         except ValueError:
             raise invalid_request("logit_bias: keys must be token ids", "logit_bias") from None
+        if any(not -(2**31) <= token_id < 2**31 for token_id in logit_bias):  # the wire's int32 keys
+            raise invalid_request("logit_bias: keys must be token ids", "logit_bias")
     options = body.stream_options
     return {
         # Usage on every chunk needs the prompt's length from the first one (vLLM's continuous_usage_stats).

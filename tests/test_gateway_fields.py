@@ -78,6 +78,31 @@ def test_unknown_and_unserved_fields_are_400s_naming_them_and_never_reach_the_sc
     assert fake.requests == []
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": true}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "n": "2"}', "n"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1099511627776}', "max_tokens"),
+    ("/v1/completions", '{"prompt": "hi", "seed": 1180591620717411303424}', "seed"),
+    ("/v1/completions", '{"prompt": [1099511627776]}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop_token_ids": [8589934592]}', "stop_token_ids"),
+    ("/v1/completions", '{"prompt": "hi", "logit_bias": {"8589934592": 1}}', "logit_bias"),
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"prompt": "hi", "stop": ["\\udc00"]}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "wizard", "content": "hi"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages"),
+], ids=["bool-as-int", "string-as-int", "int32-overflow", "uint64-overflow", "token-id-overflow",
+        "stop-token-overflow", "logit-bias-key-overflow", "lone-surrogate-prompt", "lone-surrogate-stop",
+        "unknown-role", "no-content", "lone-surrogate-content"])
+def test_values_the_wire_cannot_carry_are_400s_naming_the_field(fake, gateway_url, path, raw, param):
+    status, _, reply = post(gateway_url, path, raw.encode())
+    assert status == 400, reply
+    assert reply["error"]["param"] == param, reply
+    assert fake.requests == []
+    status, _, _ = post(gateway_url, path, {"prompt": "hi"} if path == "/v1/completions" else CHAT)
+    assert status == 200  # and the server keeps serving
+
+
 @pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", CHAT)])
 def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(fake, gateway_url, path, body):
     """vLLM's stream_options.continuous_usage_stats (guidellm sends it on every request)."""
