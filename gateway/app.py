@@ -23,6 +23,7 @@ from gateway.body_limit import RequestBodyLimit
 from gateway.chat_completions import create_chat_completion
 from gateway.completions import create_completion
 from gateway.config import GatewayConfig
+from gateway.draining import DrainGate, DrainState
 from gateway.errors import OpenAIError, invalid_api_key, invalid_request
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.model_card import model_card
@@ -37,7 +38,8 @@ from service_runtime.package_version import pagedserve_version
 _CLIENT_CLOSED_REQUEST = 499
 
 
-def build_app(config: GatewayConfig) -> FastAPI:
+def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI:
+    """The app; with `drain`, it counts requests in flight and refuses new ones while draining (draining.py)."""
     backend = Backend(config)
 
     @asynccontextmanager
@@ -105,6 +107,8 @@ def build_app(config: GatewayConfig) -> FastAPI:
     _install_error_handlers(app, backend)
     app.add_middleware(RequestIdEcho)
     app.add_middleware(RequestBodyLimit, limit=config.max_request_body_bytes)
+    if drain is not None:
+        app.add_middleware(DrainGate, state=drain, retry_after_s=config.retry_after_s)  # outermost
     return app
 
 
