@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.id_word_tokenizer import write_id_word_tokenizer  # noqa: E402
 from benchmarks.model_shapes import SHAPES, write_config_dir  # noqa: E402
-from benchmarks.online_serving import ENGINE_FLAGS  # noqa: E402
+from benchmarks.online_serving import ENGINE_FLAGS, STALL_MARKS, add_workload_arguments, server_log_lines  # noqa: E402
 from pagedserve.testing.server_harness import running_server  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -91,22 +91,19 @@ def headline(record: dict) -> dict:
                                           "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "mean_itl_ms")}
 
 
-def step_timers(log: str) -> list[str]:
-    return [line.split(" INFO ", 1)[-1] for line in log.splitlines()
-            if any(mark in line for mark in ("step time over", "slow step launch", "warmed up", "Triton compiles"))]
+def step_timers(server_log: str) -> list[str]:
+    """Where a step's time went (the step timers the services log at shutdown), and the stalls."""
+    return server_log_lines(server_log, ("step time over", "warmed up", *STALL_MARKS))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
-    parser.add_argument("--input-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=512)
+    add_workload_arguments(parser)
     parser.add_argument("--engine-flag", action="append", default=[],
                         help="an extra engine flag for both servers (repeatable; e.g. --engine-flag=--max-model-len=1024)")
     parser.add_argument("--profile", action="store_true",
-                        help="py-spy (on PATH) samples every process during the first HTTP run (speedscope files, idle samples kept)")
-    parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
+                        help="py-spy (on PATH) samples every process during the first HTTP run (speedscope files, "
+                             "idle samples kept)")
     args = parser.parse_args()
     result_dir = Path(args.result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -127,8 +124,7 @@ def main() -> int:
                                     profile_dir=profile)
                 summary[name] = {**usage, **headline(json.loads((result_dir / f"{name}.json").read_text()))}
                 print(name, json.dumps(summary[name]), flush=True)
-            log_handle = open(server.log_path, errors="replace")
-        summary["online_step_timers"] = step_timers(log_handle.read())
+        summary["online_step_timers"] = step_timers(server.log_path.read_text(errors="replace"))
         offline = timed_bench([], "throughput", "--model", str(model_dir), *flags, "--input-len", str(args.input_len),
                               "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
                               "--output-json", str(result_dir / "offline.json"))

@@ -52,21 +52,30 @@ def serve_run(url: str, result_dir: Path, name: str, args, rate: float, num_prom
     return json.loads((result_dir / f"{name}.json").read_text())
 
 
-def stalls(server_log: str) -> list[str]:
-    """The server's kernel compiles after `ready` and slow step launches: each stalls every stream of its step."""
+# Server log lines of a kernel compile after `ready` and of a slow step launch: each stalls every stream of its step.
+STALL_MARKS = ("Triton compiles", "slow step launch")
+
+
+def server_log_lines(server_log: str, marks: tuple[str, ...]) -> list[str]:
+    """The messages (timestamp and level cut) of the server log's lines that hold any of `marks`."""
     return [line.split(" WARNING ", 1)[-1].split(" INFO ", 1)[-1] for line in server_log.splitlines()
-            if "Triton compiles" in line or "slow step launch" in line]
+            if any(mark in line for mark in marks)]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape and the `bench serve` workload, and where results go (shared with online_gap.py)."""
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(parser)
     parser.add_argument("--goodput-rates", default="0.3,0.5,0.7,0.85,1.0",
                         help="rates of the goodput sweep, as fractions of the maximum request throughput")
-    parser.add_argument("--result-dir", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     result_dir = Path(args.result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -96,8 +105,7 @@ def main() -> int:
             summary["goodput_sweep"] = sweep
             sustainable = [point["request_rate"] for point in sweep if point["met"] >= SUSTAINED]
             summary["sustainable_rate"] = max(sustainable, default=0.0)
-            log_handle = open(server.log_path, errors="replace")  # still readable after the shutdown below
-        summary["stalls"] = stalls(log_handle.read())
+        summary["stalls"] = server_log_lines(server.log_path.read_text(errors="replace"), STALL_MARKS)
         bench("throughput", "--model", str(model_dir), *ENGINE_FLAGS, "--input-len", str(args.input_len),
               "--output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
               "--output-json", str(result_dir / "offline.json"))

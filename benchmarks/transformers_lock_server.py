@@ -321,8 +321,9 @@ def parse_config(argv: list[str] | None = None) -> LockServerConfig:
     parser.add_argument("--served-model-name", default=None)
     args = parser.parse_args(argv)
     dtype = args.dtype if args.dtype != "auto" else ("float32" if args.device == "cpu" else "bfloat16")
-    return LockServerConfig(model=args.model, tokenizer=args.tokenizer, load_format=args.load_format, device=args.device, dtype=dtype,
-                            host=args.host, port=args.port, served_model_name=args.served_model_name)
+    return LockServerConfig(model=args.model, tokenizer=args.tokenizer, load_format=args.load_format,
+                            device=args.device, dtype=dtype, host=args.host, port=args.port,
+                            served_model_name=args.served_model_name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ NUM_KV_BLOCKS = 20  # 320 tokens of KV: less than max_model_len, so a long reque
 MAX_MODEL_LEN = 512
 RETRY_AFTER_S = 1  # the gateway's default
 LONG = dict(max_tokens=150, temperature=0.0, ignore_eos=True)  # ~150 steps: still running when the rest arrive
+HOLD_TOKENS = NUM_KV_BLOCKS * 16 - 3  # a 3-token prompt and as many tokens as the pool holds
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +73,10 @@ def test_the_gateway_answers_a_full_queue_with_429_and_retry_after(server):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
-        holders = [stub.Generate(build_generate_request([4, 5, index], **LONG))
-                   for index in range(3)]  # one runs, two wait
+        # One runs, two wait. The running one asks for as many tokens as the pool holds (they are cancelled
+        # below): on a loaded machine 150 steps could end before the third request has arrived.
+        holders = [stub.Generate(build_generate_request([4, 5, index], **{**LONG, "max_tokens": HOLD_TOKENS}))
+                   for index in range(3)]
         _wait_for(server, lambda stats: stats.num_running == 1 and stats.num_waiting == 2)
         status, headers, answer = http_json(f"{server.http_url}/v1/completions", body)
         for holder in holders:

@@ -54,20 +54,20 @@ def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimi
             raise RequestLimitError(f"sampling.{name}", f"at most {limits.max_n} (--max-n)")
     if limits.max_tokens_limit is not None and sampling.max_tokens > limits.max_tokens_limit:
         raise RequestLimitError("sampling.max_tokens", f"at most {limits.max_tokens_limit} (--max-tokens-limit)")
-    if len(sampling.stop) > limits.max_stop_strings:
-        raise RequestLimitError("sampling.stop", f"at most {limits.max_stop_strings} stop strings (--max-stop-strings)")
-    if any(len(stop) > limits.max_stop_string_length for stop in sampling.stop):
-        raise RequestLimitError(
-            "sampling.stop", f"each stop string at most {limits.max_stop_string_length} characters "
-            "(--max-stop-string-length)")
+    _check_texts("sampling.stop", sampling.stop, limits.max_stop_strings, "stop strings (--max-stop-strings)",
+                 "stop string", limits.max_stop_string_length)
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise RequestLimitError("sampling.stop_token_ids", f"at most {limits.max_stop_token_ids} ids")
-    if len(sampling.bad_words) > limits.max_bad_words:
-        raise RequestLimitError("sampling.bad_words", f"at most {limits.max_bad_words} words")
-    if any(len(word) > limits.max_stop_string_length for word in sampling.bad_words):
-        raise RequestLimitError(
-            "sampling.bad_words", f"each word at most {limits.max_stop_string_length} characters "
-            "(--max-stop-string-length)")
+    _check_texts("sampling.bad_words", sampling.bad_words, limits.max_bad_words, "words", "word",
+                 limits.max_stop_string_length)
+
+
+def _check_texts(field: str, texts, max_count: int, plural: str, noun: str, max_length: int) -> None:
+    """At most `max_count` texts, each at most `max_length` characters (--max-stop-string-length's)."""
+    if len(texts) > max_count:
+        raise RequestLimitError(field, f"at most {max_count} {plural}")
+    if any(len(text) > max_length for text in texts):
+        raise RequestLimitError(field, f"each {noun} at most {max_length} characters (--max-stop-string-length)")
 
 
 def check_prompt_tokens(num_tokens: int, limits: RequestLimits) -> None:
