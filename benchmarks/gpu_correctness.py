@@ -5,7 +5,8 @@ same random-weight model (Qwen2.5-1.5B shape by default; `--num-layers` keeps it
 2. Greedy sequences through the engine's processes (CUDA graphs on): they must agree with transformers' up
    to the first position where transformers' top-2 logits are within 1e-2 of each other (a near tie that
    bf16 rounding may flip).
-Writes gpu_correctness_<shape>_<layers>l.json to $OUT.
+Writes gpu_correctness_<shape>_<layers>l[_tpN].json to $OUT. With `--tensor-parallel-size N` the greedy sequences
+of 2. come from `-tp N` (one worker per GPU, NCCL all-reduces); 1. stays one rank (its model is in-process).
 
 Why `--num-layers`: on a random-weight model every bf16 rounding is noise that the later layers carry on, so
 the logits' relative error grows with depth (about sqrt(layers) roundings' worth). At 28 layers transformers'
@@ -14,7 +15,7 @@ tell a faithful implementation from a wrong one there. With the same widths, hea
 kernels at 4 layers, transformers' own error is well under it, and the bound tests our kernels. The report
 gives both floors beside our error.
 
-    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b] [--num-layers 4] [--override sliding_window=64]
+    python benchmarks/gpu_correctness.py [--shape qwen2.5-1.5b] [--num-layers 4] [--override sliding_window=64] [-tp 2]
 """
 
 from __future__ import annotations
@@ -114,7 +115,10 @@ def main() -> int:
     parser.add_argument("--override", action="append", default=[], metavar="KEY=JSON",
                         help="a config key of the shape to change, e.g. sliding_window=64 (so the prompts, up to 300 "
                              "tokens, cross the window)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs the engine's greedy sequences are computed on")
     args = parser.parse_args()
+    tp = args.tensor_parallel_size
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(os.environ.get("OUT", "."))
@@ -157,7 +161,8 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     with running_server(work, "--model", str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
-                        "--swap-space", "1", "--gpu-memory-utilization", "0.5", ready_timeout=900) as server:
+                        "--swap-space", "1", "--gpu-memory-utilization", "0.5", "--tensor-parallel-size", str(tp),
+                        ready_timeout=900) as server:
         def one(prompt):
             with server.client() as client:
                 return list(client.generate(prompt, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True).token_ids)
@@ -169,6 +174,7 @@ def main() -> int:
     nudged_agree = [n[:t] == e[:t] for n, e, t in zip(nudged, expected, tie_at)]
     summary = {
         "device": torch.cuda.get_device_name(0), "shape": args.shape, "num_layers": config.num_hidden_layers,
+        "tensor_parallel_size": tp,
         "prefill_logits_relative_error": errors, "prefill_ok": all(e < 2e-2 for e in errors),
         # Both bf16 runs against transformers in float32: how much of the gap above is bf16 itself.
         "hf_bf16_vs_fp32": hf_bf16_vs_fp32, "ours_bf16_vs_fp32": ours_vs_fp32,
@@ -181,6 +187,7 @@ def main() -> int:
     }
     summary["overrides"] = overrides
     suffix = "".join(f"_{key}{value}" for key, value in overrides.items() if key != "num_hidden_layers")
+    suffix += f"_tp{tp}" if tp > 1 else ""
     name = f"gpu_correctness_{args.shape}_{config.num_hidden_layers}l{suffix}.json"
     (out_dir / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))

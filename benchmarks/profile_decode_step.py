@@ -1,15 +1,21 @@
 """Where a decode step's time goes inside the worker: drives a real `Worker` (no scheduler, no sockets) with
 synthetic plans (B requests, PROMPT tokens each, prefilled, then decode steps) under torch.profiler, and
-prints the top GPU kernels and host ops plus wall time per decode step.
+prints the top GPU kernels and host ops plus wall time per decode step. With `--tensor-parallel-size N` it
+runs one such worker per GPU (ranks of one NCCL group, each fed the same plans, as the scheduler does), profiles
+rank 0, and reports the collectives' (NCCL kernels') share of a decode step's GPU time and of its wall time;
+`--json PATH` writes those figures.
 
-    python benchmarks/profile_decode_step.py --shape qwen2.5-1.5b --batch 256
+    python benchmarks/profile_decode_step.py --shape qwen2.5-1.5b --batch 256 [--tensor-parallel-size 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
+import json
+import socket
 import sys
 import tempfile
 import time
@@ -27,21 +33,25 @@ from worker_svc.worker import Worker  # noqa: E402
 
 
 def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
-                     spread: bool = False, overlap: bool = False):
+                     spread: bool = False, overlap: bool = False, rank: int = 0, world_size: int = 1,
+                     init_method: str | None = None):
     """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
     tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
-    planning ahead (call `torch.cuda.synchronize()` after the last)."""
-    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks)
+    planning ahead (call `torch.cuda.synchronize()` after the last). `rank` of `world_size` (meeting at
+    `init_method`) makes it one tensor-parallel rank on cuda:rank; every rank must be fed the same steps."""
+    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method)
     return prefill(worker, batch, prompt, spread=spread, overlap=overlap)[0]
 
 
-def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None) -> Worker:
+def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
+                  rank: int = 0, world_size: int = 1, init_method: str | None = None) -> Worker:
     """A real `Worker` (random weights of `shape`, bf16, CUDA) set up for `batch` requests of up to 768 tokens."""
     model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
-    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cuda", dtype="bfloat16",
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device=f"cuda:{rank}", dtype="bfloat16",
                                  load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
-                                 cuda_graphs=cuda_graphs))
+                                 cuda_graphs=cuda_graphs, rank=rank, world_size=world_size,
+                                 distributed_init_method=init_method))
     worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
                                         max_model_len=1024))
     gc.freeze()  # as the serving loop does after setup: full collections then skip the model's objects
@@ -84,6 +94,69 @@ def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = Non
     return decode_step, request_ids
 
 
+def _is_collective(name: str) -> bool:
+    return "nccl" in name.lower() or "allreduce" in name.lower().replace("_", "")
+
+
+def collective_share(profiler, steps: int, wall_s: float) -> dict:
+    """The NCCL kernels' share of the profiled steps' GPU kernel time and of their wall time (rank 0's view:
+    its collectives' time includes any wait for the slower rank)."""
+    kernel_s = collective_s = 0.0
+    for event in profiler.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        seconds = getattr(event, "device_time", None)
+        seconds = (event.cuda_time if seconds is None else seconds) * 1e-6
+        kernel_s += seconds
+        collective_s += seconds if _is_collective(event.name) else 0.0
+    return {"gpu_kernel_ms_per_step": 1e3 * kernel_s / steps, "collective_ms_per_step": 1e3 * collective_s / steps,
+            "collective_share_of_gpu_time": collective_s / kernel_s if kernel_s else None,
+            "collective_share_of_wall_time": collective_s / wall_s if wall_s else None}
+
+
+def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -> None:
+    """Warms up, times 20 decode steps and profiles 5 more on one rank (every rank runs the same steps, so the
+    ranks' collectives pair up); rank 0 prints the tables and writes the JSON."""
+    world_size = args.tensor_parallel_size
+    decode_step = prefilled_worker(args.shape, args.batch, args.prompt, cuda_graphs=not args.no_cuda_graphs,
+                                   num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap,
+                                   rank=rank, world_size=world_size, init_method=init_method)
+    for _ in range(5):
+        decode_step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        decode_step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / 20 * 1e3
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) if rank == 0 else contextlib.nullcontext() as profiler:
+        start = time.perf_counter()
+        for _ in range(5):
+            decode_step()
+        torch.cuda.synchronize()
+        profiled_s = time.perf_counter() - start
+    if rank != 0:
+        return
+    print(f"decode step wall: {step_ms:.2f} ms at batch {args.batch}, tp {world_size}"
+          f"{' (overlapped)' if args.overlap else ''}")
+    print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "batch": args.batch,
+               "prompt": args.prompt, "tensor_parallel_size": world_size, "cuda_graphs": not args.no_cuda_graphs,
+               "decode_step_wall_ms": step_ms, "profiled_step_wall_ms": 1e3 * profiled_s / 5,
+               **collective_share(profiler, 5, profiled_s)}
+    print(json.dumps(summary))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -93,26 +166,14 @@ def main() -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: 48 per request")
     parser.add_argument("--spread", action="store_true", help="spread each request's blocks over the pool")
     parser.add_argument("--overlap", action="store_true", help="launch each step before finishing the previous")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks, one per GPU")
+    parser.add_argument("--json", default=None, help="write the step's figures here")
     args = parser.parse_args()
-    decode_step = prefilled_worker(args.shape, args.batch, args.prompt, cuda_graphs=not args.no_cuda_graphs,
-                                   num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap)
-    for _ in range(5):
-        decode_step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        decode_step()
-    torch.cuda.synchronize()
-    print(f"decode step wall: {(time.perf_counter() - start) / 20 * 1e3:.2f} ms at batch {args.batch}"
-          f"{' (overlapped)' if args.overlap else ''}")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        for _ in range(5):
-            decode_step()
-        torch.cuda.synchronize()
-    table = profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    print(table)
-    print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    if args.tensor_parallel_size == 1:
+        profile_rank(0, args, None)
+    else:
+        torch.multiprocessing.spawn(profile_rank, args=(args, f"tcp://127.0.0.1:{_free_port()}"),
+                                    nprocs=args.tensor_parallel_size)
     return 0
 
 
