@@ -7,11 +7,14 @@ Builds a small random Qwen2/Llama checkpoint, serves it through the real process
   - bfloat16: the same requests run to completion, every block is free afterwards.
 Writes a JSON summary to $OUT (or ./gpu_serve_check.json).
 
-  python benchmarks/gpu_serve_check.py
+With `-tp N` every run is served by N workers, one per GPU (the tiny model's 8 heads and 2 KV heads split).
+
+  python benchmarks/gpu_serve_check.py [-tp 2]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -57,6 +60,9 @@ def _hf_greedy_cuda(model_dir, prompt):
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    tp = parser.parse_args().tensor_parallel_size
     out_dir = Path(os.environ.get("OUT", "."))
     work = Path(tempfile.mkdtemp())
     model_dir = make_tiny_model(work, "qwen2", seed=7, hidden_size=256, intermediate_size=768,
@@ -65,7 +71,7 @@ def main() -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(rng.randrange(3, 90))] for _ in range(NUM_REQUESTS)]
     expected = [_hf_greedy_cuda(model_dir, p) for p in prompts]
-    summary = {"device": torch.cuda.get_device_name(0), "checks": {}}
+    summary = {"device": torch.cuda.get_device_name(0), "tensor_parallel_size": tp, "checks": {}}
     runs = [
         ("float32_profiled_pool", ["--dtype", "float32", "--gpu-memory-utilization", "0.3"], True),
         ("float32_swap_preemption", ["--dtype", "float32", "--num-kv-blocks", "12", "--preemption-mode", "swap",
@@ -75,7 +81,7 @@ def main() -> int:
     ok = True
     for name, flags, exact in runs:
         started = time.monotonic()
-        with running_server(work, "--model", str(model_dir), "--device", "cuda", *flags) as server:
+        with running_server(work, "--model", str(model_dir), "--device", "cuda", "-tp", str(tp), *flags) as server:
             ready = time.monotonic() - started
             t0 = time.monotonic()
             results = _run_all(server, prompts)
@@ -94,7 +100,7 @@ def main() -> int:
             "startup_s": round(ready, 1), "generate_s": round(elapsed, 2),
         }
         print(name, json.dumps(summary["checks"][name]), flush=True)
-    (out_dir / "gpu_serve_check.json").write_text(json.dumps(summary, indent=2))
+    (out_dir / f"gpu_serve_check{f'_tp{tp}' if tp > 1 else ''}.json").write_text(json.dumps(summary, indent=2))
     print("PASSED" if ok else "FAILED")
     return 0 if ok else 1
 

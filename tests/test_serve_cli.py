@@ -120,6 +120,16 @@ def test_enforce_eager_turns_cuda_graphs_off():
     assert worker_config_from_args(service_args(add_worker_arguments, *argv)).cuda_graphs is False
 
 
+def test_disable_custom_all_reduce_reaches_every_rank():
+    assert serve().custom_all_reduce is True
+    argvs = worker_rank_argvs(serve("-tp", "2", "--disable-custom-all-reduce"), [], "ipc://x", "tcp://127.0.0.1:1")
+    assert len(argvs) == 2
+    for argv in argvs:
+        assert worker_config_from_args(service_args(add_worker_arguments, *argv)).custom_all_reduce is False
+    (argv,) = worker_rank_argvs(serve(), [], "ipc://x", None)
+    assert worker_config_from_args(service_args(add_worker_arguments, *argv)).custom_all_reduce is True
+
+
 def test_uvicorn_log_level_and_disable_log_requests_reach_the_gateway():
     plain = gateway_config_from_args(service_args(add_gateway_arguments, *_gateway_argv(serve())))
     assert (plain.uvicorn_log_level, plain.log_requests) == ("info", True)

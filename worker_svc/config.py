@@ -34,6 +34,9 @@ class WorkerConfig:
     attention_backend: str = "auto"
     # Decode steps replay CUDA graphs (GPU only).
     cuda_graphs: bool = True
+    # Tensor parallel on CUDA: small all-reduces through symmetric memory instead of NCCL (vLLM's custom
+    # all-reduce; worker_svc/symmetric_all_reduce.py).
+    custom_all_reduce: bool = True
     # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
     heartbeat_interval: float = 2.0
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
@@ -63,6 +66,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: triton on a GPU, the torch reference on the CPU")
     parser.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
                         help="run decode steps eagerly on a GPU, without CUDA graphs (vLLM's --enforce-eager)")
+    parser.add_argument("--disable-custom-all-reduce", dest="custom_all_reduce", action="store_false",
+                        help="tensor parallel: every all-reduce through NCCL, none through symmetric memory "
+                             "(vLLM's flag)")
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -97,6 +103,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,
+        custom_all_reduce=args.custom_all_reduce,
         heartbeat_interval=args.heartbeat_interval,
         fail_at_step=args.fail_at_step,
     )

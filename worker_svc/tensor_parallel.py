@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from worker_svc.symmetric_all_reduce import SymmetricAllReduce, symmetric_all_reduce
+
 _JOIN_TIMEOUT_S = 600
 
 
@@ -27,6 +29,8 @@ class TensorParallel:
     world_size: int = 1
     # The torch.distributed process group of the engine's ranks; None when world_size == 1.
     group: Any = None
+    # All-reduces that fit it go through symmetric memory (worker_svc/symmetric_all_reduce.py); None: NCCL only.
+    symmetric: SymmetricAllReduce | None = None
 
     @property
     def is_parallel(self) -> bool:
@@ -56,8 +60,11 @@ class TensorParallel:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (row-parallel outputs, masked vocab-parallel lookups)."""
-        if self.is_parallel:
-            dist.all_reduce(tensor, group=self.group)
+        if not self.is_parallel:
+            return tensor
+        if self.symmetric is not None and self.symmetric.takes(tensor):
+            return self.symmetric.all_reduce_(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -80,9 +87,11 @@ class TensorParallel:
 SINGLE_RANK = TensorParallel()
 
 
-def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device) -> TensorParallel:
+def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
+                         dtype: torch.dtype = torch.bfloat16, custom_all_reduce: bool = True) -> TensorParallel:
     """Joins the engine's process group (NCCL on CUDA, gloo on the CPU) at `init_method` (a tcp://host:port
-    every rank reaches); world_size 1 joins nothing."""
+    every rank reaches); world_size 1 joins nothing. On CUDA, with `custom_all_reduce`, all-reduces of `dtype`
+    up to a few MiB go through symmetric memory (worker_svc/symmetric_all_reduce.py says why)."""
     if world_size == 1:
         return SINGLE_RANK
     if init_method is None:
@@ -93,4 +102,6 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
     # A rank that never comes (a worker not started) fails the others after this long, not torch's 30 minutes.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=_JOIN_TIMEOUT_S))
-    return TensorParallel(rank=rank, world_size=world_size, group=dist.group.WORLD)
+    group = dist.group.WORLD
+    symmetric = symmetric_all_reduce(group, dtype, device) if device.type == "cuda" and custom_all_reduce else None
+    return TensorParallel(rank=rank, world_size=world_size, group=group, symmetric=symmetric)

@@ -74,7 +74,7 @@ class Worker:
             logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
                         config.distributed_init_method)
         self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
-                                                    self.device)
+                                                    self.device, self.dtype, config.custom_all_reduce)
         self.model, self.model_config = load_model(
             model.path, self.dtype, self.device, attention_backend=make_attention_backend(config),
             layer_ops=make_layer_ops(config), load_format=config.load_format, tensor_parallel=self.tensor_parallel)
