@@ -64,7 +64,7 @@ def run_rank(rank: int, world_size: int, init_method: str, hidden: int, out_path
         expected = data.clone()
         dist.all_reduce(expected, group=tp.group)
         ways = {"nccl": lambda t: dist.all_reduce(t, group=tp.group), "tensor_parallel": tp.all_reduce}
-        if symmetric is not None and symmetric.takes(data):
+        if symmetric is not None and data.numel() <= symmetric.buffer.numel():
             staged = symmetric.buffer[: data.numel()]
             out = torch.empty_like(data).view(-1)
             ways["symm_one_shot"] = lambda t: torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", group_name,

@@ -28,31 +28,31 @@ logger = logging.getLogger(__name__)
 
 # Per all-reduce: up to this many bytes in one buffer (vLLM's bound for two ranks); larger goes to NCCL.
 DEFAULT_MAX_BYTES = 8 << 20
-# Up to this many bytes the one-shot kernel (one read of every peer) beats the two-shot one.
-ONE_SHOT_MAX_BYTES = 512 << 10
+# Below this NCCL stays: in a whole decode step of one row the symmetric path measured slower (TPOT 4.58 against
+# 4.41 ms on the 8B shape at -tp 2), though alone, in a graph of 50, it was faster at every size.
+DEFAULT_MIN_BYTES = 1 << 20
 
 
 class SymmetricAllReduce:
     """One symmetric buffer of the group's dtype and the ops that reduce through it (see the module)."""
 
-    def __init__(self, buffer: torch.Tensor, group_name: str, one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES):
+    def __init__(self, buffer: torch.Tensor, group_name: str, min_bytes: int = DEFAULT_MIN_BYTES):
         self.buffer = buffer
         self.group_name = group_name
-        self.one_shot_max_bytes = one_shot_max_bytes
+        self.min_bytes = min_bytes
 
     def takes(self, tensor: torch.Tensor) -> bool:
-        return (tensor.dtype == self.buffer.dtype and tensor.is_contiguous()
-                and tensor.numel() <= self.buffer.numel() and tensor.numel() * tensor.element_size() % 16 == 0)
+        size = tensor.numel() * tensor.element_size()
+        return (tensor.dtype == self.buffer.dtype and tensor.is_contiguous() and tensor.numel() <= self.buffer.numel()
+                and size >= self.min_bytes and size % 16 == 0)
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks into `tensor` (which `takes` accepted)."""
+        """Sum over the ranks into `tensor` (which `takes` accepted). Two-shot: on two H100s it beat one-shot
+        at every size from 8 KiB to 8 MiB (benchmarks/all_reduce_bench.py)."""
         staged = self.buffer[: tensor.numel()]
         staged.copy_(tensor.view(-1))
-        if tensor.numel() * tensor.element_size() <= self.one_shot_max_bytes:
-            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, out=tensor.view(-1))
-        else:
-            torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
-            tensor.view(-1).copy_(staged)
+        torch.ops.symm_mem.two_shot_all_reduce_(staged, "sum", self.group_name)
+        tensor.view(-1).copy_(staged)
         return tensor
 
 
