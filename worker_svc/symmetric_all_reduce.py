@@ -2,19 +2,22 @@
 `torch.distributed._symmetric_memory`), with NCCL for the rest.
 
 Why: a decode step all-reduces each layer's row-parallel output twice, and at 256 rows of an 8B model that is
-2 MiB a time, 65 times a step. Measured on two NVLinked H100s (benchmarks/profile_decode_step.py -tp 2), NCCL's
-ring (its LL protocol at these sizes; NVLink multicast is off on the lent machines) took 31.5 us for each, 23%
-of the step's GPU time, and 6.7 us for one row. A symmetric-memory all-reduce is one kernel that reads the peers'
+2 MiB a time, 65 times a step. Measured on two NVLinked H100s, NCCL's ring (its LL protocol at these sizes; NVLink
+multicast is off on the lent machines) took 34 us for each (benchmarks/all_reduce_bench.py), 24% of the step's
+GPU time (benchmarks/profile_decode_step.py -tp 2); the two-shot kernel here 14 us, and the step's share fell
+to 14%. A symmetric-memory all-reduce is one kernel that reads the peers'
 copies straight over NVLink (one-shot: every rank sums all of them; two-shot: each rank sums its slice and the
 slices are exchanged), with no protocol of NCCL's in between. It is what vLLM uses on Hopper for this
 (its "custom all-reduce", `--disable-custom-all-reduce` turns it off), and it runs inside CUDA graphs.
 
 Who owns what: `init_tensor_parallel` creates one per CUDA process group when it can (a rendezvous of every
 rank, so at start-up only), sized for `max_bytes` of the model's dtype; `TensorParallel.all_reduce` gives it
-every tensor it takes (`takes`) and NCCL the others (prefill chunks past `max_bytes`, other dtypes).
+every tensor it takes (`takes`: from `min_bytes` to `max_bytes`, of its dtype) and NCCL the others (one-row
+decodes, prefill chunks, other dtypes).
 
-The sum's order differs from NCCL's, so bf16 results differ in the last bit between the two paths, never
-between two runs of the same path and size.
+With two ranks a sum is a + b on either path (all_reduce_bench.py finds them equal bit for bit); with more,
+the order may differ from NCCL's, so bf16 sums may differ in the last bit between the paths, never between two
+runs of the same path and size.
 """
 
 from __future__ import annotations
