@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels import fused_moe_ref, gelu_and_mul_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 
@@ -32,6 +33,15 @@ GeluAndMulFn = Callable[[torch.Tensor, str], torch.Tensor]
 # (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, round_routing_weights)
 # -> [T, H]: routing and rounding as kernels/fused_moe_ref.py states
 FusedMoeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, bool], torch.Tensor]
+# (hidden [T, K], weight [N, K], bias [N] | None) -> [T, N]: every linear layer and the LM head
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (fn, x [T, ...]) -> fn(x): a row-wise function of the activations that no op above covers (Gemma 2's final
+# logit soft-cap); batch-invariant sets apply it so that a row's result cannot depend on the other rows
+PerRowFn = Callable[[Callable[[torch.Tensor], torch.Tensor], torch.Tensor], torch.Tensor]
+
+
+def _whole(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,10 @@ class LayerOps:
     gemma_rms_norm: RmsNormFn  # Gemma's (1 + w) in fp32
     gelu_and_mul: GeluAndMulFn
     fused_moe: FusedMoeFn
+    linear: LinearFn = F.linear
+    per_row: PerRowFn = _whole
+    # True: each op gives a row bitwise the same result whatever the other rows are (--batch-invariant).
+    batch_invariant: bool = False
 
 
 def torch_layer_ops() -> LayerOps:

@@ -48,7 +48,7 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        router_logits = self.gate(hidden)
+        router_logits = self.ops.linear(hidden, self.gate.weight, None)
         output = self.ops.fused_moe(hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k,
                                     self.renormalize, self.round_routing_weights)
         return self.tp.all_reduce(output)

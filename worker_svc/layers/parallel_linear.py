@@ -28,6 +28,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, shards: list[tuple[int, int]], bias: bool):
         super().__init__()
+        self.linear = F.linear  # the loader sets LayerOps.linear (a batch-invariant one with --batch-invariant)
         self.shards = shards
         self.offsets = [sum(rows for _, rows in shards[:part]) for part in range(len(shards))]
         output_size = sum(rows for _, rows in shards)
@@ -40,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [tp.shard(size) for size in output_sizes], bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight, self.bias)
+        return self.linear(hidden, self.weight, self.bias)
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of `part` from the checkpoint's weight or bias."""
@@ -54,6 +55,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel):
         super().__init__()
+        self.linear = F.linear  # the loader sets LayerOps.linear (a batch-invariant one with --batch-invariant)
         self.tp = tp
         self.input_start, local_input = tp.shard(input_size)
         self.weight = nn.Parameter(torch.empty(output_size, local_input))
@@ -61,8 +63,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:
-            return F.linear(hidden, self.weight, self.bias)
-        output = self.tp.all_reduce(F.linear(hidden, self.weight))
+            return self.linear(hidden, self.weight, self.bias)
+        output = self.tp.all_reduce(self.linear(hidden, self.weight, None))
         return output if self.bias is None else output + self.bias
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:

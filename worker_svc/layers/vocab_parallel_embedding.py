@@ -21,6 +21,7 @@ from worker_svc.tensor_parallel import TensorParallel
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
         super().__init__()
+        self.linear = F.linear  # the loader sets LayerOps.linear (a batch-invariant one with --batch-invariant)
         self.tp = tp
         self.vocab_size = vocab_size
         per_rank = -(-vocab_size // tp.world_size)
@@ -40,7 +41,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] of hidden states [N, hidden] (the product in the model dtype, as HF's), whole on
         every rank."""
-        local = F.linear(hidden, self.weight)
+        local = self.linear(hidden, self.weight, None)
         if not self.tp.is_parallel:
             return local
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]

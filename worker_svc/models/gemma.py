@@ -139,5 +139,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """Soft-capped in the model dtype, then widened: HF caps the head's rounded output."""
         logits = self.model.embed_tokens.logits(hidden)
         if self.final_logit_softcap is not None:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+            cap = self.final_logit_softcap
+            logits = self.per_row(lambda rows: torch.tanh(rows / cap) * cap, logits)
         return logits.float()

@@ -99,6 +99,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = attention_backend if attention_backend is not None else TorchReferenceBackend()
         ops = layer_ops if layer_ops is not None else torch_layer_ops()
+        self.per_row = ops.per_row
         self.model = self.model_class(config, backend, ops, tensor_parallel, self.qk_norm,
                                       lambda index: self.make_mlp(config, ops, tensor_parallel, index))
         # Tied: no lm_head at all (logits read embed_tokens), so no module conversion can untie them.

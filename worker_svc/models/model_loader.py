@@ -10,6 +10,8 @@ from torch import nn
 
 from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
+from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.registry import build_model
 from worker_svc.models.weight_loader import iter_checkpoint
@@ -35,6 +37,10 @@ def load_model(
     config = ModelConfig.from_path(path)
     with torch.device("meta"):
         model = build_model(config, attention_backend, layer_ops, tensor_parallel)
+    if layer_ops is not None:
+        for module in model.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                module.linear = layer_ops.linear
     model = model.to(dtype).to_empty(device=device)
     if load_format == "dummy":
         _fill_random(model)
