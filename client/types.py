@@ -220,6 +220,7 @@ class ModelInfo:
     default_sampling: dict[str, float | int] = dataclasses.field(default_factory=dict)
     generation_config: str = ""
     version: str = ""
+    batch_invariant: bool = False  # the server runs --batch-invariant
 
     @classmethod
     def from_response(cls, response: generate_pb2.ModelInfoResponse) -> ModelInfo:

@@ -29,4 +29,5 @@ def model_card(served_name: str, info: ModelInfo) -> dict:
         "default_sampling": info.default_sampling,
         "generation_config": info.generation_config,
         "version": info.version,
+        "batch_invariant": info.batch_invariant,
     }

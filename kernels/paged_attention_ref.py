@@ -63,31 +63,44 @@ def paged_attention(
     (GQA, as HF's repeat_kv). `logit_softcap` c (Gemma 2) bounds the scaled scores: `c * tanh(s / c)`,
     before the mask. Tokens outside every sequence (padding) get zeros.
     """
-    num_q_heads = query.shape[1]
-    num_kv_heads = kv_cache.shape[3]
-    group_size = num_q_heads // num_kv_heads
     output = torch.zeros_like(query)
     starts = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
     for seq_index, seq_len in enumerate(seq_lens):
         start, end = starts[seq_index], starts[seq_index + 1]
-        query_len = end - start
-        if query_len == 0:
+        if end == start:
             continue
         key, value = gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
-        key = key.float().repeat_interleave(group_size, dim=1).transpose(0, 1)  # [Hq, L, D]
-        value = value.float().repeat_interleave(group_size, dim=1).transpose(0, 1)
-        seq_query = query[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
-        scores = torch.matmul(seq_query, key.transpose(1, 2)) * scale  # [Hq, q_len, L]
-        if logit_softcap is not None:
-            scores = torch.tanh(scores / logit_softcap) * logit_softcap
-        query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
-        key_positions = torch.arange(seq_len, device=query.device)
-        visible = key_positions[None, :] <= query_positions[:, None]
-        if sliding_window is not None:
-            visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.exp(scores - scores.amax(-1, keepdim=True))
-        weighted = torch.matmul(probs.to(kv_cache.dtype).float(), value) / probs.sum(-1, keepdim=True)
-        output[start:end] = weighted.transpose(0, 1).to(query.dtype)
+        output[start:end] = attend(query[start:end], key, value, scale, sliding_window, logit_softcap)
     return output
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+) -> torch.Tensor:
+    """One sequence's last `q_len` queries `[q_len, Hq, D]` over its whole context `key`/`value`
+    `[L, Hkv, D]` (so query j sits at position `L - q_len + j`), as `paged_attention` states; returns
+    `[q_len, Hq, D]` in the query's dtype. The values' dtype is the cache's (P is rounded to it)."""
+    seq_len, query_len = key.shape[0], query.shape[0]
+    group_size = query.shape[1] // key.shape[1]
+    cache_dtype = value.dtype
+    key = key.float().repeat_interleave(group_size, dim=1).transpose(0, 1)  # [Hq, L, D]
+    value = value.float().repeat_interleave(group_size, dim=1).transpose(0, 1)
+    seq_query = query.float().transpose(0, 1)  # [Hq, q_len, D]
+    scores = torch.matmul(seq_query, key.transpose(1, 2)) * scale  # [Hq, q_len, L]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    query_positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+    key_positions = torch.arange(seq_len, device=query.device)
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if sliding_window is not None:
+        visible &= key_positions[None, :] > query_positions[:, None] - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+    weighted = torch.matmul(probs.to(cache_dtype).float(), value) / probs.sum(-1, keepdim=True)
+    return weighted.transpose(0, 1).to(query.dtype)

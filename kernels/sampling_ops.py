@@ -10,8 +10,11 @@ log: kernels/gumbel_ref.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
 
 from kernels import sample_ref
 
@@ -36,3 +39,35 @@ def triton_sampling_ops() -> SamplingOps:
 
     return SamplingOps("triton", triton_sample.first_pass, triton_kth_largest.kth_largest, triton_nucleus.nucleus,
                        triton_logprob_details.logprob_details)
+
+
+def batch_invariant_sampling_ops(ops: SamplingOps) -> SamplingOps:
+    """`ops` with the passes that reduce over a row or draw transcendental noise over it (the first pass's
+    logsumexp and Gumbel noise, the nucleus's exp and mass) run one row at a time, so that a row's token and
+    logprobs cannot depend on the other rows (kernels/batch_invariant_ref.py says why on the CPU). The k-th
+    largest (a sort) and the logprob details (top-k, gathers, one subtraction) are exact per row already."""
+    return SamplingOps(f"{ops.name}-batch-invariant", _one_row_at_a_time(ops.first_pass), ops.kth_largest,
+                       _one_row_at_a_time(ops.nucleus), ops.logprob_details)
+
+
+def _one_row_at_a_time(sampling_pass: Callable) -> Callable:
+    def rowwise(rows: torch.Tensor, *args):
+        count = rows.shape[0]
+        if count <= 1:
+            return sampling_pass(rows, *args)
+        parts = [sampling_pass(rows[i : i + 1], *(_row_of(arg, i, count) for arg in args)) for i in range(count)]
+        if isinstance(parts[0], tuple):
+            return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+        return torch.cat(parts)
+
+    return rowwise
+
+
+def _row_of(arg, index: int, count: int):
+    """Row `index` of a per-row argument (a tensor or a dataclass of tensors with `count` rows); others as given."""
+    if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] == count:
+        return arg[index : index + 1]
+    if dataclasses.is_dataclass(arg) and not isinstance(arg, type):
+        return dataclasses.replace(arg, **{field.name: _row_of(getattr(arg, field.name), index, count)
+                                           for field in dataclasses.fields(arg)})
+    return arg

@@ -294,6 +294,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
         argv.append("--no-cuda-graphs")
     if not args.custom_all_reduce:
         argv.append("--disable-custom-all-reduce")
+    if args.batch_invariant:
+        argv.append("--batch-invariant")
     if args.num_kv_blocks is not None:
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.fail_at_step is not None and injects_fault:

@@ -2,12 +2,14 @@
 
 `--attention-backend` picks the whole set: the attention backend and the layer ops (RMSNorm, rotary,
 SiLU-and-mul) always come from the same side, so "torch" on a GPU is the all-reference path to compare
-against.
+against. `--batch-invariant` picks that side's batch-invariant set (kernels/batch_invariant_ref.py on the
+CPU, kernels/batch_invariant_layer_ops.py on a GPU).
 """
 
 from __future__ import annotations
 
 from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
+from kernels.batch_invariant_ref import BatchInvariantTorchBackend, batch_invariant_torch_layer_ops
 from kernels.layer_ops import LayerOps, torch_layer_ops, triton_layer_ops
 from worker_svc.config import WorkerConfig
 
@@ -20,10 +22,22 @@ def kernel_set(config: WorkerConfig) -> str:
 
 
 def make_layer_ops(config: WorkerConfig) -> LayerOps:
+    if config.batch_invariant:
+        if kernel_set(config) == "torch":
+            return batch_invariant_torch_layer_ops()
+        from kernels.batch_invariant_layer_ops import batch_invariant_triton_layer_ops
+
+        return batch_invariant_triton_layer_ops()
     return triton_layer_ops() if kernel_set(config) == "triton" else torch_layer_ops()
 
 
 def make_attention_backend(config: WorkerConfig) -> AttentionBackend:
+    if config.batch_invariant:
+        if kernel_set(config) == "torch":
+            return BatchInvariantTorchBackend()
+        from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
+
+        return BatchInvariantTritonBackend()
     if kernel_set(config) == "torch":
         return TorchReferenceBackend()
     from kernels.triton_backend import TritonAttentionBackend  # triton is imported only when used

@@ -37,6 +37,9 @@ class WorkerConfig:
     # Tensor parallel on CUDA: small all-reduces through symmetric memory instead of NCCL (vLLM's custom
     # all-reduce; worker_svc/symmetric_all_reduce.py).
     custom_all_reduce: bool = True
+    # Every op's result for a row independent of the other rows (kernels/batch_invariant_ref.py): a request
+    # gives the same bits alone or in any batch, chunked or cached alike.
+    batch_invariant: bool = False
     # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
     heartbeat_interval: float = 2.0
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
@@ -69,6 +72,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-custom-all-reduce", dest="custom_all_reduce", action="store_false",
                         help="tensor parallel: every all-reduce through NCCL, none through symmetric memory "
                              "(vLLM's flag)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="batch-invariant kernels: a greedy or seeded request gives bitwise the same tokens and "
+                             "logprobs whatever else is in the batch (slower; see the README)")
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -104,6 +110,7 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         attention_backend=args.attention_backend,
         cuda_graphs=args.cuda_graphs,
         custom_all_reduce=args.custom_all_reduce,
+        batch_invariant=args.batch_invariant,
         heartbeat_interval=args.heartbeat_interval,
         fail_at_step=args.fail_at_step,
     )

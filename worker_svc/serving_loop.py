@@ -35,6 +35,7 @@ def run_worker(config: WorkerConfig) -> int:
         model_name=worker.model_name,
         vocab_size=worker.model_config.vocab_size,
         max_position_embeddings=worker.model_config.max_position_embeddings,
+        batch_invariant=config.batch_invariant,
     )
     link.send(worker_pb2.WorkerToScheduler(hello=hello))
     answers_steps = config.rank == 0  # the other ranks' results would repeat rank 0's (module docstring)

@@ -31,6 +31,8 @@ class TensorParallel:
     group: Any = None
     # All-reduces that fit it go through symmetric memory (worker_svc/symmetric_all_reduce.py); None: NCCL only.
     symmetric: SymmetricAllReduce | None = None
+    # --batch-invariant: sums in rank order whatever the tensor's size (see `all_reduce`).
+    fixed_order: bool = False
 
     @property
     def is_parallel(self) -> bool:
@@ -62,6 +64,17 @@ class TensorParallel:
         """Sum over ranks, in place (row-parallel outputs, masked vocab-parallel lookups)."""
         if not self.is_parallel:
             return tensor
+        if self.fixed_order and self.world_size > 2:
+            # A ring's order of summation follows where the tensor's chunks fall, which follows its size (the
+            # batch). Two ranks need nothing (a + b either way); more gather every rank's part and sum them
+            # in rank order.
+            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.group)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total + part
+            tensor.copy_(total)
+            return tensor
         if self.symmetric is not None and self.symmetric.takes(tensor):
             return self.symmetric.all_reduce_(tensor)
         dist.all_reduce(tensor, group=self.group)
@@ -88,7 +101,8 @@ SINGLE_RANK = TensorParallel()
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, device: torch.device,
-                         dtype: torch.dtype = torch.bfloat16, custom_all_reduce: bool = True) -> TensorParallel:
+                         dtype: torch.dtype = torch.bfloat16, custom_all_reduce: bool = True,
+                         fixed_order: bool = False) -> TensorParallel:
     """Joins the engine's process group (NCCL on CUDA, gloo on the CPU) at `init_method` (a tcp://host:port
     every rank reaches); world_size 1 joins nothing. On CUDA, with `custom_all_reduce`, all-reduces of `dtype`
     up to a few MiB go through symmetric memory (worker_svc/symmetric_all_reduce.py says why)."""
@@ -104,4 +118,4 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
                             timeout=timedelta(seconds=_JOIN_TIMEOUT_S))
     group = dist.group.WORLD
     symmetric = symmetric_all_reduce(group, dtype, device) if device.type == "cuda" and custom_all_reduce else None
-    return TensorParallel(rank=rank, world_size=world_size, group=group, symmetric=symmetric)
+    return TensorParallel(rank=rank, world_size=world_size, group=group, symmetric=symmetric, fixed_order=fixed_order)

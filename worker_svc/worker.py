@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.sampling_ops import torch_sampling_ops, triton_sampling_ops
+from kernels.sampling_ops import batch_invariant_sampling_ops, torch_sampling_ops, triton_sampling_ops
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.model_source import resolve_model
 from service_runtime.step_timer import BackToBackClock, StepTimer
@@ -74,10 +74,12 @@ class Worker:
             logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
                         config.distributed_init_method)
         self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
-                                                    self.device, self.dtype, config.custom_all_reduce)
+                                                    self.device, self.dtype, config.custom_all_reduce,
+                                                    fixed_order=config.batch_invariant)
+        self.layer_ops = make_layer_ops(config)
         self.model, self.model_config = load_model(
             model.path, self.dtype, self.device, attention_backend=make_attention_backend(config),
-            layer_ops=make_layer_ops(config), load_format=config.load_format, tensor_parallel=self.tensor_parallel)
+            layer_ops=self.layer_ops, load_format=config.load_format, tensor_parallel=self.tensor_parallel)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
@@ -87,6 +89,8 @@ class Worker:
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
         self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
+        if config.batch_invariant:
+            self.sampling_ops = batch_invariant_sampling_ops(self.sampling_ops)
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         """Sizes and allocates the pools; every rank allocates the same number of blocks (the smallest any
@@ -292,7 +296,8 @@ class Worker:
         """Top log_softmax candidates of each beam row (Hugging Face beam search scores raw logprobs)."""
         batch = self.batch
         counts = batch.num_beam_candidates[rows]
-        logprobs = torch.log_softmax(logits[_to_device(logits_rows, torch.long, self.device)].float(), dim=-1)
+        rows = logits[_to_device(logits_rows, torch.long, self.device)].float()
+        logprobs = self.layer_ops.per_row(lambda part: torch.log_softmax(part, dim=-1), rows)
         top = torch.topk(logprobs, k=int(min(counts.max(), logprobs.shape[-1])), dim=-1)
         values, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
         return [

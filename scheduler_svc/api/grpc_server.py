@@ -59,6 +59,7 @@ class ServedModel:
     max_queued_requests: int | None = None  # None: no bound
     # What requests' unset sampling fields take (--generation-config), applied before validation.
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    batch_invariant: bool = False  # the workers run --batch-invariant
 
 
 class MalformedRequest:
@@ -179,6 +180,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             default_sampling=model.generation_defaults.as_sampling_params(),
             generation_config=model.generation_defaults.source,
             version=pagedserve_version(),
+            batch_invariant=model.batch_invariant,
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):

@@ -48,6 +48,7 @@ class WorkerPool:
     max_position_embeddings: int
     num_kv_blocks: int
     num_swap_blocks: int
+    batch_invariant: bool = False  # every rank said so in its hello
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class WorkerLink:
             max_position_embeddings=first.max_position_embeddings,
             num_kv_blocks=min(r.num_kv_blocks for r in readies.values()),
             num_swap_blocks=min(r.num_swap_blocks for r in readies.values()),
+            batch_invariant=all(hello.batch_invariant for hello in hellos.values()),
         )
 
     async def execute(self, plan: worker_pb2.SchedulerToWorker) -> worker_pb2.StepResult:
