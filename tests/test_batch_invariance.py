@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.server_harness import http_json, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 
 MAX_TOKENS = 24
@@ -77,10 +77,22 @@ def test_a_request_gives_the_same_bits_alone_batched_chunked_cached_and_preempte
     assert stats.num_preemptions > 0, "the pool was meant to force preemption"
     assert batched == alone
     # Prefix caching on: the second time the target's full blocks come from the cache (an extend over them).
-    with running_server(tmp_path, *common) as server:
+    with running_server(tmp_path, *common, http=True) as server:
+        status, _, models = http_json(f"{server.http_url}/v1/models")
+        assert status == 200 and models["data"][0]["batch_invariant"] is True
         first = _run(server, target, [])
         cached = _run(server, target, [])
         cached_batched = _run(server, target, others)
     assert first == alone
     assert cached == alone
     assert cached_batched == alone
+
+
+def test_tensor_parallel_ranks_keep_the_guarantee(model, tmp_path):
+    """-tp 2 (gloo on the CPU): the ranks' sums meet in a fixed order, so batching changes no bit either."""
+    target, others = _prompts(seed=6)
+    with running_server(tmp_path, "--model", str(model), "--batch-invariant", "-tp", "2",
+                        "--max-num-batched-tokens", "32", "--no-prefix-caching") as server:
+        alone = _run(server, target, [])
+        batched = _run(server, target, others)
+    assert batched == alone

@@ -130,6 +130,16 @@ def test_disable_custom_all_reduce_reaches_every_rank():
     assert worker_config_from_args(service_args(add_worker_arguments, *argv)).custom_all_reduce is True
 
 
+def test_batch_invariant_reaches_the_worker_from_the_flag_or_vllms_variable(monkeypatch):
+    assert serve().batch_invariant is False
+    (argv,) = worker_rank_argvs(serve("--batch-invariant"), [], "ipc://x", None)
+    assert worker_config_from_args(service_args(add_worker_arguments, *argv)).batch_invariant is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert serve().batch_invariant is True
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert serve().batch_invariant is False
+
+
 def test_uvicorn_log_level_and_disable_log_requests_reach_the_gateway():
     plain = gateway_config_from_args(service_args(add_gateway_arguments, *_gateway_argv(serve())))
     assert (plain.uvicorn_log_level, plain.log_requests) == ("info", True)

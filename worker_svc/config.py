@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 GIB = 1 << 30
@@ -73,8 +74,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor parallel: every all-reduce through NCCL, none through symmetric memory "
                              "(vLLM's flag)")
     parser.add_argument("--batch-invariant", action="store_true",
+                        default=os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
                         help="batch-invariant kernels: a greedy or seeded request gives bitwise the same tokens and "
-                             "logprobs whatever else is in the batch (slower; see the README)")
+                             "logprobs whatever else is in the batch (slower; see the README). Default: on when "
+                             "$VLLM_BATCH_INVARIANT is set and not 0, as vLLM's switch")
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
 
