@@ -95,7 +95,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
             logger.error("the workers did not come up: %s", reason)
             await link.shutdown_workers()
             return 1
-        max_model_len = _max_model_len(config, pool.max_position_embeddings)
+        max_model_len = _fit_pool(config, _max_model_len(config, pool.max_position_embeddings),
+                                  pool.num_kv_blocks * config.block_size)
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size,
                                _request_limits(config))
         scheduler = Scheduler(
@@ -216,6 +217,22 @@ def _max_model_len(config: SchedulerConfig, model_limit: int) -> int:
     if config.max_model_len > model_limit:
         raise SystemExit(f"--max-model-len {config.max_model_len} exceeds the model's limit {model_limit}")
     return config.max_model_len
+
+
+def _fit_pool(config: SchedulerConfig, max_model_len: int, pool_tokens: int) -> int:
+    """max_model_len, or what the KV pool holds when that is less: an unset --max-model-len is capped to the
+    pool (with a warning); an explicit one the pool cannot hold stops the server, as vLLM does, instead of
+    refusing every long request later (a chat without max_tokens asks for all of max_model_len)."""
+    if pool_tokens >= max_model_len:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise SystemExit(f"--max-model-len {max_model_len} needs {max_model_len} KV slots but the KV pool holds "
+                         f"{pool_tokens} ({pool_tokens // config.block_size} blocks of {config.block_size}): raise "
+                         "--gpu-memory-utilization, --num-kv-blocks or --cpu-kv-cache-space, or lower --max-model-len")
+    logger.warning("max_model_len capped to %d, what the KV pool holds (the model allows %d; raise "
+                   "--gpu-memory-utilization, --num-kv-blocks or --cpu-kv-cache-space for more)", pool_tokens,
+                   max_model_len)
+    return pool_tokens
 
 
 async def _set_health(health: HealthServicer, status) -> None:

@@ -164,7 +164,7 @@ def test_an_abort_racing_the_final_step_ends_every_sequence_exactly_once(server,
 def test_cancelling_swapped_requests_frees_the_swap_pool(model, tmp_path):
     """Eight long requests on a pool that holds one at a time swap each other out; cancelling them all while
     some sit in the swap pool frees every GPU and swap block. One of them samples n = 3."""
-    with running_server(tmp_path, "--model", str(model), "--max-model-len", "256", "--num-kv-blocks", "14",
+    with running_server(tmp_path, "--model", str(model), "--max-model-len", "224", "--num-kv-blocks", "14",
                         "--preemption-mode", "swap", "--swap-space", "0.01") as server:
         finished_before = _finished_count(server)
 
