@@ -165,7 +165,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
-            "--heartbeat-interval", str(args.heartbeat_interval), "--num-workers", str(args.tensor_parallel_size)]
+            "--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-grace", str(args.heartbeat_grace),
+            "--num-workers", str(args.tensor_parallel_size)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
     if not args.enable_prefix_caching:

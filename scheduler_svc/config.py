@@ -52,6 +52,9 @@ class SchedulerConfig:
     stream_messages_per_step: int = 64
     # Seconds between heartbeats to the workers; a worker silent for 3 of its intervals is dead.
     heartbeat_interval: float = 2.0
+    # A worker silent past 3 intervals is only reported; dead once silent this long (or at once when its
+    # connection closes): worker_io/worker_health.py says why.
+    heartbeat_grace: float = 30.0
     # Admission and size limits (see request_limits.py): refused requests get RESOURCE_EXHAUSTED (queue full)
     # or INVALID_ARGUMENT (over a size limit) before any token.
     max_queued_requests: int = 1024
@@ -135,6 +138,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
+    parser.add_argument("--heartbeat-grace", type=float, default=30.0,
+                        help="seconds of silence after which a worker that missed its heartbeats counts as dead "
+                             "(a closed connection counts at once); shorter silences are only logged")
 
 
 def _seed(value: str) -> int:
@@ -178,6 +184,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SystemExit("--max-model-len must be at least 2")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
+    if args.heartbeat_grace < 0:
+        raise SystemExit("--heartbeat-grace must be >= 0")
     for flag in ("max_steps_in_flight", "stream_messages_per_step", "max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_string_length",
                  "max_message_bytes"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -212,6 +220,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         stream_messages_per_step=args.stream_messages_per_step,
         max_steps_in_flight=args.max_steps_in_flight,
         heartbeat_interval=args.heartbeat_interval,
+        heartbeat_grace=args.heartbeat_grace,
         max_queued_requests=args.max_queued_requests,
         max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n,

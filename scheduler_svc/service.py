@@ -77,7 +77,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval)
+    link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval, config.heartbeat_grace)
     try:
         connecting = asyncio.ensure_future(
             link.connect_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))

@@ -28,6 +28,17 @@ def test_a_worker_is_dead_after_three_of_its_announced_intervals_of_silence():
     assert health.first_silent(105.9) is None
 
 
+def test_within_the_grace_a_silent_worker_is_reported_once_and_not_dead():
+    health = WorkerHealth(default_interval=1.0, grace=10.0)
+    health.joined(rank=0, connection_fd=7, now=100.0)
+    assert health.newly_unresponsive(103.5) == [(0, 3.5)]
+    assert health.newly_unresponsive(105.0) == []  # once per silence
+    assert health.first_silent(109.9) is None
+    assert health.heard(0, now=109.9) == pytest.approx(9.9)  # back: how long it was silent
+    assert health.heard(0, now=110.0) is None
+    assert "worker rank 0 missed 10 heartbeats" in health.first_silent(120.5)
+
+
 def test_only_a_worker_connection_maps_to_a_rank():
     health = WorkerHealth(default_interval=1.0)
     health.joined(rank=1, connection_fd=12, now=0.0)

@@ -179,7 +179,7 @@ def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_sta
     # silence: a context of 4096 positions, 3000 tokens each.
     model = make_tiny_model(tmp_path, "llama", seed=3, num_key_value_heads=1, max_position_embeddings=4096)
     with launched_server(tmp_path, "--model", str(model), "-tp", "2", "--num-kv-blocks", "1024",
-                         "--heartbeat-interval", "1") as server:
+                         "--heartbeat-interval", "1", "--heartbeat-grace", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=3000)
         rank1 = _rank_pid(server.children, 1)

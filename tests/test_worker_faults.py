@@ -46,7 +46,7 @@ def test_a_forward_pass_that_raises_ends_every_stream_unavailable_naming_the_err
 
 
 def test_a_stopped_worker_misses_its_heartbeats_and_is_killed_with_the_stack(model, tmp_path):
-    with launched_server(tmp_path, *_serve_args(model, "--heartbeat-interval", "1")) as server:
+    with launched_server(tmp_path, *_serve_args(model, "--heartbeat-interval", "1", "--heartbeat-grace", "0")) as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
         worker = process_with_role(server.children, "worker")
@@ -57,6 +57,26 @@ def test_a_stopped_worker_misses_its_heartbeats_and_is_killed_with_the_stack(mod
             if os.path.exists(f"/proc/{worker}"):
                 os.kill(worker, signal.SIGKILL)
         health.close()
+
+
+def test_a_stopped_worker_that_resumes_within_the_grace_is_not_killed_and_every_stream_completes(model, tmp_path):
+    with launched_server(tmp_path, *_serve_args(model, "--heartbeat-interval", "0.5", "--heartbeat-grace", "30")) as server:
+        health = HealthWatch(server.target)
+        streams = start_streams(server.target, NUM_STREAMS, max_tokens=400)
+        worker = process_with_role(server.children, "worker")
+        time.sleep(1.0)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(4.0)  # eight heartbeat intervals: past the three that make it unresponsive
+        os.kill(worker, signal.SIGCONT)
+        for stream in streams:
+            stream.join(timeout=120)
+        assert all(stream.error is None and stream.num_tokens == 400 for stream in streams), \
+            [(stream.error, stream.num_tokens) for stream in streams]
+        assert "NOT_SERVING" not in health.statuses
+        assert server.process.poll() is None
+        log = server.log()
+    assert "worker rank 0 is unresponsive" in log and "worker rank 0 answered again after" in log
+    health.close()
 
 
 def test_a_worker_lost_while_draining_still_ends_the_streams_unavailable_and_exits_nonzero(model, tmp_path):

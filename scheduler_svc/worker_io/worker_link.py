@@ -59,7 +59,7 @@ class _Arrival:
 
 
 class WorkerLink:
-    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0):
+    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0, heartbeat_grace: float = 0.0):
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -71,7 +71,7 @@ class WorkerLink:
         self._ranks: dict[bytes, int] = {}  # ZeroMQ identity -> rank
         self._greeted: set[bytes] = set()  # identities whose hello is queued, not yet taken by connect_workers
         self._shutdown_sent = False  # after it, a worker's disconnect is its expected exit, not a failure
-        self._health = WorkerHealth(heartbeat_interval)
+        self._health = WorkerHealth(heartbeat_interval, heartbeat_grace)
         self._arrivals: asyncio.Queue[_Arrival | WorkerFailure] = asyncio.Queue()
         self._failure: WorkerFailure | None = None
         self._failed = asyncio.Event()
@@ -208,6 +208,9 @@ class WorkerLink:
                 silent = self._health.first_silent(now)
                 if silent is not None:
                     self._fail(silent)
+                for rank, seconds in self._health.newly_unresponsive(now):
+                    logger.warning("worker rank %d is unresponsive (nothing for %.1f s); it counts as dead if still "
+                                   "silent after the --heartbeat-grace", rank, seconds)
 
     def _on_monitor_event(self, event: dict) -> None:
         if event["event"] == zmq.EVENT_DISCONNECTED:
@@ -240,7 +243,9 @@ class WorkerLink:
                 logger.warning("dropped a %s message from a peer that is no worker (%d bytes)", kind, len(payload))
             return
         announced = message.heartbeat.interval_ms / 1000 if kind == "heartbeat" else None
-        self._health.heard(rank, self._loop.time(), announced)
+        back_after = self._health.heard(rank, self._loop.time(), announced)
+        if back_after is not None:
+            logger.warning("worker rank %d answered again after %.1f s of silence", rank, back_after)
         if kind == "error":
             error = message.error
             self._fail(f"worker rank {error.rank} failed at step {error.step_id}: {error.message}")
