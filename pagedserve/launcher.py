@@ -73,6 +73,13 @@ def serve(args: argparse.Namespace) -> int:
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
             children[f"worker rank {rank}"] = (_start("worker", argv, child_environment({})) if ray_group is None
                                                else ray_group.start(rank, argv))
+
+        def restart_workers() -> None:
+            """Worker crash recovery: the whole rank set again (a new rendezvous for tensor parallel)."""
+            fresh = f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
+            for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, fresh)):
+                children[f"worker rank {rank}"] = _start("worker", argv, child_environment({}))
+
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args),
                                          child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}))
@@ -80,12 +87,18 @@ def serve(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, f: stop_requested.append(s))
         try:
-            return _supervise(args, model.name, children, stop_requested)
+            return _supervise(args, model.name, children, stop_requested,
+                              restart_workers if ray_group is None else None)
         finally:
             _stop_all(children, args.shutdown_timeout)
 
 
-def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list) -> int:
+def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list,
+               restart_workers=None) -> int:
+    """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its rank set,
+    up to --max-worker-restarts times (the scheduler waits for them and resumes its requests), where
+    `restart_workers` can (the mp backend)."""
+    restarts_left = args.max_worker_restarts if restart_workers is not None else 0
     target = _local_address(args.grpc_host, args.grpc_port)
     http_health = f"http://{_local_address(args.host, args.port)}/health" if args.enable_http else None
     ready_deadline = time.monotonic() + args.ready_timeout
@@ -103,10 +116,17 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
             if "gateway" in children:
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
-        for name, child in children.items():
-            if child.poll() is not None:
-                print(f"pagedserve: the {name} exited with code {child.returncode}", file=sys.stderr, flush=True)
-                return 1
+        exited = [name for name, child in children.items() if child.poll() is not None]
+        if exited and restarts_left > 0 and all(name.startswith("worker") for name in exited):
+            restarts_left -= 1
+            print(f"pagedserve: the {exited[0]} exited with code {children[exited[0]].returncode}; restarting the "
+                  f"workers ({restarts_left} restarts left)", file=sys.stderr, flush=True)
+            _stop_all({name: child for name, child in children.items() if name.startswith("worker")}, 10.0)
+            restart_workers()
+            continue
+        for name in exited:
+            print(f"pagedserve: the {name} exited with code {children[name].returncode}", file=sys.stderr, flush=True)
+            return 1
         if not ready:
             ready = (grpc_serving(target, root_certificates=args.tls_cert_file)
                      and (http_health is None or http_ok(http_health)))
@@ -166,6 +186,7 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
             "--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-grace", str(args.heartbeat_grace),
+            "--max-worker-restarts", str(args.max_worker_restarts),
             "--num-workers", str(args.tensor_parallel_size)]
     if args.max_model_len is not None:
         argv += ["--max-model-len", str(args.max_model_len)]
@@ -301,6 +322,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
         argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.fail_at_step is not None and injects_fault:
         argv += ["--fail-at-step", str(args.fail_at_step)]
+    if args.crash_on_token_id is not None and injects_fault:
+        argv += ["--crash-on-token-id", str(args.crash_on_token_id)]
     return argv
 
 

@@ -55,6 +55,10 @@ class SchedulerConfig:
     # A worker silent past 3 intervals is only reported; dead once silent this long (or at once when its
     # connection closes): worker_io/worker_health.py says why.
     heartbeat_grace: float = 30.0
+    # Worker crash recovery: how many times lost workers are replaced (their supervisor restarts them, the
+    # scheduler waits for them) with every request in flight resuming by recompute; 0: a lost worker fails
+    # everything and the scheduler exits 1.
+    max_worker_restarts: int = 3
     # Admission and size limits (see request_limits.py): refused requests get RESOURCE_EXHAUSTED (queue full)
     # or INVALID_ARGUMENT (over a size limit) before any token.
     max_queued_requests: int = 1024
@@ -138,6 +142,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
+    parser.add_argument("--max-worker-restarts", type=int, default=3,
+                        help="times a lost worker is replaced (restarted by `serve`, or by its container's restart "
+                             "policy) while every request in flight waits and resumes by recompute; 0: a lost "
+                             "worker ends every request and the server exits 1")
     parser.add_argument("--heartbeat-grace", type=float, default=30.0,
                         help="seconds of silence after which a worker that missed its heartbeats counts as dead "
                              "(a closed connection counts at once); shorter silences are only logged")
@@ -184,6 +192,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise SystemExit("--max-model-len must be at least 2")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
+    if args.max_worker_restarts < 0:
+        raise SystemExit("--max-worker-restarts must be >= 0")
     if args.heartbeat_grace < 0:
         raise SystemExit("--heartbeat-grace must be >= 0")
     for flag in ("max_steps_in_flight", "stream_messages_per_step", "max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_string_length",
@@ -221,6 +231,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_steps_in_flight=args.max_steps_in_flight,
         heartbeat_interval=args.heartbeat_interval,
         heartbeat_grace=args.heartbeat_grace,
+        max_worker_restarts=args.max_worker_restarts,
         max_queued_requests=args.max_queued_requests,
         max_prompt_tokens=args.max_prompt_tokens,
         max_n=args.max_n,

@@ -25,7 +25,7 @@ from scheduler_svc.groups.stream_pacing import streams_to_flush
 from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.worker_io.plan_codec import decode_step_result, encode_step_plan
-from scheduler_svc.worker_io.worker_link import WorkerLink
+from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
 from service_runtime.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,14 @@ class EngineStats:
     prefix_cache_hit_rate: float
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+
+
+# A request in the batch of this many worker losses is failed instead of recomputed again (a poison request).
+MAX_WORKER_LOSSES_PER_REQUEST = 2
+
+
+class RequestFailedError(RuntimeError):
+    """The engine gave this one request up while the others go on (gRPC INTERNAL, naming why)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,8 @@ class Engine:
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
+        self._worker_losses: dict[str, int] = {}  # client request id -> worker losses it is suspected of
+        self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
         self.step_timer = StepTimer("scheduler")
         self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
 
@@ -165,7 +175,7 @@ class Engine:
         step N's result, so the worker finds its next plan waiting when it finishes a step, and the
         scheduler's own work (applying results, streaming, planning) runs while the GPU computes.
         """
-        sent: deque[SchedulerOutput] = deque()  # plans sent, results not received, oldest first
+        sent = self._sent = deque()  # plans sent, results not received, oldest first
         depth = self._scheduler.max_steps_in_flight
         try:
             while True:
@@ -181,8 +191,8 @@ class Engine:
                         await self._idle(self._scheduler.has_unfinished_requests())
                         continue
                 await self._apply_result(sent.popleft())
-        except asyncio.CancelledError:
-            raise
+        except (asyncio.CancelledError, WorkerFailure):
+            raise  # a lost worker: the service decides between recovery and `fail_all`
         except BaseException as failure:
             self.fail_all(failure)
             raise
@@ -210,6 +220,32 @@ class Engine:
         timer.mark("update")
         self._publish(output, updated, outcome)
         timer.mark("publish")
+
+    def recover_from_worker_loss(self, block_manager, failure: BaseException) -> int:
+        """New workers replace lost ones (the loop is stopped): every request in flight stays open and is
+        recomputed from its known tokens on `block_manager`, the new workers' empty pool. A request suspected
+        of MAX_WORKER_LOSSES_PER_REQUEST losses ends with RequestFailedError instead: a request that crashes its
+        worker would otherwise crash every new one. Returns how many requests were failed."""
+        # Suspects: the requests that joined the worker in the steps it lost (a crash at admission is theirs),
+        # else, when it crashed in the middle of decoding, every request it held.
+        joined = {data.request_id for output in self._sent for data in output.new_requests}
+        in_batch = self._scheduler.recover_from_worker_loss(block_manager)
+        suspects = [request for request in in_batch if request.request_id in joined] or in_batch
+        self._sent = deque()
+        owners = self._context.owners
+        groups = {owners[request.request_id].request_id: owners[request.request_id]
+                  for request in suspects if request.request_id in owners}
+        failed = 0
+        for group in groups.values():
+            losses = self._worker_losses[group.request_id] = self._worker_losses.get(group.request_id, 0) + 1
+            if losses >= MAX_WORKER_LOSSES_PER_REQUEST and not group.finished:
+                group.abort(notify=False)
+                group.queue.put_nowait(RequestFailedError(
+                    f"the worker failed {losses} times while running this request (last: {failure}); it is not "
+                    "retried"))
+                self._forget(group)
+                failed += 1
+        return failed
 
     def abort_all(self) -> None:
         """Server-side abort of everything in flight (shutdown): each stream ends with finish_reason abort."""
@@ -277,6 +313,7 @@ class Engine:
     def _forget(self, group: RequestGroup, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
+            self._worker_losses.pop(group.request_id, None)
             self._num_finished += 1
             self._metrics.on_request_end(group.request_id, finish_reason)  # metrics
 

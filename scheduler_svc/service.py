@@ -129,12 +129,20 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
     engine_task = asyncio.ensure_future(engine.run())
     stopping = asyncio.ensure_future(stop.wait())
     link_failed = asyncio.ensure_future(link.wait_failed())
+    restarts_left = config.max_worker_restarts
 
     def failed() -> bool:
         return engine_task.done() or link_failed.done()
 
     try:
         await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
+        while link_failed.done() and restarts_left > 0 and not stopping.done():
+            restarts_left -= 1
+            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link):
+                break
+            engine_task = asyncio.ensure_future(engine.run())
+            link_failed = asyncio.ensure_future(link.wait_failed())
+            await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
         if not failed():
             servicer.stop_accepting("the server is shutting down")
             await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -154,6 +162,29 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
     finally:
         stopping.cancel()
         link_failed.cancel()
+
+
+async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink) -> bool:
+    """Worker crash recovery: health NOT_SERVING, the loop stopped, and once a new set of workers reported its
+    pool every request in flight resumes by recompute (streams stay open; new requests queue meanwhile).
+    False when no new workers came within --worker-ready-timeout (then everything fails as without recovery)."""
+    logger.error("worker lost (%s); waiting up to %g s for its replacement", failure, config.worker_ready_timeout)
+    await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
+    engine_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
+        await engine_task
+    try:
+        pool = await link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout)
+    except (WorkerFailure, TimeoutError) as error:
+        logger.error("no replacement workers: %s", error or f"not ready in {config.worker_ready_timeout:g} s")
+        return False
+    block_manager = BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
+                                 num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching)
+    failed = engine.recover_from_worker_loss(block_manager, failure)
+    logger.warning("workers replaced (%d KV blocks): requests in flight resume by recompute%s", pool.num_kv_blocks,
+                   f"; {failed} failed after repeated losses" if failed else "")
+    await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
+    return True
 
 
 async def _fail(engine: Engine, engine_task, link_failed, servicer, health, link: WorkerLink) -> int:

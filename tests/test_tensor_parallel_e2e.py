@@ -150,7 +150,8 @@ def _rank_pid(pids: list[int], rank: int) -> int:
 
 
 def test_a_killed_nonzero_rank_ends_every_stream_unavailable_and_the_stack_exits(models, tmp_path):
-    with launched_server(tmp_path, "--model", str(models["llama"]), "-tp", "2", "--num-kv-blocks", "256") as server:
+    with launched_server(tmp_path, "--model", str(models["llama"]), "-tp", "2", "--num-kv-blocks", "256",
+                         "--max-worker-restarts", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=400)
         killed_at = time.monotonic()
@@ -165,7 +166,7 @@ def test_a_step_that_fails_on_a_nonzero_rank_is_reported_by_that_rank(models, tm
     # The launcher gives --fail-at-step to the last rank only: rank 0 would run on, so only rank 1's
     # WorkerError can end the streams.
     with launched_server(tmp_path, "--model", str(models["llama"]), "-tp", "2", "--num-kv-blocks", "256",
-                         "--fail-at-step", "60") as server:
+                         "--fail-at-step", "60", "--max-worker-restarts", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=400)
         assert_fault_handled(server, streams, health, None,
@@ -179,7 +180,7 @@ def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_sta
     # silence: a context of 4096 positions, 3000 tokens each.
     model = make_tiny_model(tmp_path, "llama", seed=3, num_key_value_heads=1, max_position_embeddings=4096)
     with launched_server(tmp_path, "--model", str(model), "-tp", "2", "--num-kv-blocks", "1024",
-                         "--heartbeat-interval", "1", "--heartbeat-grace", "0") as server:
+                         "--heartbeat-interval", "1", "--heartbeat-grace", "0", "--max-worker-restarts", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=3000)
         rank1 = _rank_pid(server.children, 1)

@@ -45,6 +45,8 @@ class WorkerConfig:
     heartbeat_interval: float = 2.0
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = None
+    # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).
+    crash_on_token_id: int | None = None
 
     @property
     def torch_dtype_name(self) -> str:
@@ -80,6 +82,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                              "$VLLM_BATCH_INVARIANT is set and not 0, as vLLM's switch")
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--crash-on-token-id", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -116,4 +119,5 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         batch_invariant=args.batch_invariant,
         heartbeat_interval=args.heartbeat_interval,
         fail_at_step=args.fail_at_step,
+        crash_on_token_id=args.crash_on_token_id,
     )

@@ -93,12 +93,18 @@ class SchedulerLink:
         peer_interval = self._interval
         # No heartbeat before the worker's first message (its hello): the scheduler knows a peer only from
         # its hello, and would log an earlier heartbeat as coming from a stranger.
-        last_heard = time.monotonic()
+        last_heard = last_awake = time.monotonic()
         next_beat = math.inf
         lost_at = None
         try:
             while True:
                 events = dict(poller.poll(timeout=min(max(0.0, next_beat - time.monotonic()), self._interval) * 1000))
+                awake = time.monotonic()
+                if awake - last_awake > 2 * self._interval:
+                    # This process was not running (stopped, or starved): the scheduler's messages of that
+                    # time may not even have reached ZeroMQ's queue yet. Its silence counts from now.
+                    last_heard = max(last_heard, awake)
+                last_awake = awake
                 if pipe in events:
                     frame = pipe.recv()
                     if frame == _STOP:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -167,6 +168,9 @@ class Worker:
         kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
         kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         kv_cache.copy([(m.src, m.dst) for m in plan.copy])
+        if self.config.crash_on_token_id is not None and any(
+                self.config.crash_on_token_id in new.token_ids for new in plan.new_requests):
+            os._exit(70)  # a hard crash tied to one request (a poison request), for the recovery tests
         rows = [batch.add(new) for new in plan.new_requests]
         rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
         step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None)

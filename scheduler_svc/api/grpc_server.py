@@ -27,7 +27,7 @@ from scheduler_svc.api.tokenization import detokenize, tokenize
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.core.token_logprobs import TokenLogprob
 from scheduler_svc.core.validated_request import InvalidRequestError
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, RequestFailedError
 from scheduler_svc.generation_defaults import GenerationDefaults
 from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
@@ -143,6 +143,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     elif isinstance(item, InvalidRequestError):
                         ended = True
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(item))
+                    elif isinstance(item, RequestFailedError):
+                        ended = True
+                        await context.abort(grpc.StatusCode.INTERNAL, str(item))
                     elif isinstance(item, BaseException):
                         ended = True
                         await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine stopped: {item}")

@@ -270,6 +270,30 @@ class Scheduler:
             self._unapplied.append((step_id, {rid: requests[rid] for rid in output.completing_request_ids}))
         return output
 
+    def recover_from_worker_loss(self, block_manager: BlockManager) -> list[Request]:
+        """The workers were replaced (worker crash recovery): every KV and swap block they held is gone, and
+        so is every step in flight. Each unfinished request goes back to waiting, to be recomputed from the
+        tokens it knows (prompt and the outputs whose results came back; tokens of lost steps are dropped),
+        on the new workers' empty pool `block_manager`. Returns the requests the lost batch held rows for."""
+        state = self._state
+        in_batch = [state.requests[request_id] for request_id in sorted(state.worker_rows)
+                    if request_id in state.requests]
+        for request in [*state.running, *state.swapped]:
+            state.queue_of(request).remove(request)
+            request.status = RequestStatus.WAITING
+            state.waiting.add(request)
+        for request in state.requests.values():
+            request.num_computed_tokens = 0
+            request.num_pending_tokens = 0
+        state.worker_rows.clear()
+        state.unsent_token_ids.clear()
+        state.reporting_in_flight.clear()
+        self._unapplied.clear()
+        self._finished_ids_to_report = []
+        self.block_manager = state.block_manager = block_manager
+        self._planner = StepPlanner(state)
+        return in_batch
+
     @property
     def num_steps_in_flight(self) -> int:
         """Planned steps that scheduled tokens and whose results have not been applied yet."""

@@ -63,10 +63,13 @@ class WorkerLink:
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A restarted worker connects with its predecessor's identity (its rank): it takes the identity over.
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.bind(address)
         self._num_workers = num_workers
         self._heartbeat_interval = heartbeat_interval
+        self._heartbeat_grace = heartbeat_grace
         self._identities: dict[int, bytes] = {}  # rank -> ZeroMQ identity
         self._ranks: dict[bytes, int] = {}  # ZeroMQ identity -> rank
         self._greeted: set[bytes] = set()  # identities whose hello is queued, not yet taken by connect_workers
@@ -136,6 +139,27 @@ class WorkerLink:
         if arrival.message.result.step_id != step_id:
             raise WorkerFailure(f"expected the result of step {step_id}, got step {arrival.message.result.step_id}")
         return arrival.message.result
+
+    async def replace_workers(
+        self, make_setup: Callable[[worker_pb2.WorkerHello], worker_pb2.WorkerSetup], timeout: float
+    ) -> WorkerPool:
+        """After a failure: tells the ranks still connected to exit (a tensor-parallel group lives and dies
+        whole), forgets every rank, and waits for a new full set to say hello and report its pool, as
+        `connect_workers` (their supervisor, the launcher or compose, starts them)."""
+        await self.shutdown_workers()
+        self._pump_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._pump_task
+        self._identities.clear()
+        self._ranks.clear()
+        self._greeted.clear()
+        self._shutdown_sent = False
+        self._health = WorkerHealth(self._heartbeat_interval, self._heartbeat_grace)
+        self._arrivals = asyncio.Queue()
+        self._failure = None
+        self._failed = asyncio.Event()
+        self._pump_task = asyncio.ensure_future(self._pump())
+        return await self.connect_workers(make_setup, timeout)
 
     async def wait_failed(self) -> WorkerFailure:
         """Returns once a worker failed or went away: why."""

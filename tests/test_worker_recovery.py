@@ -1,0 +1,79 @@
+"""Worker crash recovery through real `pagedserve serve` processes: a killed worker is restarted by the launcher,
+the scheduler waits for it (health NOT_SERVING meanwhile) and every stream in flight resumes by recompute,
+token-exact against transformers; a request that crashes its worker again and again is failed with INTERNAL
+after two losses while the others finish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pagedserve.testing.hf_reference import hf_greedy
+from pagedserve.testing.server_harness import launched_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from tests.stream_watch import HealthWatch, StreamWatch, process_with_role
+
+MAX_TOKENS = 120
+POISON_TOKEN = 499
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=41)
+
+
+def _prompt(i: int) -> list[int]:
+    return [1, 2, 3, 10 + i, 20 + 2 * i]
+
+
+def _streams(target: str, count: int) -> list[StreamWatch]:
+    streams = [StreamWatch(target, _prompt(i), max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+               for i in range(count)]
+    for stream in streams:
+        assert stream.first_chunk.wait(120), "a stream got no first chunk"
+    return streams
+
+
+def _tokens(stream: StreamWatch) -> list[int]:
+    return [token for chunk in stream.chunks for token in chunk.token_ids]
+
+
+def test_a_killed_worker_is_replaced_and_every_stream_finishes_token_exact(model, tmp_path):
+    with launched_server(tmp_path, "--model", str(model), "--num-kv-blocks", "256") as server:
+        health = HealthWatch(server.target)
+        streams = _streams(server.target, 4)
+        first_worker = process_with_role(server.children, "worker")
+        os.kill(first_worker, signal.SIGKILL)
+        for stream in streams:
+            stream.join(timeout=180)
+        assert [stream.error for stream in streams] == [None] * 4
+        assert [stream.finish_reason for stream in streams] == ["length"] * 4
+        for i, stream in enumerate(streams):
+            assert _tokens(stream) == hf_greedy(model, _prompt(i), MAX_TOKENS), f"stream {i}"
+        # The stack stayed up, served again after NOT_SERVING, and serves new requests.
+        assert server.process.poll() is None
+        assert health.statuses[-2:] == ["NOT_SERVING", "SERVING"], health.statuses
+        with server.client() as client:
+            assert len(client.generate([5, 6, 7], max_tokens=8, temperature=0.0).token_ids) == 8
+        log = server.log()
+        health.close()
+    assert "restarting the workers" in log and "requests in flight resume by recompute" in log
+
+
+def test_a_request_that_keeps_crashing_its_worker_is_failed_and_the_others_finish(model, tmp_path):
+    with launched_server(tmp_path, "--model", str(model), "--num-kv-blocks", "256",
+                         "--crash-on-token-id", str(POISON_TOKEN)) as server:
+        streams = _streams(server.target, 3)
+        poison = StreamWatch(server.target, [1, POISON_TOKEN, 2], max_tokens=8, temperature=0.0)
+        poison.join(timeout=180)
+        for stream in streams:
+            stream.join(timeout=180)
+        assert poison.error is not None and poison.error.code.name == "INTERNAL", poison.error
+        assert "the worker failed 2 times while running this request" in str(poison.error)
+        assert [stream.error for stream in streams] == [None] * 3
+        for i, stream in enumerate(streams):
+            assert _tokens(stream) == hf_greedy(model, _prompt(i), MAX_TOKENS), f"stream {i}"
+        assert server.process.poll() is None
