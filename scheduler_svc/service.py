@@ -138,7 +138,7 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
         while link_failed.done() and restarts_left > 0 and not stopping.done():
             restarts_left -= 1
-            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link):
+            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link, stopping):
                 break
             engine_task = asyncio.ensure_future(engine.run())
             link_failed = asyncio.ensure_future(link.wait_failed())
@@ -164,17 +164,27 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         link_failed.cancel()
 
 
-async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink) -> bool:
+async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink, stopping) -> bool:
     """Worker crash recovery: health NOT_SERVING, the loop stopped, and once a new set of workers reported its
     pool every request in flight resumes by recompute (streams stay open; new requests queue meanwhile).
-    False when no new workers came within --worker-ready-timeout (then everything fails as without recovery)."""
+    False when no new workers came within --worker-ready-timeout, or a stop came first (then everything fails
+    as without recovery)."""
     logger.error("worker lost (%s); waiting up to %g s for its replacement", failure, config.worker_ready_timeout)
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     engine_task.cancel()
     with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
         await engine_task
+    replacing = asyncio.ensure_future(
+        link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
+    await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if not replacing.done():
+        replacing.cancel()
+        with contextlib.suppress(asyncio.CancelledError, WorkerFailure, TimeoutError):
+            await replacing
+        logger.error("stopped while waiting for replacement workers")
+        return False
     try:
-        pool = await link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout)
+        pool = replacing.result()
     except (WorkerFailure, TimeoutError) as error:
         logger.error("no replacement workers: %s", error or f"not ready in {config.worker_ready_timeout:g} s")
         return False
