@@ -92,6 +92,16 @@ class HealthWatch:
             pass
 
 
+def rank_pid(pids: list[int], rank: int) -> int:
+    """The pid among `pids` of the worker started with `--rank RANK`."""
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            argv = cmdline.read().split(b"\0")
+        if b"worker_svc" in argv and b"--rank" in argv and argv[argv.index(b"--rank") + 1] == str(rank).encode():
+            return pid
+    raise LookupError(f"no worker rank {rank} among {pids}")
+
+
 def process_with_role(pids: list[int], role: str) -> int:
     """The pid among `pids` running the service ROLE (`python -m scheduler_svc ...`, as the launcher starts it)."""
     module = SERVICE_MODULES[role].encode()

@@ -29,7 +29,7 @@ from pagedserve.private_server import server_argv
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import REPO_ROOT, free_port, launched_server, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
-from tests.stream_watch import HealthWatch, assert_fault_handled, start_streams
+from tests.stream_watch import HealthWatch, assert_fault_handled, rank_pid, start_streams
 from worker_svc.tensor_parallel_fit import gpus_refusal
 
 MAX_TOKENS = 20
@@ -139,23 +139,13 @@ def test_seeded_sampling_gives_the_same_tokens_with_one_rank_and_two(models, lla
 # ---- faults ------------------------------------------------------------------------------------------------
 
 
-def _rank_pid(pids: list[int], rank: int) -> int:
-    """The pid among `pids` of the worker started with `--rank RANK`."""
-    for pid in pids:
-        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-            argv = cmdline.read().split(b"\0")
-        if b"worker_svc" in argv and b"--rank" in argv and argv[argv.index(b"--rank") + 1] == str(rank).encode():
-            return pid
-    raise LookupError(f"no worker rank {rank} among {pids}")
-
-
 def test_a_killed_nonzero_rank_ends_every_stream_unavailable_and_the_stack_exits(models, tmp_path):
     with launched_server(tmp_path, "--model", str(models["llama"]), "-tp", "2", "--num-kv-blocks", "256",
                          "--max-worker-restarts", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=400)
         killed_at = time.monotonic()
-        os.kill(_rank_pid(server.children, 1), signal.SIGKILL)
+        os.kill(rank_pid(server.children, 1), signal.SIGKILL)
         # Rank 1's connection closing, or (sharded) rank 0's collective failing on the lost peer: either way
         # a rank is named.
         assert_fault_handled(server, streams, health, killed_at, re.compile(r"worker rank [01] (disconnected|failed)"))
@@ -183,7 +173,7 @@ def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_sta
                          "--heartbeat-interval", "1", "--heartbeat-grace", "0", "--max-worker-restarts", "0") as server:
         health = HealthWatch(server.target)
         streams = start_streams(server.target, 4, max_tokens=3000)
-        rank1 = _rank_pid(server.children, 1)
+        rank1 = rank_pid(server.children, 1)
         stopped_at = time.monotonic()
         os.kill(rank1, signal.SIGSTOP)
         try:

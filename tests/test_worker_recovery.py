@@ -14,7 +14,7 @@ import pytest
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import launched_server
 from pagedserve.testing.tiny_models import make_tiny_model
-from tests.stream_watch import HealthWatch, StreamWatch, process_with_role
+from tests.stream_watch import HealthWatch, StreamWatch, process_with_role, rank_pid
 
 MAX_TOKENS = 120
 POISON_TOKEN = 499
@@ -61,6 +61,18 @@ def test_a_killed_worker_is_replaced_and_every_stream_finishes_token_exact(model
         log = server.log()
         health.close()
     assert "restarting the workers" in log and "requests in flight resume by recompute" in log
+
+
+def test_a_killed_tensor_parallel_rank_brings_a_new_rank_set_and_the_streams_finish_token_exact(model, tmp_path):
+    with launched_server(tmp_path, "--model", str(model), "-tp", "2", "--num-kv-blocks", "256") as server:
+        streams = _streams(server.target, 3)
+        os.kill(rank_pid(server.children, 1), signal.SIGKILL)
+        for stream in streams:
+            stream.join(timeout=240)
+        assert [stream.error for stream in streams] == [None] * 3
+        for i, stream in enumerate(streams):
+            assert _tokens(stream) == hf_greedy(model, _prompt(i), MAX_TOKENS), f"stream {i}"
+        assert server.process.poll() is None
 
 
 def test_a_request_that_keeps_crashing_its_worker_is_failed_and_the_others_finish(model, tmp_path):
