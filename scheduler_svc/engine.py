@@ -49,7 +49,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
 
 
-# A request in the batch of this many worker losses is failed instead of recomputed again (a poison request).
+# A request suspected of this many worker losses is failed instead of recomputed again (a poison request).
 MAX_WORKER_LOSSES_PER_REQUEST = 2
 
 

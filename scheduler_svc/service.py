@@ -33,7 +33,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
 from scheduler_svc.worker_io.plan_log import PlanLogWriter
-from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
+from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink, WorkerPool
 from service_runtime.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -103,8 +103,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
             SchedulerLimits(config.max_num_seqs, _token_budget(config, max_model_len), max_model_len, config.preemption_mode,
                             enable_prefix_caching=config.enable_prefix_caching,
                             enable_chunked_prefill=config.enable_chunked_prefill),
-            BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
-                         num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching),
+            _block_manager(config, pool),
             max_steps_in_flight=config.max_steps_in_flight if config.async_scheduling else 1,
         )
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
@@ -188,9 +187,7 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, health,
     except (WorkerFailure, TimeoutError) as error:
         logger.error("no replacement workers: %s", error or f"not ready in {config.worker_ready_timeout:g} s")
         return False
-    block_manager = BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
-                                 num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching)
-    failed = engine.recover_from_worker_loss(block_manager, failure)
+    failed = engine.recover_from_worker_loss(_block_manager(config, pool), failure)
     logger.warning("workers replaced (%d KV blocks): requests in flight resume by recompute%s", pool.num_kv_blocks,
                    f"; {failed} failed after repeated losses" if failed else "")
     await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
@@ -258,6 +255,12 @@ def _max_model_len(config: SchedulerConfig, model_limit: int) -> int:
     if config.max_model_len > model_limit:
         raise SystemExit(f"--max-model-len {config.max_model_len} exceeds the model's limit {model_limit}")
     return config.max_model_len
+
+
+def _block_manager(config: SchedulerConfig, pool: WorkerPool) -> BlockManager:
+    """The block tables of the workers' pool (at start-up, and empty again for replacement workers)."""
+    return BlockManager(block_size=config.block_size, num_gpu_blocks=pool.num_kv_blocks,
+                        num_cpu_blocks=pool.num_swap_blocks, enable_prefix_caching=config.enable_prefix_caching)
 
 
 def _fit_pool(config: SchedulerConfig, max_model_len: int, pool_tokens: int) -> int:
