@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
 from service_runtime.model_source import ResolvedModel, resolve_model
+from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.model_config import ModelConfig, find_gguf_file
 from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
@@ -68,17 +70,19 @@ def serve(args: argparse.Namespace) -> int:
         else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
             address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
             init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
+        # The worker link's shared secret: a fresh one per start, in the children's environment only.
+        link_secret = {WORKER_SECRET_ENV: os.environ.get(WORKER_SECRET_ENV) or secrets.token_urlsafe(32)}
         children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address),
-                                        child_environment({API_KEY_ENV: api_key}))}
+                                        child_environment({API_KEY_ENV: api_key, **link_secret}))}
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
-            children[f"worker rank {rank}"] = (_start("worker", argv, child_environment({})) if ray_group is None
-                                               else ray_group.start(rank, argv))
+            children[f"worker rank {rank}"] = (_start("worker", argv, child_environment(link_secret))
+                                               if ray_group is None else ray_group.start(rank, argv, link_secret))
 
         def restart_workers() -> None:
             """Worker crash recovery: the whole rank set again (a new rendezvous for tensor parallel)."""
             fresh = f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
             for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, fresh)):
-                children[f"worker rank {rank}"] = _start("worker", argv, child_environment({}))
+                children[f"worker rank {rank}"] = _start("worker", argv, child_environment(link_secret))
 
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args),

@@ -20,6 +20,7 @@ returncode).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -44,10 +45,11 @@ class RankHost:
 
         return free_port("")  # on every interface: the other ranks' hosts reach it
 
-    def start(self, argv: list[str]) -> int:
+    def start(self, argv: list[str], environment: dict[str, str] | None = None) -> int:
         # --exit-with-parent: the worker dies with this actor (Ray kills it with the placement group).
+        # `environment`: added to the actor's own (the worker link's secret: never on a command line).
         self._process = subprocess.Popen([sys.executable, "-m", "worker_svc", "--exit-with-parent", *argv],
-                                         start_new_session=True)
+                                         start_new_session=True, env={**os.environ, **(environment or {})})
         return self._process.pid
 
     def poll(self) -> int | None:
@@ -135,8 +137,8 @@ class RayWorkerGroup:
         ip, port = self._ray.get([self._actors[0].node_ip.remote(), self._actors[0].free_port.remote()])
         return f"tcp://{ip}:{port}"
 
-    def start(self, rank: int, argv: list[str]) -> RayRankProcess:
-        self._ray.get(self._actors[rank].start.remote(argv))
+    def start(self, rank: int, argv: list[str], environment: dict[str, str] | None = None) -> RayRankProcess:
+        self._ray.get(self._actors[rank].start.remote(argv, environment))
         return RayRankProcess(self._actors[rank])
 
     def shutdown(self) -> None:

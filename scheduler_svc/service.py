@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 
 import grpc
@@ -35,6 +36,7 @@ from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_
 from scheduler_svc.worker_io.plan_log import PlanLogWriter
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink, WorkerPool
 from service_runtime.model_source import resolve_model
+from service_runtime.worker_link_auth import WORKER_SECRET_ENV, link_keys_from
 
 logger = logging.getLogger(__name__)
 # The SDK pings every 20 s to notice a server that froze (client/channel.py); gRPC's default would answer
@@ -77,7 +79,12 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
 
-    link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval, config.heartbeat_grace)
+    keys = link_keys_from(os.environ)
+    if keys is None and config.worker_address.startswith("tcp://") and not _loopback(config.worker_address):
+        logger.warning("the worker link on %s is not authenticated: anyone who reaches it can act as a worker; set "
+                       "%s in the scheduler's and the workers' environment", config.worker_address, WORKER_SECRET_ENV)
+    link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval, config.heartbeat_grace,
+                      keys)
     try:
         connecting = asyncio.ensure_future(
             link.connect_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
@@ -255,6 +262,11 @@ def _max_model_len(config: SchedulerConfig, model_limit: int) -> int:
     if config.max_model_len > model_limit:
         raise SystemExit(f"--max-model-len {config.max_model_len} exceeds the model's limit {model_limit}")
     return config.max_model_len
+
+
+def _loopback(address: str) -> bool:
+    host = address.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _block_manager(config: SchedulerConfig, pool: WorkerPool) -> BlockManager:

@@ -25,6 +25,7 @@ import time
 import zmq
 
 from protos.pagedserve.v1 import worker_pb2
+from service_runtime.worker_link_auth import LinkKeys, secure_worker_socket
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +39,14 @@ class SchedulerLost(RuntimeError):
 
 
 class SchedulerLink:
-    def __init__(self, address: str, identity: bytes, heartbeat_interval: float):
+    def __init__(self, address: str, identity: bytes, heartbeat_interval: float, keys: LinkKeys | None = None):
         self._context = zmq.Context()
         self._pipe_address = f"inproc://scheduler-link-{id(self)}"
         self._pipe = self._context.socket(zmq.PAIR)
         self._pipe.bind(self._pipe_address)
         self._inbox: queue.Queue[worker_pb2.SchedulerToWorker | SchedulerLost] = queue.Queue()
         self._interval = heartbeat_interval
+        self._keys = keys  # CURVE keys of the shared secret (service_runtime/worker_link_auth.py), if any
         self._thread = threading.Thread(target=self._run, args=(address, identity), name="scheduler-link",
                                         daemon=True)
         self._thread.start()
@@ -82,6 +84,8 @@ class SchedulerLink:
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.IDENTITY, identity)
         dealer.setsockopt(zmq.LINGER, 1000)
+        if self._keys is not None:
+            secure_worker_socket(dealer, self._keys)
         dealer.connect(address)
         pipe = self._context.socket(zmq.PAIR)
         pipe.connect(self._pipe_address)

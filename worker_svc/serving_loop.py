@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.config import WorkerConfig
+from service_runtime.worker_link_auth import link_keys_from
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 from worker_svc.worker import LaunchedStep, Worker
 
@@ -28,7 +30,8 @@ def run_worker(config: WorkerConfig) -> int:
     """Connects, loads, answers plans until told to shut down. Returns the process exit code: 0 when told
     to shut down, 1 when a step failed (the scheduler was told why) or the scheduler went silent."""
     worker = Worker(config)
-    link = SchedulerLink(config.scheduler_address, f"rank-{config.rank}".encode(), config.heartbeat_interval)
+    link = SchedulerLink(config.scheduler_address, f"rank-{config.rank}".encode(), config.heartbeat_interval,
+                         link_keys_from(os.environ))
     hello = worker_pb2.WorkerHello(
         rank=config.rank,
         world_size=config.world_size,

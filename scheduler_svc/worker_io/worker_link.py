@@ -27,10 +27,12 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
 from protos.pagedserve.v1 import worker_pb2
 from scheduler_svc.worker_io.worker_health import WorkerHealth
+from service_runtime.worker_link_auth import LinkKeys, OnlyWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +61,19 @@ class _Arrival:
 
 
 class WorkerLink:
-    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0, heartbeat_grace: float = 0.0):
+    def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0, heartbeat_grace: float = 0.0,
+                 keys: LinkKeys | None = None):
         self._context = zmq.asyncio.Context()
+        self._authenticator = None
+        if keys is not None:  # only workers holding the shared secret get through (worker_link_auth.py)
+            self._authenticator = AsyncioAuthenticator(self._context)
+            self._authenticator.start()
+            self._authenticator.configure_curve_callback("*", credentials_provider=OnlyWorkers(keys))
         self._socket = self._context.socket(zmq.ROUTER)
+        if keys is not None:
+            self._socket.curve_server = True
+            self._socket.curve_secretkey = keys.server_secret
+            self._socket.curve_publickey = keys.server_public
         self._socket.setsockopt(zmq.LINGER, 0)
         # A restarted worker connects with its predecessor's identity (its rank): it takes the identity over.
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -179,6 +191,8 @@ class WorkerLink:
         self._socket.disable_monitor()
         self._monitor.close(linger=0)
         self._socket.close(linger=500)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     # -- receiving ---------------------------------------------------------------------------------------
