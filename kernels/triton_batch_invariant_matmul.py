@@ -80,9 +80,12 @@ def _batch_invariant_linear_kernel(
 
 def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
-    accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract)."""
-    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
+    accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
+    Leading axes beyond one are flattened into rows, as F.linear accepts them."""
+    assert weight.dim() == 2 and hidden.shape[-1] == weight.shape[1]
     assert hidden.dtype == weight.dtype, "hidden and weight must share a dtype"
+    leading = hidden.shape[:-1]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
     num_rows, k_size = hidden.shape
     n_size = weight.shape[0]
     if hidden.stride(1) != 1:
@@ -91,7 +94,7 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         weight = weight.contiguous()
     out = torch.empty((num_rows, n_size), dtype=hidden.dtype, device=hidden.device)
     if num_rows == 0 or n_size == 0:
-        return out
+        return out.reshape(*leading, n_size)
     if bias is not None:
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
@@ -106,4 +109,4 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    return out
+    return out.reshape(*leading, n_size)

@@ -15,8 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import rmsnorm_ref
+from kernels import fused_moe_ref, rmsnorm_ref, triton_fused_moe, triton_rotary, triton_silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
+from kernels.batch_invariant_layer_ops import MOE_BLOCK_M, apply_row_by_row, batch_invariant_triton_layer_ops
 from kernels.paged_attention_ref import paged_attention, write_kv_cache
 from kernels.triton_backend import TritonAttentionBackend, count_leading_decodes
 from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
@@ -69,6 +70,12 @@ def test_linear_rows_are_batch_invariant_and_match_f_linear(dtype, with_bias):
 def test_linear_of_zero_rows():
     weight = random_tensor((8, 16), torch.float32, 0)
     assert linear(torch.empty(0, 16), weight).shape == (0, 8)
+
+
+def test_linear_flattens_leading_axes_as_f_linear():
+    hidden = random_tensor((2, 3, 16), torch.float32, 0)
+    weight = random_tensor((8, 16), torch.float32, 1)
+    torch.testing.assert_close(linear(hidden, weight), F.linear(hidden, weight), atol=1e-5, rtol=1e-5)
 
 
 def test_the_invariance_check_catches_a_split_k_linear():
@@ -259,3 +266,47 @@ def test_the_split_kv_decode_path_is_not_batch_invariant():
     decoded = torch.cat(pool.run(backend, [("ours", p + 1, 1) for p in range(SEQ_LEN)]))
     torch.testing.assert_close(decoded, whole, atol=1e-4, rtol=1e-4)
     assert not torch.equal(decoded, whole)
+
+
+# --- the LayerOps set -----------------------------------------------------------------------------------
+
+def test_the_batch_invariant_layer_ops_set():
+    ops = batch_invariant_triton_layer_ops()
+    assert ops.name == "triton-batch-invariant" and ops.batch_invariant
+    assert ops.linear is linear and ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
+    assert ops.rotary_embedding is triton_rotary.rotary_embedding
+    assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
+    assert ops.gelu_and_mul is triton_silu_and_mul.gelu_and_mul
+    assert ops.fused_moe.func is triton_fused_moe.fused_moe and ops.fused_moe.keywords == {"block_m": MOE_BLOCK_M}
+    assert ops.per_row is apply_row_by_row
+
+
+def test_per_row_applies_the_function_one_row_at_a_time():
+    seen = []
+
+    def soft_cap(rows):
+        seen.append(rows.shape)
+        return torch.tanh(rows / 30.0) * 30.0
+
+    logits = random_tensor((5, 33), torch.float32, 8) * 50
+    torch.testing.assert_close(apply_row_by_row(soft_cap, logits), torch.tanh(logits / 30.0) * 30.0)
+    assert seen == [(1, 33)] * 5
+    assert apply_row_by_row(soft_cap, logits[:0]).shape == (0, 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
+    """By default the MoE's row tile is 16 rows for T <= E and 64 above (`tile_rows`); the batch-invariant set
+    fixes it. Rows (hidden | router logits side by side) through T = 1, 3, 64, 257 with 4 experts, top 2."""
+    hidden_size, inter, num_experts = 32, 24, 4
+    w13 = random_tensor((num_experts, 2 * inter, hidden_size), dtype, 9) * 0.2
+    w2 = random_tensor((num_experts, hidden_size, inter), dtype, 10) * 0.2
+    fused_moe = batch_invariant_triton_layer_ops().fused_moe
+
+    def moe(batch, fn=fused_moe):
+        return fn(batch[:, :hidden_size].contiguous(), batch[:, hidden_size:].contiguous(), w13, w2, 2, True, False)
+
+    rows = random_tensor((257, hidden_size + num_experts), dtype, 11)
+    output = assert_rows_batch_invariant(moe, rows)
+    expected = moe(rows, fn=fused_moe_ref.fused_moe)
+    torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
