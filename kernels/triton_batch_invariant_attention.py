@@ -21,6 +21,15 @@ fixed per backend instance), and every row's math is fixed by the row alone:
   Keys no row of the program sees read as 0 (never NaN), so they contribute exact zeros.
 - A row's scores and P @ V are per-row dots of a fixed tile shape (the MMA computes each output element
   the same way whatever its row in the tile; numpy's matmul under the interpreter does too).
+Why not only route decodes to kernels/triton_prefill_attention.py with its block sizes fixed: without a
+window its key tiles are already on multiples of BLOCK_N from key 0 (tests/triton_kernels/ found a prompt
+prefilled whole and in two chunks bitwise equal through it), but (1) with a window its tiles start at the
+window start of the query tile's first row, so the grouping moves with the chunking (found unequal), and (2)
+it folds the keys before a query tile's first row in an unmasked loop and the rest in a masked one: which
+body a given key tile goes through for a given row depends on where the row's query tile begins, and the
+two bodies are different code, whose floating-point contraction (FMA fusion of the score scaling into the
+exponent's argument) the GPU compiler may decide differently. Here one loop body folds every tile.
+
 The kernel reuses the building blocks of the other attention kernels (kernels/triton_paged_kv.py: paged
 addressing, `online_softmax_step`, the NaN guard for a -inf max) and the prefill kernel's flat grid over
 query tiles found by binary search (`_find_sequence`).

@@ -257,6 +257,30 @@ def test_attention_of_a_token_is_the_same_however_it_is_served(case):
     torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other_row():
+    """A decode bucket is padded with sequences of context 0 and one padding token each (slot -1)."""
+    pool = PagedPool({"ours": SEQ_LEN, **others_of_random_lengths(7)}, 4, torch.float32, seed=3)
+    backend = BatchInvariantTritonBackend()
+    options = {"sliding_window": 20}
+    whole = pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN)], **options)[0]
+    steps = [("ours", 41, 1), ("other0", pool.queries["other0"].shape[0], 1)]
+    unpadded = pool.metadata(steps)
+    num_padding = 3
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat([unpadded.slot_mapping, torch.full((num_padding,), -1)]),
+        query_start_loc=torch.cat([unpadded.query_start_loc, torch.arange(1, num_padding + 1, dtype=torch.int32) + 2]),
+        seq_lens=torch.cat([unpadded.seq_lens, torch.zeros(num_padding, dtype=torch.int32)]),
+        block_tables=torch.cat([unpadded.block_tables, torch.full((num_padding, unpadded.block_tables.shape[1]),
+                                                                  pool.never_owned, dtype=torch.int32)]),
+        block_size=BLOCK_SIZE,
+        num_decode_seqs=len(steps) + num_padding,
+    )
+    query = torch.cat([pool.queries["ours"][40:41], pool.queries["other0"][-1:], torch.randn(num_padding, 8, HEAD_DIM)])
+    output = backend.paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
+    assert torch.equal(output[0], whole[40])
+    assert torch.equal(output[2:], torch.zeros_like(output[2:]))
+
+
 def test_the_split_kv_decode_path_is_not_batch_invariant():
     """Why the backend above exists: kernels/triton_backend.py decodes through split-KV (and packs heads), so a
     token decoded gets other bits than the same token prefilled; the check above would fail on it."""
