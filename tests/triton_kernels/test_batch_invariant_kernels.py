@@ -9,8 +9,6 @@ non-invariant paths they replace.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,43 +16,26 @@ import torch.nn.functional as F
 from kernels import fused_moe_ref, rmsnorm_ref, triton_fused_moe, triton_rotary, triton_silu_and_mul
 from kernels.attention_metadata import AttentionMetadata
 from kernels.batch_invariant_layer_ops import MOE_BLOCK_M, apply_row_by_row, batch_invariant_triton_layer_ops
-from kernels.paged_attention_ref import paged_attention, write_kv_cache
-from kernels.triton_backend import TritonAttentionBackend, count_leading_decodes
+from kernels.paged_attention_ref import paged_attention
+from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
 from kernels.triton_batch_invariant_matmul import linear
 from kernels.triton_batch_invariant_norm import BLOCK_V, gemma_rms_norm, log_softmax, rms_norm
+from tests.triton_kernels.batch_invariance_cases import (
+    BLOCK_SIZE,
+    PagedPool,
+    assert_rows_batch_invariant,
+    others_of_random_lengths,
+    random_tensor,
+    ways_of_serving_one_sequence,
+)
 
-BATCH_SIZES = (1, 3, 64, 257)
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
-
-
-def assert_rows_batch_invariant(fn, full: torch.Tensor, batch_sizes=BATCH_SIZES, seed=0):
-    """fn(batch [T, ...]) -> [T, ...]: every checked row of `full` [R, ...] gives the same bits in fn(full)
-    and when placed at some position of a batch of T random rows, for each T. Returns fn(full)."""
-    generator = torch.Generator().manual_seed(seed)
-    expected = fn(full)
-    num_rows = full.shape[0]
-    checked = sorted({0, 1, num_rows // 2, num_rows - 1})
-    for batch_size in batch_sizes:
-        for first in range(0, len(checked), batch_size):  # as many checked rows as fit, at random positions
-            rows = checked[first: first + batch_size]
-            positions = torch.randperm(batch_size, generator=generator)[: len(rows)].tolist()
-            batch = torch.randn((batch_size,) + full.shape[1:], generator=generator).to(full.dtype)
-            for row, position in zip(rows, positions):
-                batch[position] = full[row]
-            got = fn(batch)
-            for row, position in zip(rows, positions):
-                assert torch.equal(got[position], expected[row]), f"row {row} differs at batch size {batch_size}"
-    return expected
-
-
-def random_tensor(shape, dtype, seed):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 # --- linear ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_linear_rows_are_batch_invariant_and_match_f_linear(dtype, with_bias):
     # K and N not multiples of the tiles (32, 64): a partial last K tile and a partial N tile.
@@ -136,103 +117,8 @@ def test_log_softmax_of_a_row_of_only_minus_infinity_is_nan_as_torch():
 
 # --- attention ------------------------------------------------------------------------------------------
 
-BLOCK_SIZE = 16
-NUM_KV_HEADS = 2
 HEAD_DIM = 64
 SEQ_LEN = 70  # the sequence whose tokens are followed through every way of serving them
-FIRST_CHUNK = 29
-
-
-class PagedPool:
-    """K/V of several sequences cached through shuffled block tables in a NaN-filled pool, and each
-    sequence's queries by position; `run` serves any mix of (sequence, seq_len, query_len) steps."""
-
-    def __init__(self, seq_lens: dict[str, int], group_size: int, dtype: torch.dtype, seed: int):
-        generator = torch.Generator().manual_seed(seed)
-        rng = random.Random(seed)
-        names = list(seq_lens)
-        blocks = [-(-seq_lens[name] // BLOCK_SIZE) for name in names]
-        num_blocks = sum(blocks) + 2
-        pool = list(range(num_blocks))
-        rng.shuffle(pool)
-        self.never_owned = pool[-1]
-        self.tables, self.queries = {}, {}
-        self.kv_cache = torch.full((2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype)
-        for name, count in zip(names, blocks):
-            self.tables[name], pool = pool[:count], pool[count:]
-            seq_len = seq_lens[name]
-            keys = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
-            values = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
-            write_kv_cache(keys, values, self.kv_cache, self.slots(name, 0, seq_len))
-            self.queries[name] = torch.randn(
-                seq_len, NUM_KV_HEADS * group_size, HEAD_DIM, generator=generator
-            ).to(dtype)
-
-    def slots(self, name, start, end):
-        table = self.tables[name]
-        return torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)])
-
-    def metadata(self, steps, num_padding_tokens=0) -> AttentionMetadata:
-        width = max(len(self.tables[name]) for name, _, _ in steps)
-        starts = [0]
-        for _, _, query_len in steps:
-            starts.append(starts[-1] + query_len)
-        partial = AttentionMetadata(
-            slot_mapping=torch.cat([self.slots(name, s - q, s) for name, s, q in steps]
-                                   + [torch.full((num_padding_tokens,), -1)]),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor([s for _, s, _ in steps], dtype=torch.int32),
-            block_tables=torch.tensor(
-                [self.tables[n] + [self.never_owned] * (width - len(self.tables[n])) for n, _, _ in steps],
-                dtype=torch.int32,
-            ),
-            block_size=BLOCK_SIZE,
-        )
-        return AttentionMetadata(**{**partial.__dict__, "num_decode_seqs": count_leading_decodes(partial)})
-
-    def run(self, backend, steps, num_padding_tokens=2, **options):
-        """Output rows of each step, in step order; the batch's padding tokens must come back as zeros."""
-        metadata = self.metadata(steps, num_padding_tokens)
-        query = torch.cat([self.queries[name][s - q: s] for name, s, q in steps])
-        query = torch.cat([query, torch.randn((num_padding_tokens,) + query.shape[1:]).to(query.dtype)])
-        output = backend.paged_attention(query, self.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
-        assert torch.equal(output[query.shape[0] - num_padding_tokens:], torch.zeros_like(output[:num_padding_tokens]))
-        starts = metadata.query_start_loc.tolist()
-        return [output[starts[i]: starts[i + 1]] for i in range(len(steps))]
-
-
-def others_of_random_lengths(seed, count=4):
-    rng = random.Random(seed)
-    return {f"other{i}": rng.randint(1, 90) for i in range(count)}
-
-
-def ways_of_serving_one_sequence(pool: PagedPool, backend, options) -> dict[str, torch.Tensor]:
-    """The output rows [SEQ_LEN, Hq, D] of sequence "ours" served as a whole prefill, as two chunks (the second
-    an extend over the cached first), as decodes one at a time and batched, and inside mixed batches."""
-    others = [name for name in pool.queries if name != "ours"]
-    other_lens = {name: pool.queries[name].shape[0] for name in others}
-
-    def run(steps):
-        return pool.run(backend, steps, **options)
-
-    ways = {"whole prefill": run([("ours", SEQ_LEN, SEQ_LEN)])[0]}
-    ways["two chunks"] = torch.cat(
-        [run([("ours", FIRST_CHUNK, FIRST_CHUNK)])[0], run([("ours", SEQ_LEN, SEQ_LEN - FIRST_CHUNK)])[0]]
-    )
-    ways["decodes in one batch"] = torch.cat(run([("ours", p + 1, 1) for p in range(SEQ_LEN)]))
-    # One decode at a time for the positions around the key tiles' edges; the rest from the batch above.
-    one_at_a_time = ways["decodes in one batch"].clone()
-    for position in (0, 15, 16, 31, 32, 63, 64, SEQ_LEN - 1):
-        one_at_a_time[position] = run([("ours", position + 1, 1)])[0][0]
-    ways["decodes one at a time"] = one_at_a_time
-    # Mixed batches: other sequences' decodes first, then chunks and prefills, ours among them.
-    decodes = [(name, length, 1) for name, length in other_lens.items()]
-    first = run(decodes[:2] + [(others[2], other_lens[others[2]], other_lens[others[2]]), ("ours", 40, 40),
-                               (others[3], other_lens[others[3]], max(other_lens[others[3]] // 3, 1))])[3]
-    second = run(decodes + [("ours", 41, 1)])[-1]
-    third = run(decodes[1:3] + [("ours", SEQ_LEN, SEQ_LEN - 41), (others[0], other_lens[others[0]], 1)])[2]
-    ways["mixed batches"] = torch.cat([first, second, third])
-    return ways
 
 
 ATTENTION_CASES = {
@@ -290,6 +176,18 @@ def test_the_split_kv_decode_path_is_not_batch_invariant():
     decoded = torch.cat(pool.run(backend, [("ours", p + 1, 1) for p in range(SEQ_LEN)]))
     torch.testing.assert_close(decoded, whole, atol=1e-4, rtol=1e-4)
     assert not torch.equal(decoded, whole)
+
+
+def test_the_prefill_kernel_with_a_window_is_not_chunking_invariant():
+    """With a sliding window kernels/triton_prefill_attention.py starts its key tiles at the window start of a
+    query tile's first row, which moves with the chunking: a prompt prefilled whole and in two chunks differs."""
+    pool = PagedPool({"ours": SEQ_LEN}, 4, torch.float32, seed=3)
+    backend, window = TritonAttentionBackend(), {"sliding_window": 20}
+    whole = pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN)], **window)[0]
+    chunks = torch.cat([pool.run(backend, [("ours", 29, 29)], **window)[0],
+                        pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN - 29)], **window)[0]])
+    torch.testing.assert_close(chunks, whole, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(chunks, whole)
 
 
 # --- the LayerOps set -----------------------------------------------------------------------------------
