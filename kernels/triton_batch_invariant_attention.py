@@ -11,7 +11,9 @@ softmax in different groupings, so a token's bits depend on whether it was decod
 served from the prefix cache, and on the batch (--batch-invariant, issue 21).
 
 Here every query token, decode or not, goes through ONE kernel with ONE configuration (BLOCK_M, BLOCK_N
-fixed per backend instance), and every row's math is fixed by the row alone:
+fixed per backend instance and model). A program owns the query heads of one KV head for a few consecutive
+tokens of one sequence (rows = tokens x heads, as the decode kernel packs heads), and every row's math is
+fixed by the row alone:
 - The keys are folded in tiles `[j * BLOCK_N, (j + 1) * BLOCK_N)` from key 0 (with a window: from the tile
   holding the window start, still on those boundaries), in increasing order, whatever the row's tile of
   queries is. A program may fold tiles some of its rows see nothing of; the online softmax leaves such a
@@ -21,6 +23,7 @@ fixed per backend instance), and every row's math is fixed by the row alone:
   Keys no row of the program sees read as 0 (never NaN), so they contribute exact zeros.
 - A row's scores and P @ V are per-row dots of a fixed tile shape (the MMA computes each output element
   the same way whatever its row in the tile; numpy's matmul under the interpreter does too).
+
 Why not only route decodes to kernels/triton_prefill_attention.py with its block sizes fixed: without a
 window its key tiles are already on multiples of BLOCK_N from key 0 (tests/triton_kernels/ found a prompt
 prefilled whole and in two chunks bitwise equal through it), but (1) with a window its tiles start at the
@@ -34,13 +37,14 @@ The kernel reuses the building blocks of the other attention kernels (kernels/tr
 addressing, `online_softmax_step`, the NaN guard for a -inf max) and the prefill kernel's flat grid over
 query tiles found by binary search (`_find_sequence`).
 
-Cost: a decode is a BLOCK_M-row program with one valid row, one program per query head (no head packing,
-no split-KV), so a decode step reads each KV head's context Hq / Hkv times and small batches use few SMs.
-That is the price of invariance (vLLM's and SGLang's batch-invariant modes pay it too); BLOCK_M 16 keeps
-the wasted rows of a decode small at some cost to prefill speed.
+Cost: a decode is a BLOCK_M-row program with Hq / Hkv valid rows reading its KV head's context once, with
+no split-KV, so small batches use few SMs; a prefill folds every tile masked, and at BLOCK_M 16 (vs 64)
+reads K/V more often. That is the price of invariance (vLLM's and SGLang's batch-invariant modes pay it
+too); BLOCK_M 16 keeps the wasted rows of a decode few. Not measured on a GPU yet.
 
-CUDA graphs: the grid is `T // BLOCK_M + B` programs per head (shapes only), no host sync (num_decode_seqs
-is not needed and is ignored), so `paged_attention` can be captured as the Triton backend's can.
+CUDA graphs: the grid is `T // (BLOCK_M // (Hq / Hkv)) + B` programs per KV head (shapes only), no host sync
+(num_decode_seqs is not needed and is ignored), so `paged_attention` can be captured as the Triton
+backend's can.
 """
 
 from __future__ import annotations
@@ -83,43 +87,44 @@ def _batch_invariant_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
 ):
+    """One program: TOKENS_PER_TILE query tokens of one sequence x the QUERIES_PER_KV query heads of one KV
+    head, row r = (token r // QUERIES_PER_KV, head r % QUERIES_PER_KV), BLOCK_M rows (the unused tail masked)."""
     tile_index = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // QUERIES_PER_KV
-    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, BLOCK_M)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, num_seqs, tile_index, TOKENS_PER_TILE)
     first_token = tl.load(query_start_loc_ptr)
     token_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - token_start
-    row_start = (tile_index - ((token_start - first_token) // BLOCK_M + seq)) * BLOCK_M
-    if row_start >= query_len:
+    token_first = (tile_index - ((token_start - first_token) // TOKENS_PER_TILE + seq)) * TOKENS_PER_TILE
+    if token_first >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_before = seq_len - query_len
 
-    rows = row_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    token_rows = token_first + rows // QUERIES_PER_KV  # the token of each row, within the sequence's chunk
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
     dims = tl.arange(0, BLOCK_D)
-    row_valid = rows < query_len
+    row_valid = (rows < TOKENS_PER_TILE * QUERIES_PER_KV) & (token_rows < query_len)
     row_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
-    tokens = (token_start + rows).to(tl.int64)
-    query = tl.load(
-        query_ptr + tokens[:, None] * stride_q_token + head * stride_q_head + dims[None, :],
-        mask=row_mask,
-        other=0.0,
-    )
+    tokens = (token_start + token_rows).to(tl.int64)
+    query_offsets = tokens[:, None] * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    query = tl.load(query_ptr + query_offsets, mask=row_mask, other=0.0)
     if UPCAST:
         query = query.to(tl.float32)
-    query_positions = context_before + rows
-    # Keys past the program's last valid row are visible to none of its rows.
-    causal_end = context_before + tl.minimum(row_start + BLOCK_M, query_len)
+    query_positions = context_before + token_rows
+    # Keys past the program's last token are visible to none of its rows.
+    causal_end = context_before + tl.minimum(token_first + TOKENS_PER_TILE, query_len)
     if HAS_WINDOW:
-        # The first row's window starts first; earlier keys are read as 0 (no row sees them).
-        first_key = tl.maximum(context_before + row_start - sliding_window + 1, 0)
+        # The first token's window starts first; earlier keys are read as 0 (no row sees them).
+        first_key = tl.maximum(context_before + token_first - sliding_window + 1, 0)
     else:
         first_key = context_before * 0
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
@@ -142,7 +147,7 @@ def _batch_invariant_attention_kernel(
 
     output = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
     tl.store(
-        output_ptr + tokens[:, None] * stride_o_token + head * stride_o_head + dims[None, :],
+        output_ptr + tokens[:, None] * stride_o_token + heads[:, None] * stride_o_head + dims[None, :],
         output.to(output_ptr.dtype.element_ty),
         mask=row_mask,
     )
@@ -151,8 +156,9 @@ def _batch_invariant_attention_kernel(
 class BatchInvariantTritonBackend:
     """The AttentionBackend protocol (kernels/attention_backend.py) with batch-invariant paged attention.
 
-    `block_m` query rows and `block_n` keys a tile are fixed for the backend's lifetime (changing them
-    changes every token's bits, consistently). `block_n` None: 64 keys for 16-bit caches, 32 for fp32 (an
+    `block_m` query rows (token x query head pairs; raised to the next power of two of Hq / Hkv if that is
+    larger) and `block_n` keys a tile are fixed for the backend's lifetime (changing them changes every
+    token's bits, consistently). `block_n` None: 64 keys for 16-bit caches, 32 for fp32 (an
     fp32 64 x 64 x D pipeline does not fit shared memory), chosen by the cache dtype, which is fixed for a
     model. Requirements as kernels/triton_backend.py's.
     """
@@ -197,8 +203,11 @@ class BatchInvariantTritonBackend:
         if block_n is None:
             block_n = 64 if kv_cache.element_size() <= 2 else 32
         block_tables = metadata.block_tables
-        num_tiles = query.shape[0] // self.block_m + num_seqs
-        _batch_invariant_attention_kernel[(num_tiles, num_query_heads)](
+        queries_per_kv = num_query_heads // num_kv_heads
+        block_m = max(self.block_m, triton.next_power_of_2(queries_per_kv))
+        tokens_per_tile = block_m // queries_per_kv
+        num_tiles = query.shape[0] // tokens_per_tile + num_seqs
+        _batch_invariant_attention_kernel[(num_tiles, num_kv_heads)](
             query, key_cache, value_cache, output,
             metadata.query_start_loc, metadata.seq_lens, block_tables,
             scale * LOG2_E,
@@ -207,11 +216,12 @@ class BatchInvariantTritonBackend:
             num_seqs,
             query.stride(0), query.stride(1), output.stride(0), output.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
-            QUERIES_PER_KV=num_query_heads // num_kv_heads,
+            QUERIES_PER_KV=queries_per_kv,
             HEAD_DIM=head_dim,
             BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size,
-            BLOCK_M=self.block_m,
+            BLOCK_M=block_m,
+            TOKENS_PER_TILE=tokens_per_tile,
             BLOCK_N=block_n,
             UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
             DOT_PRECISION=dot_precision(kv_cache.dtype),

@@ -124,7 +124,7 @@ SEQ_LEN = 70  # the sequence whose tokens are followed through every way of serv
 ATTENTION_CASES = {
     "fp32-gqa4": (torch.float32, 4, {}, {}),
     "fp32-mha-window20": (torch.float32, 1, {"sliding_window": 20}, {}),
-    "fp32-gqa4-softcap-tiles16": (torch.float32, 4, {"logit_softcap": 5.0}, {"block_n": 16}),
+    "fp32-gqa6-softcap-tiles16": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16}),
     "bf16-gqa4-window40-softcap": (torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {}),
 }
 
