@@ -50,9 +50,11 @@ def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=Non
     return [torch.stack(rows) for rows in logits]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, tmp_path):
-    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=2)
+# Gemma 2: sliding-window and global layers alternate (its tiny config fixes 3), attention and final logit
+# soft-caps (the final one through ops.per_row), Gemma's (1 + w) norms and GELU-and-mul.
+@pytest.mark.parametrize("arch,num_layers", [("llama", 2), ("qwen3_moe", 2), ("gemma2", 3)])
+def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, num_layers, tmp_path):
+    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=num_layers)
     model, config = load_model(path, torch.float32, "cpu", attention_backend=BatchInvariantTritonBackend(),
                                layer_ops=batch_invariant_triton_layer_ops())
     generator = torch.Generator().manual_seed(5)
