@@ -3,7 +3,7 @@ every step are bitwise the same served alone or batched with others, prefilled w
 
 Why at the model level too: the kernels' tests prove each op invariant; this proves the model calls nothing
 else that reduces over rows (every linear layer and the LM head through `ops.linear`, the norms, attention),
-and that the ops compose (the residual stream, the MoE's routing). CPU interpreter, fp32. The same test on
+and that the ops compose (the residual stream, the MoE's routing). CPU interpreter, fp32 and bf16. The same test on
 the regular Triton set (triton_layer_ops() and TritonAttentionBackend, split-KV or not) fails: the logits
 differ by up to 5e-6 (measured on the tiny Llama when this was written).
 """
@@ -28,7 +28,7 @@ def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=Non
     rng = random.Random(seed)
     capacity = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
     tables = shuffled_block_tables(capacity, sum(capacity) + 3, rng)
-    kv_caches = make_kv_caches(config, sum(capacity) + 3, block_size)
+    kv_caches = make_kv_caches(config, sum(capacity) + 3, block_size, next(model.parameters()).dtype)
     tokens = [list(p) for p in prompts]
     num_computed = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -52,10 +52,13 @@ def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=Non
 
 # Gemma 2: sliding-window and global layers alternate (its tiny config fixes 3), attention and final logit
 # soft-caps (the final one through ops.per_row), Gemma's (1 + w) norms and GELU-and-mul.
-@pytest.mark.parametrize("arch,num_layers", [("llama", 2), ("qwen3_moe", 2), ("gemma2", 3)])
-def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, num_layers, tmp_path):
+@pytest.mark.parametrize("arch,num_layers,dtype", [
+    ("llama", 2, torch.float32), ("qwen3_moe", 2, torch.float32), ("gemma2", 3, torch.float32),
+    ("llama", 2, torch.bfloat16),
+])
+def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, num_layers, dtype, tmp_path):
     path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=num_layers)
-    model, config = load_model(path, torch.float32, "cpu", attention_backend=BatchInvariantTritonBackend(),
+    model, config = load_model(path, dtype, "cpu", attention_backend=BatchInvariantTritonBackend(),
                                layer_ops=batch_invariant_triton_layer_ops())
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (19, 33, 6)]
