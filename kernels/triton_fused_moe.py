@@ -102,15 +102,22 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     round_routing_weights: bool,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels/fused_moe_ref.py: hidden [T, H], router_logits [T, E], w13 [E, 2I, H],
-    w2 [E, H, I] -> [T, H]."""
+    w2 [E, H, I] -> [T, H].
+
+    `block_m` fixes the GEMMs' row tile; None picks it by the batch (`tile_rows`: 16 or 64), which changes
+    the tile shape (on a GPU the MMA instruction, and so a row's accumulation) with T. A fixed value makes a
+    row's result independent of the batch (kernels/batch_invariant_layer_ops.py passes one)."""
     num_tokens, num_experts = router_logits.shape
     if num_tokens == 0:
         return torch.zeros_like(hidden)
     weights, expert_ids = select_experts(router_logits, top_k, renormalize, round_routing_weights)
     num_rows = num_tokens * top_k
-    alignment = align_rows_to_experts(expert_ids, num_experts, tile_rows(num_tokens, num_experts))
+    alignment = align_rows_to_experts(
+        expert_ids, num_experts, tile_rows(num_tokens, num_experts) if block_m is None else block_m
+    )
     gate_up = torch.empty(num_rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(hidden, w13, alignment, num_rows, top_k, gate_up)
     activated = silu_and_mul(gate_up)

@@ -1,0 +1,112 @@
+"""Batch-invariant linear layer in Triton: `hidden @ weight.T (+ bias)` whose row i never depends on the other rows.
+
+Torch reference: `torch.nn.functional.linear` (to within one rounding of the output).
+
+Why a kernel of its own: cuBLAS (and torch's CPU GEMMs) pick a kernel by the problem's shape, M (the
+number of tokens) included: a decode step of 8 rows may run split-K (partial sums over K slices reduced in
+another order) where a prefill of 2,000 rows runs a plain tiled GEMM. Both are correct, but a row's fp32
+sum is taken in a different order, so the same token gets different bits depending on what else is in the
+batch (--batch-invariant, issue 21). Here everything that decides a row's reduction order is a constant:
+
+- ONE tile configuration, `BLOCK_M`, `BLOCK_N`, `BLOCK_K` below: no autotuning, no choice by T, no
+  split-K. The tile shape (and so the MMA instruction and its per-element accumulation order) is the
+  same for every launch; the number of rows only changes how many tiles there are.
+- K is looped from 0 in `BLOCK_K` steps into one fp32 accumulator, in that order, for every row; the last
+  partial K tile reads zeros (exact zero products, which change no sum).
+- Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
+  its M tile does not change its math (the MMA computes every element of a tile the same way; under the
+  interpreter numpy's matmul does too, checked by the tests).
+
+Rounding: the fp32 accumulator plus the bias (added in fp32, before the one rounding, as cuBLAS's bias
+epilogue does) is rounded once to the input dtype. torch's CPU `F.linear` for bf16 may round the product
+first and then add the bias: the two agree to within one rounding of the output (the test's tolerance).
+
+Numerics under TRITON_INTERPRET=1: 16-bit operands are upcast to fp32 after loading (kernels/triton_numerics.py);
+fp32 operands use IEEE products (no TF32) on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_numerics import dot_precision, needs_upcast
+
+# The one tile configuration. Changing it changes every row's bits (consistently for every batch).
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+NUM_WARPS, NUM_STAGES = 4, 3
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _batch_invariant_linear_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    n_size,
+    k_size,
+    stride_hidden,
+    stride_weight,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    col_mask = cols < n_size
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_size, BLOCK_K):
+        ks = k_start + tl.arange(0, BLOCK_K)
+        k_mask = ks < k_size
+        a = tl.load(hidden_ptr + rows[:, None] * stride_hidden + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(weight_ptr + cols[None, :] * stride_weight + ks[:, None],
+                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
+def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
+    accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
+    Leading axes beyond one are flattened into rows, as F.linear accepts them."""
+    assert weight.dim() == 2 and hidden.shape[-1] == weight.shape[1]
+    assert hidden.dtype == weight.dtype, "hidden and weight must share a dtype"
+    leading = hidden.shape[:-1]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    num_rows, k_size = hidden.shape
+    n_size = weight.shape[0]
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty((num_rows, n_size), dtype=hidden.dtype, device=hidden.device)
+    if num_rows == 0 or n_size == 0:
+        return out.reshape(*leading, n_size)
+    if bias is not None:
+        assert bias.shape == (n_size,)
+        bias = bias.contiguous()
+    grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(n_size, BLOCK_N))
+    _batch_invariant_linear_kernel[grid](
+        hidden, weight, bias if bias is not None else out, out,
+        num_rows, n_size, k_size,
+        hidden.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        UPCAST=needs_upcast(hidden.dtype),
+        DOT_PRECISION=dot_precision(hidden.dtype),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out.reshape(*leading, n_size)

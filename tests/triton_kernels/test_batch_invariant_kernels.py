@@ -1,0 +1,234 @@
+"""Batch-invariant Triton kernels (--batch-invariant, issue 21): a row's bits do not depend on the batch.
+
+Each kernel computes a fixed set of rows once in one big batch and again embedded, at different positions,
+among random rows in batches of 1, 3, 64 and 257; every row must be bitwise equal (torch.equal) across
+them, and close to the torch reference. `assert_rows_batch_invariant` is shown to catch a kernel whose
+reduction order depends on the batch size (a split-K linear), so these checks would fail on the
+non-invariant paths they replace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import fused_moe_ref, rmsnorm_ref, triton_fused_moe, triton_rotary, triton_silu_and_mul
+from kernels.attention_metadata import AttentionMetadata
+from kernels.batch_invariant_layer_ops import MOE_BLOCK_M, apply_row_by_row, batch_invariant_triton_layer_ops
+from kernels.paged_attention_ref import paged_attention
+from kernels.triton_backend import TritonAttentionBackend
+from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
+from kernels.triton_batch_invariant_matmul import linear
+from kernels.triton_batch_invariant_norm import BLOCK_V, gemma_rms_norm, log_softmax, rms_norm
+from tests.triton_kernels.batch_invariance_cases import (
+    BLOCK_SIZE,
+    PagedPool,
+    assert_rows_batch_invariant,
+    others_of_random_lengths,
+    random_tensor,
+    ways_of_serving_one_sequence,
+)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+# --- linear ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_linear_rows_are_batch_invariant_and_match_f_linear(dtype, with_bias):
+    # K and N not multiples of the tiles (32, 64): a partial last K tile and a partial N tile.
+    hidden = random_tensor((257, 80), dtype, 1)
+    weight = random_tensor((72, 80), dtype, 2) * 0.1
+    bias = random_tensor((72,), dtype, 3) if with_bias else None
+    output = assert_rows_batch_invariant(lambda batch: linear(batch, weight, bias), hidden)
+    assert output.dtype == dtype and output.shape == (257, 72)
+    expected = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    torch.testing.assert_close(output.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_linear_of_zero_rows():
+    weight = random_tensor((8, 16), torch.float32, 0)
+    assert linear(torch.empty(0, 16), weight).shape == (0, 8)
+
+
+def test_linear_flattens_leading_axes_as_f_linear():
+    hidden = random_tensor((2, 3, 16), torch.float32, 0)
+    weight = random_tensor((8, 16), torch.float32, 1)
+    torch.testing.assert_close(linear(hidden, weight), F.linear(hidden, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_the_invariance_check_catches_a_split_k_linear():
+    """A linear that splits K in two for small batches (as a GEMM library's split-K path does) sums each row
+    in another order there: the check must fail on it, or it proves nothing about `linear`."""
+    weight = random_tensor((72, 80), torch.float32, 2)
+
+    def split_k_for_small_batches(batch):
+        if batch.shape[0] >= 64:
+            return batch @ weight.T
+        return batch[:, :40] @ weight[:, :40].T + batch[:, 40:] @ weight[:, 40:].T
+
+    with pytest.raises(AssertionError, match="differs"):
+        assert_rows_batch_invariant(split_k_for_small_batches, random_tensor((257, 80), torch.float32, 1))
+
+
+# --- RMSNorm and log_softmax ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["no_residual", "residual"])
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama", "gemma"])
+def test_rms_norm_rows_are_batch_invariant_and_match_the_reference(dtype, with_residual, gemma):
+    hidden_size = 96
+    weight = random_tensor((hidden_size,), dtype, 4)
+    kernel, reference = (gemma_rms_norm, rmsnorm_ref.gemma_rms_norm) if gemma else (rms_norm, rmsnorm_ref.rms_norm)
+
+    def normed_and_residual(batch, norm=kernel):
+        # batch [T, 2, H]: hidden and residual side by side, so one embedded row carries both.
+        residual = batch[:, 1] if with_residual else None
+        normed, new_residual = norm(batch[:, 0], weight, 1e-6, residual)
+        return torch.stack([normed.to(batch.dtype), new_residual], dim=1)
+
+    rows = random_tensor((257, 2, hidden_size), dtype, 5)
+    output = assert_rows_batch_invariant(normed_and_residual, rows)
+    expected = normed_and_residual(rows, norm=reference)
+    torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_log_softmax_rows_are_batch_invariant_and_match_torch():
+    # Three vocabulary chunks, the last one partial; in some rows a whole chunk is masked to -inf.
+    vocab_size = 2 * BLOCK_V + 452
+    logits = random_tensor((257, vocab_size), torch.float32, 6) * 4
+    logits[::2, BLOCK_V: 2 * BLOCK_V] = float("-inf")
+    output = assert_rows_batch_invariant(log_softmax, logits)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(torch.isinf(output), torch.isinf(expected))
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's log(0) and inf - inf, the point of the test
+def test_log_softmax_of_a_row_of_only_minus_infinity_is_nan_as_torch():
+    logits = torch.full((2, 40), float("-inf"))
+    logits[1] = 0.0
+    output = log_softmax(logits)
+    assert torch.isnan(output[0]).all()
+    torch.testing.assert_close(output[1], torch.log_softmax(logits[1], dim=-1))
+
+
+# --- attention ------------------------------------------------------------------------------------------
+
+HEAD_DIM = 64
+SEQ_LEN = 70  # the sequence whose tokens are followed through every way of serving them
+
+
+ATTENTION_CASES = {
+    "fp32-gqa4": (torch.float32, 4, {}, {}),
+    "fp32-mha-window20": (torch.float32, 1, {"sliding_window": 20}, {}),
+    "fp32-gqa6-softcap-tiles16": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16}),
+    "bf16-gqa4-window40-softcap": (torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_of_a_token_is_the_same_however_it_is_served(case):
+    dtype, group_size, options, backend_options = ATTENTION_CASES[case]
+    pool = PagedPool({"ours": SEQ_LEN, **others_of_random_lengths(7)}, group_size, dtype, seed=3)
+    ways = ways_of_serving_one_sequence(pool, BatchInvariantTritonBackend(**backend_options), options)
+    whole = ways["whole prefill"]
+    for way, output in ways.items():
+        assert output.shape == whole.shape and not torch.isnan(output).any(), way
+        assert torch.equal(output, whole), f"{way} differs from the whole prefill"
+    metadata = pool.metadata([("ours", SEQ_LEN, SEQ_LEN)])
+    expected = paged_attention(pool.queries["ours"], pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
+    torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other_row():
+    """A decode bucket is padded with sequences of context 0 and one padding token each (slot -1)."""
+    pool = PagedPool({"ours": SEQ_LEN, **others_of_random_lengths(7)}, 4, torch.float32, seed=3)
+    backend = BatchInvariantTritonBackend()
+    options = {"sliding_window": 20}
+    whole = pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN)], **options)[0]
+    steps = [("ours", 41, 1), ("other0", pool.queries["other0"].shape[0], 1)]
+    unpadded = pool.metadata(steps)
+    num_padding = 3
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat([unpadded.slot_mapping, torch.full((num_padding,), -1)]),
+        query_start_loc=torch.cat([unpadded.query_start_loc, torch.arange(1, num_padding + 1, dtype=torch.int32) + 2]),
+        seq_lens=torch.cat([unpadded.seq_lens, torch.zeros(num_padding, dtype=torch.int32)]),
+        block_tables=torch.cat([unpadded.block_tables, torch.full((num_padding, unpadded.block_tables.shape[1]),
+                                                                  pool.never_owned, dtype=torch.int32)]),
+        block_size=BLOCK_SIZE,
+        num_decode_seqs=len(steps) + num_padding,
+    )
+    query = torch.cat([pool.queries["ours"][40:41], pool.queries["other0"][-1:], torch.randn(num_padding, 8, HEAD_DIM)])
+    output = backend.paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
+    assert torch.equal(output[0], whole[40])
+    assert torch.equal(output[2:], torch.zeros_like(output[2:]))
+
+
+def test_the_split_kv_decode_path_is_not_batch_invariant():
+    """Why the backend above exists: kernels/triton_backend.py decodes through split-KV (and packs heads), so a
+    token decoded gets other bits than the same token prefilled; the check above would fail on it."""
+    pool = PagedPool({"ours": SEQ_LEN}, 4, torch.float32, seed=3)
+    backend = TritonAttentionBackend(decode_kv_splits=4)
+    whole = pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN)])[0]
+    decoded = torch.cat(pool.run(backend, [("ours", p + 1, 1) for p in range(SEQ_LEN)]))
+    torch.testing.assert_close(decoded, whole, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(decoded, whole)
+
+
+def test_the_prefill_kernel_with_a_window_is_not_chunking_invariant():
+    """With a sliding window kernels/triton_prefill_attention.py starts its key tiles at the window start of a
+    query tile's first row, which moves with the chunking: a prompt prefilled whole and in two chunks differs."""
+    pool = PagedPool({"ours": SEQ_LEN}, 4, torch.float32, seed=3)
+    backend, window = TritonAttentionBackend(), {"sliding_window": 20}
+    whole = pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN)], **window)[0]
+    chunks = torch.cat([pool.run(backend, [("ours", 29, 29)], **window)[0],
+                        pool.run(backend, [("ours", SEQ_LEN, SEQ_LEN - 29)], **window)[0]])
+    torch.testing.assert_close(chunks, whole, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(chunks, whole)
+
+
+# --- the LayerOps set -----------------------------------------------------------------------------------
+
+def test_the_batch_invariant_layer_ops_set():
+    ops = batch_invariant_triton_layer_ops()
+    assert ops.name == "triton-batch-invariant" and ops.batch_invariant
+    assert ops.linear is linear and ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
+    assert ops.rotary_embedding is triton_rotary.rotary_embedding
+    assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
+    assert ops.gelu_and_mul is triton_silu_and_mul.gelu_and_mul
+    assert ops.fused_moe.func is triton_fused_moe.fused_moe and ops.fused_moe.keywords == {"block_m": MOE_BLOCK_M}
+    assert ops.per_row is apply_row_by_row
+
+
+def test_per_row_applies_the_function_one_row_at_a_time():
+    seen = []
+
+    def soft_cap(rows):
+        seen.append(rows.shape)
+        return torch.tanh(rows / 30.0) * 30.0
+
+    logits = random_tensor((5, 33), torch.float32, 8) * 50
+    torch.testing.assert_close(apply_row_by_row(soft_cap, logits), torch.tanh(logits / 30.0) * 30.0)
+    assert seen == [(1, 33)] * 5
+    assert apply_row_by_row(soft_cap, logits[:0]).shape == (0, 33)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
+    """By default the MoE's row tile is 16 rows for T <= E and 64 above (`tile_rows`); the batch-invariant set
+    fixes it. Rows (hidden | router logits side by side) through T = 1, 3, 64, 257 with 4 experts, top 2."""
+    hidden_size, inter, num_experts = 32, 24, 4
+    w13 = random_tensor((num_experts, 2 * inter, hidden_size), dtype, 9) * 0.2
+    w2 = random_tensor((num_experts, hidden_size, inter), dtype, 10) * 0.2
+    fused_moe = batch_invariant_triton_layer_ops().fused_moe
+
+    def moe(batch, fn=fused_moe):
+        return fn(batch[:, :hidden_size].contiguous(), batch[:, hidden_size:].contiguous(), w13, w2, 2, True, False)
+
+    rows = random_tensor((257, hidden_size + num_experts), dtype, 11)
+    output = assert_rows_batch_invariant(moe, rows)
+    expected = moe(rows, fn=fused_moe_ref.fused_moe)
+    torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
