@@ -70,8 +70,10 @@ def serve(args: argparse.Namespace) -> int:
         else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
             address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
             init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
-        # The worker link's shared secret: a fresh one per start, in the children's environment only.
-        link_secret = {WORKER_SECRET_ENV: os.environ.get(WORKER_SECRET_ENV) or secrets.token_urlsafe(32)}
+        # The worker link's shared secret: the one given, else a fresh one per start, in the children's
+        # environment only. Set but empty: the link stays open (as under compose without one).
+        given = os.environ.get(WORKER_SECRET_ENV)
+        link_secret = {WORKER_SECRET_ENV: secrets.token_urlsafe(32) if given is None else given}
         children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address),
                                         child_environment({API_KEY_ENV: api_key, **link_secret}))}
         for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):

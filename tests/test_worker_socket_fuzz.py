@@ -34,8 +34,10 @@ frames = st.one_of(st.binary(max_size=300), st.sampled_from([m.SerializeToString
 def server(tmp_path_factory):
     model = make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=5)
     address = f"tcp://127.0.0.1:{free_port()}"
+    # The link open (no shared secret), as under compose without one: the hostile frames reach the scheduler's
+    # own parsing, which is what this file tests (tests/test_worker_link_auth.py has the authenticated link).
     with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--num-kv-blocks", "64",
-                        "--worker-address", address) as running:
+                        "--worker-address", address, env={"PAGEDSERVE_WORKER_SECRET": ""}) as running:
         running.worker_address = address
         yield running
 
