@@ -73,7 +73,9 @@ def _standalone_stack(tmp_path):
     started = []
     with open(log_path, "wb") as log:
         try:
-            for argv in (["scheduler", "--grpc-port", str(port), "--worker-address", worker_address],
+            # No worker restarts: a lost worker must end this stack (the killed-worker test below).
+            for argv in (["scheduler", "--grpc-port", str(port), "--worker-address", worker_address,
+                          "--max-worker-restarts", "0"],
                          ["worker", "--scheduler-address", worker_address, "--num-kv-blocks", "64"]):
                 started.append(subprocess.Popen([sys.executable, "-m", "pagedserve", *argv, "--model", str(model)],
                                                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT))

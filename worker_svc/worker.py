@@ -300,8 +300,8 @@ class Worker:
         """Top log_softmax candidates of each beam row (Hugging Face beam search scores raw logprobs)."""
         batch = self.batch
         counts = batch.num_beam_candidates[rows]
-        rows = logits[_to_device(logits_rows, torch.long, self.device)].float()
-        logprobs = self.layer_ops.per_row(lambda part: torch.log_softmax(part, dim=-1), rows)
+        beam_logits = logits[_to_device(logits_rows, torch.long, self.device)].float()
+        logprobs = self.layer_ops.per_row(lambda part: torch.log_softmax(part, dim=-1), beam_logits)
         top = torch.topk(logprobs, k=int(min(counts.max(), logprobs.shape[-1])), dim=-1)
         values, indices = top.values.cpu().tolist(), top.indices.cpu().tolist()
         return [

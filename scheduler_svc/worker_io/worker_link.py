@@ -75,8 +75,9 @@ class WorkerLink:
             self._socket.curve_secretkey = keys.server_secret
             self._socket.curve_publickey = keys.server_public
         self._socket.setsockopt(zmq.LINGER, 0)
-        # A restarted worker connects with its predecessor's identity (its rank): it takes the identity over.
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a second peer claiming a connected worker's identity gets no voice. A restarted
+        # worker reuses its rank's identity only once its predecessor's connection is gone (the launcher stops
+        # the whole rank set first).
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.bind(address)
         self._num_workers = num_workers
