@@ -13,7 +13,7 @@ import pytest
 from pagedserve.testing.server_harness import http_json, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 TARGETS = {  # the two requests whose results must not move: greedy, and seeded sampling
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=0.8, top_p=0.9, seed=7),
@@ -63,28 +63,20 @@ def _run(server, target, others) -> dict[str, tuple]:
 def test_a_request_gives_the_same_bits_alone_batched_chunked_cached_and_preempted(model, tmp_path, dtype,
                                                                                    preemption):
     target, others = _prompts(seed=5)
-    common = ["--model", str(model), "--batch-invariant", "--dtype", dtype, "--max-num-batched-tokens", "32",
-              "--max-num-seqs", "16"]
-    # No prefix cache and a pool too small for all 16: the target is computed fresh, chunked among others'
-    # chunks and decodes, and requests are preempted.
-    with running_server(tmp_path, *common, "--no-prefix-caching", "--num-kv-blocks", "40",
-                        "--preemption-mode", preemption, "--swap-space", "0.05") as server:
-        alone = {name: _run(server, target, [])[name] for name in TARGETS}
-        batched = _run(server, target, others)
-        stats = server.wait_all_blocks_free()
+    # A pool too small for all 16 (requests are preempted) and prompts chunked among others' chunks and decodes.
+    with running_server(tmp_path, "--model", str(model), "--batch-invariant", "--dtype", dtype,
+                        "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--num-kv-blocks", "40",
+                        "--preemption-mode", preemption, "--swap-space", "0.05", http=True) as server:
+        batched = _run(server, target, others)  # first: the target's prompt computed fresh, among the others
+        preempted = server.wait_all_blocks_free().num_preemptions
+        alone = _run(server, target, [])  # its full blocks now come from the prefix cache (an extend)
+        cached_batched = _run(server, target, others)
+        status, _, models = http_json(f"{server.http_url}/v1/models")
         with server.client() as client:
             assert client.model_info().batch_invariant
-    assert stats.num_preemptions > 0, "the pool was meant to force preemption"
+    assert status == 200 and models["data"][0]["batch_invariant"] is True
+    assert preempted > 0, "the pool was meant to force preemption"
     assert batched == alone
-    # Prefix caching on: the second time the target's full blocks come from the cache (an extend over them).
-    with running_server(tmp_path, *common, http=True) as server:
-        status, _, models = http_json(f"{server.http_url}/v1/models")
-        assert status == 200 and models["data"][0]["batch_invariant"] is True
-        first = _run(server, target, [])
-        cached = _run(server, target, [])
-        cached_batched = _run(server, target, others)
-    assert first == alone
-    assert cached == alone
     assert cached_batched == alone
 
 
