@@ -16,7 +16,7 @@ from pagedserve.testing.server_harness import launched_server
 from pagedserve.testing.tiny_models import make_tiny_model
 from tests.stream_watch import HealthWatch, StreamWatch, process_with_role, rank_pid
 
-MAX_TOKENS = 120
+MAX_TOKENS = 80
 POISON_TOKEN = 499
 
 
