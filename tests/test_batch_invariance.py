@@ -13,7 +13,7 @@ import pytest
 from pagedserve.testing.server_harness import http_json, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 
-MAX_TOKENS = 12
+MAX_TOKENS = 16
 TARGETS = {  # the two requests whose results must not move: greedy, and seeded sampling
     "greedy": dict(temperature=0.0),
     "seeded": dict(temperature=0.8, top_p=0.9, seed=7),
@@ -31,8 +31,8 @@ def model(tmp_path_factory):
 
 def _prompts(seed: int) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
-    target = [rng.randrange(3, 512) for _ in range(45)]  # past two 16-token blocks: some come from the cache
-    others = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 50))] for _ in range(14)]
+    target = [rng.randrange(3, 512) for _ in range(70)]
+    others = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 90))] for _ in range(14)]
     return target, others
 
 
@@ -65,7 +65,7 @@ def test_a_request_gives_the_same_bits_alone_batched_chunked_cached_and_preempte
     target, others = _prompts(seed=5)
     # A pool too small for all 16 (requests are preempted) and prompts chunked among others' chunks and decodes.
     with running_server(tmp_path, "--model", str(model), "--batch-invariant", "--dtype", dtype,
-                        "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--num-kv-blocks", "24",
+                        "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--num-kv-blocks", "40",
                         "--preemption-mode", preemption, "--swap-space", "0.05", http=True) as server:
         batched = _run(server, target, others)  # first: the target's prompt computed fresh, among the others
         preempted = server.wait_all_blocks_free().num_preemptions
