@@ -80,13 +80,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """kernels/paged_attention_ref.py's attention, one query at a time over the keys 0 .. its position."""
     output = torch.zeros_like(query)
-    starts = metadata.query_start_loc.tolist()
-    for seq_index, seq_len in enumerate(metadata.seq_lens.tolist()):
-        start, end = starts[seq_index], starts[seq_index + 1]
-        if end == start:
-            continue
-        key, value = paged_attention_ref.gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
-        first_position = seq_len - (end - start)
+    for start, end, key, value in paged_attention_ref.sequences(kv_cache, metadata):
+        first_position = key.shape[0] - (end - start)
         for j in range(end - start):
             seen = first_position + j + 1
             output[start + j : start + j + 1] = paged_attention_ref.attend(

@@ -64,15 +64,19 @@ def paged_attention(
     before the mask. Tokens outside every sequence (padding) get zeros.
     """
     output = torch.zeros_like(query)
-    starts = metadata.query_start_loc.tolist()
-    seq_lens = metadata.seq_lens.tolist()
-    for seq_index, seq_len in enumerate(seq_lens):
-        start, end = starts[seq_index], starts[seq_index + 1]
-        if end == start:
-            continue
-        key, value = gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
+    for start, end, key, value in sequences(kv_cache, metadata):
         output[start:end] = attend(query[start:end], key, value, scale, sliding_window, logit_softcap)
     return output
+
+
+def sequences(kv_cache: torch.Tensor, metadata: AttentionMetadata):
+    """(start, end, key, value) of each sequence with new tokens: its rows [start, end) of the step's tokens,
+    and its whole context's K and V `[L, Hkv, D]` read through its block table."""
+    starts = metadata.query_start_loc.tolist()
+    for seq_index, seq_len in enumerate(metadata.seq_lens.tolist()):
+        start, end = starts[seq_index], starts[seq_index + 1]
+        if end > start:
+            yield start, end, *gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
 
 
 def attend(
