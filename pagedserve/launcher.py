@@ -38,6 +38,7 @@ from pathlib import Path
 
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
+from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
@@ -186,10 +187,17 @@ def _stop_all(children: dict[str, subprocess.Popen], timeout: float) -> None:
         print(f"pagedserve: {name} exit code {child.returncode}", file=sys.stderr, flush=True)
 
 
+def max_num_batched_tokens(args) -> int:
+    """--max-num-batched-tokens, else the device's default (scheduler_svc/config.py says why they differ)."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return GPU_MAX_NUM_BATCHED_TOKENS if args.device.startswith("cuda") else CPU_MAX_NUM_BATCHED_TOKENS
+
+
 def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv = [*model_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port), "--worker-address", address,
             "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--max-num-batched-tokens", str(max_num_batched_tokens(args)),
             "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
             "--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-grace", str(args.heartbeat_grace),
             "--max-worker-restarts", str(args.max_worker_restarts),
@@ -330,6 +338,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
         argv += ["--fail-at-step", str(args.fail_at_step)]
     if args.crash_on_token_id is not None and injects_fault:
         argv += ["--crash-on-token-id", str(args.crash_on_token_id)]
+    if args.prefill_seconds_per_token:
+        argv += ["--prefill-seconds-per-token", str(args.prefill_seconds_per_token)]
     return argv
 
 

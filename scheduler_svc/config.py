@@ -21,6 +21,15 @@ from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_ke
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 
 
+# The step token budget (vLLM's max_num_batched_tokens) when none is given. A step is the unit an abort waits
+# for and a new request's first token queues behind, so on the CPU it is sized in time: one step of the
+# embedded SmolLM2-135M at 128 prompt tokens measured 0.7-0.8 s of 2 cores (README, "Reliability"), at 2048
+# tens of seconds. `pagedserve serve --device cpu` takes the CPU one; the scheduler alone cannot know its
+# workers' device and takes the GPU one.
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+CPU_MAX_NUM_BATCHED_TOKENS = 128
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     model: str | None
@@ -31,7 +40,7 @@ class SchedulerConfig:
     num_workers: int = 1
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = GPU_MAX_NUM_BATCHED_TOKENS
     # None: the model's own context limit.
     max_model_len: int | None = None
     preemption_mode: str = "recompute"
@@ -105,7 +114,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                              "sample the same tokens after a restart")
     parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens in one step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"most tokens in one step (default {GPU_MAX_NUM_BATCHED_TOKENS}; `pagedserve serve "
+                             f"--device cpu`: {CPU_MAX_NUM_BATCHED_TOKENS})")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
@@ -185,6 +196,8 @@ def add_api_key_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = GPU_MAX_NUM_BATCHED_TOKENS
     for flag in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")

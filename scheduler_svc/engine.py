@@ -93,6 +93,7 @@ class Engine:
         self._failure: BaseException | None = None
         self._worker_losses: dict[str, int] = {}  # client request id -> worker losses it is suspected of
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
+        self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
         self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
 
@@ -141,6 +142,8 @@ class Engine:
             return False
         self._inbox.append(_Abort(request_id, notify))
         self._wake.set()
+        if self._sent and self._aborting is None:  # the loop waits for a step: act now, not after it
+            self._aborting = asyncio.ensure_future(self._abort_during_step())
         return True
 
     def stats(self) -> EngineStats:
@@ -180,6 +183,7 @@ class Engine:
         try:
             while True:
                 self._drain_inbox()
+                await self._send_worker_cancels()
                 if len(sent) < depth:
                     output = self._scheduler.schedule()
                     if output.total_num_scheduled_tokens or _carries_block_work(output):
@@ -196,6 +200,25 @@ class Engine:
         except BaseException as failure:
             self.fail_all(failure)
             raise
+
+    async def _abort_during_step(self) -> None:
+        """An abort while steps are in flight takes effect now rather than after the step running: the inbox
+        is drained as between steps (the loop is parked at an await, with its plans and the scheduler's
+        `_unapplied` in step), and the worker told to drop the aborted requests' rows from the plans it has
+        not started. Without this a cancelled long prompt ran every chunk already planned (up to
+        max_steps_in_flight steps of max_num_batched_tokens each) while new requests waited behind it."""
+        try:
+            self._drain_inbox()
+            await self._send_worker_cancels()
+        except Exception:  # a lost link: the loop sees it too and the service acts on it
+            logger.exception("sending aborts to the worker failed")
+        finally:
+            self._aborting = None
+
+    async def _send_worker_cancels(self) -> None:
+        cancels = self._scheduler.take_worker_cancels()
+        if cancels:
+            await self._link.send_cancels(cancels)
 
     async def _send(self, output: SchedulerOutput) -> None:
         timer = self.step_timer

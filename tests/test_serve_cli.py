@@ -90,6 +90,19 @@ def test_tokenizer_seed_chat_template_and_generation_config_reach_the_scheduler(
     assert (defaults.seed, defaults.generation_config, defaults.chat_template) == (0, "auto", None)  # vLLM V1: seed 0
 
 
+@pytest.mark.parametrize("flags, budget", [
+    ((), 128),  # the CPU default: a step of the embedded model well under a second
+    (("--device", "cuda"), 2048),
+    (("--max-num-batched-tokens", "512"), 512),
+    (("--device", "cuda", "--max-num-batched-tokens", "64"), 64),
+])
+def test_the_step_token_budget_defaults_by_device_and_the_flag_wins(flags, budget):
+    argv = _scheduler_argv(serve(*flags), [], "ipc:///tmp/x")
+    config = scheduler_config_from_args(service_args(add_scheduler_arguments, *argv))
+    assert config.max_num_batched_tokens == budget
+    assert scheduler_config_from_args(service_args(add_scheduler_arguments)).max_num_batched_tokens == 2048
+
+
 @pytest.mark.parametrize("flags, prefix, chunked", [
     ((), True, True),
     (("--no-enable-prefix-caching", "--no-enable-chunked-prefill"), False, False),

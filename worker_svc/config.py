@@ -47,6 +47,9 @@ class WorkerConfig:
     fail_at_step: int | None = None
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).
     crash_on_token_id: int | None = None
+    # Test only: each step takes at least this many seconds per prompt token it computes (a slow CPU's
+    # prefill, at a tiny model's cost: the abort-latency tests).
+    prefill_seconds_per_token: float = 0.0
 
     @property
     def torch_dtype_name(self) -> str:
@@ -83,6 +86,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--crash-on-token-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -120,4 +124,5 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval=args.heartbeat_interval,
         fail_at_step=args.fail_at_step,
         crash_on_token_id=args.crash_on_token_id,
+        prefill_seconds_per_token=args.prefill_seconds_per_token,
     )

@@ -4,6 +4,7 @@ Why a thread: the main thread spends whole seconds in a forward pass, the memory
 capture, and must still look alive to the scheduler; and while it waits for a plan it must notice a
 scheduler that is gone. ZeroMQ sockets are not thread-safe, so the IO thread alone touches the DEALER
 socket: it sends a heartbeat every interval, drops frames that do not parse, keeps heartbeats to itself,
+records cancelled requests at once (cancelled_requests.py: they must overtake the plans queued before them),
 hands every other scheduler message to the main thread through a queue, and sends whatever the main thread
 puts on an inproc pipe.
 
@@ -26,6 +27,7 @@ import zmq
 
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.worker_link_auth import LinkKeys, secure_worker_socket
+from worker_svc.cancelled_requests import CancelledRequests
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ class SchedulerLost(RuntimeError):
 
 
 class SchedulerLink:
-    def __init__(self, address: str, identity: bytes, heartbeat_interval: float, keys: LinkKeys | None = None):
+    def __init__(self, address: str, identity: bytes, heartbeat_interval: float, keys: LinkKeys | None = None,
+                 cancelled: CancelledRequests | None = None):
         self._context = zmq.Context()
         self._pipe_address = f"inproc://scheduler-link-{id(self)}"
         self._pipe = self._context.socket(zmq.PAIR)
@@ -47,6 +50,7 @@ class SchedulerLink:
         self._inbox: queue.Queue[worker_pb2.SchedulerToWorker | SchedulerLost] = queue.Queue()
         self._interval = heartbeat_interval
         self._keys = keys  # CURVE keys of the shared secret (service_runtime/worker_link_auth.py), if any
+        self._cancelled = cancelled  # None: CancelRequests are ignored (tensor-parallel ranks)
         self._thread = threading.Thread(target=self._run, args=(address, identity), name="scheduler-link",
                                         daemon=True)
         self._thread.start()
@@ -119,8 +123,12 @@ class SchedulerLink:
                     message = _parse(dealer.recv())
                     if message is not None:
                         last_heard = time.monotonic()
-                        if message.WhichOneof("kind") == "heartbeat":
+                        kind = message.WhichOneof("kind")
+                        if kind == "heartbeat":
                             peer_interval = message.heartbeat.interval_ms / 1000 or self._interval
+                        elif kind == "cancel":
+                            if self._cancelled is not None:
+                                self._cancelled.add(message.cancel.request_ids)
                         else:
                             self._inbox.put(message)
                 now = time.monotonic()

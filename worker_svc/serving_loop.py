@@ -15,6 +15,7 @@ import os
 import time
 
 from protos.pagedserve.v1 import worker_pb2
+from worker_svc.cancelled_requests import CancelledRequests
 from worker_svc.config import WorkerConfig
 from service_runtime.worker_link_auth import link_keys_from
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
@@ -30,8 +31,11 @@ def run_worker(config: WorkerConfig) -> int:
     """Connects, loads, answers plans until told to shut down. Returns the process exit code: 0 when told
     to shut down, 1 when a step failed (the scheduler was told why) or the scheduler went silent."""
     worker = Worker(config)
+    # A single rank drops aborted requests' rows from the plans queued behind the step it runs (see
+    # cancelled_requests.py for why tensor-parallel ranks do not).
+    cancelled = CancelledRequests() if config.world_size == 1 else None
     link = SchedulerLink(config.scheduler_address, f"rank-{config.rank}".encode(), config.heartbeat_interval,
-                         link_keys_from(os.environ))
+                         link_keys_from(os.environ), cancelled)
     hello = worker_pb2.WorkerHello(
         rank=config.rank,
         world_size=config.world_size,
@@ -60,6 +64,8 @@ def run_worker(config: WorkerConfig) -> int:
                 in_flight = None
                 continue
             kind = message.WhichOneof("kind")
+            if kind == "plan" and cancelled is not None:
+                cancelled.drop_rows(message.plan)
             if in_flight is not None and (kind != "plan" or not worker.can_overlap(message.plan)):
                 answer(worker.finish(in_flight))
                 in_flight = None

@@ -183,6 +183,8 @@ class Worker:
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
+        if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
+            time.sleep(self.config.prefill_seconds_per_token * (len(inputs.input_ids) - inputs.num_decode_seqs))
         timer.mark("prepare")
         hidden = self._forward(inputs, previous.sampled_ids if previous is not None else None)
         logits = self._logits(hidden, inputs)

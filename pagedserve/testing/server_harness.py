@@ -36,6 +36,9 @@ from pagedserve.health_probe import http_ok
 # The directory that holds the packages (a checkout, or site-packages): servers start there, so `python -m
 # pagedserve` finds this copy of the code.
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The step budget servers get unless a test gives one: the GPU default, under which every test was written
+# (the CPU default, sized for the embedded model's step time, would chunk tiny models' prompts for nothing).
+TEST_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class ServerProcess:
@@ -137,6 +140,8 @@ def launched_server(tmp_dir: Path, *args: str, http: bool = False, ready_timeout
     port = free_port()
     http_port = free_port() if http else None
     http_args = ["--port", str(http_port)] if http else ["--no-http"]
+    if "--max-num-batched-tokens" not in args:  # the tests' budget: tiny models, whatever the CPU default
+        http_args += ["--max-num-batched-tokens", str(TEST_MAX_NUM_BATCHED_TOKENS)]
     log_path = Path(tmp_dir) / f"server-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(

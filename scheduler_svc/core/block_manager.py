@@ -242,6 +242,22 @@ class BlockManager:
             self._cpu_pool.release(cpu_table)
         self._block_keys.pop(request_id, None)
 
+    def forget_unwritten(self, request_id: str, num_written_tokens: int) -> bool:
+        """The request's tokens past its first `num_written_tokens` may never be written (the worker is to drop
+        the steps that write them, see `Scheduler.abort_request`): evict the cache keys of every GPU block they
+        reach and return True. Changes nothing and returns False when another request holds one of those blocks
+        (it may read them), or the request holds no GPU table (swapped or preempted: its blocks left it)."""
+        table = self._gpu_tables.get(request_id)
+        if not table:
+            return False
+        unwritten = table[max(num_written_tokens, 0) // self._block_size:]
+        if any(self._gpu_pool.ref_count(block_id) > 1 for block_id in unwritten):
+            return False
+        if self._prefix_cache is not None:
+            for block_id in unwritten:
+                self._prefix_cache.evict(block_id)
+        return True
+
     def _allocate_gpu(self, num_blocks: int) -> list[int]:
         block_ids = self._gpu_pool.allocate(num_blocks)
         if self._prefix_cache is not None:

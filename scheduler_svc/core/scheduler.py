@@ -59,7 +59,9 @@ class Scheduler:
         self.max_steps_in_flight = max_steps_in_flight
         # Planned steps that scheduled tokens, oldest first, with the requests that complete in each (by
         # identity: an id may finish and come back before its old step's result does).
-        self._unapplied: deque[tuple[int, dict[str, Request]]] = deque()
+        self._unapplied: deque[tuple[SchedulerOutput, dict[str, Request]]] = deque()
+        # Aborted requests whose rows the worker may drop from the steps in flight (`take_worker_cancels`).
+        self._worker_cancels: list[str] = []
         self._next_arrival_seq = 0
         self._next_fork_seq = 1
         self._num_steps = 0
@@ -213,8 +215,33 @@ class Scheduler:
 
     def abort_request(self, request_id: str) -> bool:
         """Remove an unfinished request from whichever queue holds it and free (or drop its share of) its
-        blocks, GPU and swap. Returns False if it is unknown or already finished."""
-        return self.finish_request(request_id, FinishReason.ABORT)
+        blocks, GPU and swap. Returns False if it is unknown or already finished.
+
+        A request scheduled in steps already planned (async scheduling plans up to `max_steps_in_flight` ahead:
+        a long prompt's next chunks) is also offered to the worker to drop from those steps
+        (`take_worker_cancels`), so an abort costs at most the step running now, not every planned chunk."""
+        request = self._state.requests.get(request_id)
+        if request is None:
+            return False
+        self._offer_worker_cancel(request)
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def take_worker_cancels(self) -> list[str]:
+        """Aborted requests the worker may drop from every plan it has not started (a `CancelRequests`
+        message, sent at once); each is listed in a later plan's finished ids, as every finished request is."""
+        cancels, self._worker_cancels = self._worker_cancels, []
+        return cancels
+
+    def _offer_worker_cancel(self, request: Request) -> None:
+        """Whether the worker may skip `request`'s rows in the steps in flight. Their blocks were registered in
+        the prefix cache when planned, before the worker wrote them: the keys of every block those tokens reach
+        are evicted (a later request must not hit K/V that may never be written). Not offered when another
+        request holds one of those blocks (a prefix hit or fork planned behind it reads them)."""
+        request_id = request.request_id
+        in_flight = sum(output.num_scheduled_tokens().get(request_id, 0) for output, _ in self._unapplied)
+        if in_flight and self.block_manager.forget_unwritten(request_id, request.num_computed_tokens - in_flight):
+            self._worker_cancels.append(request_id)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """Finish an unfinished request for a reason found outside the scheduler (a stop string, an abort).
@@ -260,14 +287,14 @@ class Scheduler:
         `update_from_output` yet.
         """
         if len(self._unapplied) >= self.max_steps_in_flight:
-            raise RuntimeError(f"step {self._unapplied[0][0]} was not passed to update_from_output")
+            raise RuntimeError(f"step {self._unapplied[0][0].step_id} was not passed to update_from_output")
         step_id = self._num_steps
         self._num_steps += 1
         output = self._planner.plan(step_id, tuple(self._finished_ids_to_report))
         self._finished_ids_to_report = []
         if output.total_num_scheduled_tokens:
             requests = self._state.requests
-            self._unapplied.append((step_id, {rid: requests[rid] for rid in output.completing_request_ids}))
+            self._unapplied.append((output, {rid: requests[rid] for rid in output.completing_request_ids}))
         return output
 
     def recover_from_worker_loss(self, block_manager: BlockManager) -> list[Request]:
@@ -290,6 +317,7 @@ class Scheduler:
         state.reporting_in_flight.clear()
         self._unapplied.clear()
         self._finished_ids_to_report = []
+        self._worker_cancels = []
         self.block_manager = state.block_manager = block_manager
         self._planner = StepPlanner(state)
         return in_batch
@@ -315,8 +343,8 @@ class Scheduler:
         """
         if output.total_num_scheduled_tokens == 0:
             return []
-        if not self._unapplied or output.step_id != self._unapplied[0][0]:
-            expected = self._unapplied[0][0] if self._unapplied else None
+        if not self._unapplied or output.step_id != self._unapplied[0][0].step_id:
+            expected = self._unapplied[0][0].step_id if self._unapplied else None
             raise ValueError(f"expected the output of step {expected}, got step {output.step_id}")
         live = self._check_sampled(output, self._unapplied[0][1], sampled)  # raises before anything changes
         self._unapplied.popleft()
@@ -340,19 +368,22 @@ class Scheduler:
         self, output: SchedulerOutput, completing: dict[str, Request], sampled: dict[str, int]
     ) -> list[Request]:
         """The requests of `completing` still unfinished (the same objects), after checking that the worker
-        sampled a token for exactly the completing requests that sample."""
+        sampled a token for exactly the completing requests that sample (one aborted since the plan may lack
+        it: the worker dropped its row, `take_worker_cancels`)."""
         unexpected = sampled.keys() - completing.keys()
         if unexpected:
             raise ValueError(f"tokens sampled for requests not completing in step {output.step_id}: {sorted(unexpected)}")
         live = []
         for request_id, request in completing.items():
+            # Else it left since the plan was made (and maybe came back under its id).
+            is_live = self._state.requests.get(request_id) is request
             samples = not request.prefill_only and not request.num_beam_candidates
-            if samples != (request_id in sampled):
+            if samples != (request_id in sampled) and (is_live or not samples):
                 raise ValueError(
                     f"request {request_id}: a token was {'not ' if samples else ''}sampled in step {output.step_id}"
                 )
-            if self._state.requests.get(request_id) is request:
-                live.append(request)  # else it left since the plan was made (and maybe came back under its id)
+            if is_live:
+                live.append(request)
         return live
 
     def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:

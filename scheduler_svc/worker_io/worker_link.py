@@ -141,6 +141,13 @@ class WorkerLink:
         for rank in sorted(self._identities):
             await self._send(rank, plan)
 
+    async def send_cancels(self, request_ids: list[str]) -> None:
+        """Tells every rank to drop these aborted requests' rows from the plans it has not started (it reads
+        them on its IO thread, ahead of the plans queued before them; see worker.proto's CancelRequests)."""
+        message = worker_pb2.SchedulerToWorker(cancel=worker_pb2.CancelRequests(request_ids=request_ids))
+        for rank in sorted(self._identities):
+            await self._send(rank, message)
+
     async def receive_result(self, step_id: int) -> worker_pb2.StepResult:
         """Waits for rank 0's result of `step_id`, the oldest step sent and not received (the other ranks run
         the step and answer nothing unless it fails)."""
