@@ -52,8 +52,15 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
 }
 
 
+# How gRPC itself words RESOURCE_EXHAUSTED for a message over a receive (or send) limit: a request that can
+# never succeed, not an overload, so it is an InvalidRequestError (and never retried).
+_MESSAGE_TOO_LARGE = ("message larger than max",)
+
+
 def from_rpc_error(error: grpc.RpcError) -> PagedServeError:
     """The typed error for a failed call (sync grpc or grpc.aio); raise it `from` the original."""
     code = (error.code() if hasattr(error, "code") else None) or grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or ""
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and any(text in details.lower() for text in _MESSAGE_TOO_LARGE):
+        return InvalidRequestError(code, details)
     return _ERROR_BY_CODE.get(code, PagedServeError)(code, details)

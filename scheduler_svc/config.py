@@ -149,7 +149,8 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-stop-string-length", type=int, default=1024, help="longest stop string (characters)")
     parser.add_argument("--max-logprobs", type=int, default=20, help="most logprobs one request may ask for")
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
-                        help="largest gRPC request message; larger ones get RESOURCE_EXHAUSTED")
+                        help="largest gRPC request message; larger ones get INVALID_ARGUMENT (beyond twice it, "
+                             "gRPC's own RESOURCE_EXHAUSTED)")
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)

@@ -25,6 +25,7 @@ from grpc_health.v1._async import HealthServicer
 from protos.pagedserve.v1 import worker_pb2
 from scheduler_svc.api.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.api.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
+from scheduler_svc.api.grpc_server import grpc_receive_limit
 from scheduler_svc.api.request_limits import RequestLimits
 from scheduler_svc.api.request_validation import ServingLimits
 from scheduler_svc.config import SchedulerConfig
@@ -59,10 +60,10 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
         # so_reuseport off: a second server started on a port in use fails to bind instead of silently
         # sharing it (the kernel would then hand this server's clients to the other one).
-        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes),
+        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", grpc_receive_limit(config.max_message_bytes)),
                  ("grpc.so_reuseport", 0)],
     )
-    add_generation_service(servicer, server)
+    add_generation_service(servicer, server, config.max_message_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert_file:
@@ -180,20 +181,29 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, health,
     engine_task.cancel()
     with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
         await engine_task
-    replacing = asyncio.ensure_future(
-        link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
-    await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
-    if not replacing.done():
-        replacing.cancel()
-        with contextlib.suppress(asyncio.CancelledError, WorkerFailure, TimeoutError):
-            await replacing
-        logger.error("stopped while waiting for replacement workers")
-        return False
-    try:
-        pool = replacing.result()
-    except (WorkerFailure, TimeoutError) as error:
-        logger.error("no replacement workers: %s", error or f"not ready in {config.worker_ready_timeout:g} s")
-        return False
+    # A replacement that dies before it reported its pool (killed again while loading) is waited for once more,
+    # as often as --max-worker-restarts allows: its supervisor starts another.
+    for attempts_left in range(config.max_worker_restarts, -1, -1):
+        replacing = asyncio.ensure_future(
+            link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
+        await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not replacing.done():
+            replacing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, WorkerFailure, TimeoutError):
+                await replacing
+            logger.error("stopped while waiting for replacement workers")
+            return False
+        try:
+            pool = replacing.result()
+            break
+        except WorkerFailure as error:
+            if not attempts_left:
+                logger.error("no replacement workers: %s", error)
+                return False
+            logger.error("a replacement worker was lost while starting (%s); waiting for another", error)
+        except TimeoutError:
+            logger.error("no replacement workers: not ready in %g s", config.worker_ready_timeout)
+            return False
     failed = engine.recover_from_worker_loss(_block_manager(config, pool), failure)
     logger.warning("workers replaced (%d KV blocks): requests in flight resume by recompute%s", pool.num_kv_blocks,
                    f"; {failed} failed after repeated losses" if failed else "")

@@ -1,5 +1,6 @@
 """Hostile input through the real processes: every size limit refuses with INVALID_ARGUMENT naming the field
-and the limit but never echoing the input, a message over --max-message-bytes gets RESOURCE_EXHAUSTED, bytes
+and the limit but never echoing the input, a message over --max-message-bytes gets INVALID_ARGUMENT (past twice
+it, gRPC's own RESOURCE_EXHAUSTED, which the SDK does not retry), bytes
 that are not a GenerateRequest (or carry invalid UTF-8) get INVALID_ARGUMENT, and a hypothesis fuzz of every
 GenerateRequest field never gets INTERNAL or UNKNOWN; the server serves normally afterwards."""
 
@@ -74,10 +75,23 @@ def _raw_generate(server, payload: bytes, timeout: float = 30.0):
         return grpc.StatusCode.OK, "", responses
 
 
-def test_a_message_over_the_size_limit_is_resource_exhausted(server):
+def test_a_message_over_the_size_limit_is_invalid_argument_naming_the_limit(server):
+    """A request that can never succeed: INVALID_ARGUMENT, not gRPC's RESOURCE_EXHAUSTED ("not now")."""
     request = generate_pb2.GenerateRequest(text="x" * (MAX_MESSAGE_BYTES + 10))
-    code, _, _ = _raw_generate(server, request.SerializeToString())
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    code, details, _ = _raw_generate(server, request.SerializeToString())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("request:") and f"{MAX_MESSAGE_BYTES:,}-byte" in details and "--max-message-bytes" in details
+
+
+def test_a_message_over_twice_the_limit_is_refused_by_grpc_and_the_sdk_does_not_retry_it(server):
+    """Past twice the limit gRPC refuses it before decoding (RESOURCE_EXHAUSTED); the SDK reads gRPC's wording
+    as a request that can never succeed: InvalidRequestError, after one attempt."""
+    request = generate_pb2.GenerateRequest(text="x" * (2 * MAX_MESSAGE_BYTES + 10))
+    code, details, _ = _raw_generate(server, request.SerializeToString())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details
+    with server.client() as client:
+        with pytest.raises(InvalidRequestError):  # not OverloadedError, which the SDK retries
+            client.generate("x" * (2 * MAX_MESSAGE_BYTES + 10), max_tokens=1)
 
 
 @pytest.mark.parametrize("payload", [

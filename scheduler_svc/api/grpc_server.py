@@ -5,7 +5,8 @@ step (before any token, and before the cost of tokenizing, so a flood is cheap t
 (refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded on a worker thread so
 the loop keeps relaying other streams), submit to the engine, and relay the engine's deltas as stream
 messages. Request bytes that do not parse (not protobuf, or a string field that is not
-UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
+UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`),
+and so does a request over --max-message-bytes (`grpc_receive_limit` says how).
 A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
 engine, which frees its blocks.
 """
@@ -65,10 +66,31 @@ class ServedModel:
 class MalformedRequest:
     """What a request's bytes decode to when they are not a valid message of the method's request type."""
 
+    reason = "not a valid message (malformed protobuf, or a string field that is not UTF-8)"
 
-def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Server) -> None:
+
+class OversizedRequest(MalformedRequest):
+    """A request over --max-message-bytes: it can never succeed, so INVALID_ARGUMENT (not gRPC's own
+    RESOURCE_EXHAUSTED, which says "not now" and which clients retry)."""
+
+    def __init__(self, num_bytes: int, max_message_bytes: int) -> None:
+        self.reason = (f"{num_bytes:,} bytes, over the {max_message_bytes:,}-byte message limit "
+                       "(the scheduler's --max-message-bytes)")
+
+
+def grpc_receive_limit(max_message_bytes: int) -> int:
+    """The gRPC server's own receive limit: twice --max-message-bytes, so a request over the limit but not
+    over twice it reaches our decoder, which answers INVALID_ARGUMENT naming the limit. gRPC refuses anything
+    larger itself with RESOURCE_EXHAUSTED "Received message larger than max" (the SDK maps that wording to
+    InvalidRequestError and does not retry it); the ceiling stays so a huge message is never decoded."""
+    return 2 * max_message_bytes
+
+
+def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Server,
+                           max_message_bytes: int | None = None) -> None:
     """Registers the Generation service like the generated `add_GenerationServicer_to_server`, but with
-    request decoders that never raise: a malformed request reaches its handler as a `MalformedRequest`."""
+    request decoders that never raise: a malformed request reaches its handler as a `MalformedRequest`, one
+    over `max_message_bytes` as an `OversizedRequest`."""
     handlers = {}
     for method in _SERVICE.methods:
         request_class = getattr(generate_pb2, method.input_type.name)
@@ -76,13 +98,15 @@ def add_generation_service(servicer: "GenerationServicer", server: grpc.aio.Serv
         make_handler = (grpc.unary_stream_rpc_method_handler if method.server_streaming
                         else grpc.unary_unary_rpc_method_handler)
         handlers[method.name] = make_handler(getattr(servicer, method.name),
-                                             request_deserializer=_decoder(request_class),
+                                             request_deserializer=_decoder(request_class, max_message_bytes),
                                              response_serializer=response_class.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-def _decoder(request_class):
+def _decoder(request_class, max_message_bytes: int | None):
     def decode(data: bytes):
+        if max_message_bytes is not None and len(data) > max_message_bytes:
+            return OversizedRequest(len(data), max_message_bytes)
         try:
             return request_class.FromString(data)
         except Exception:  # protobuf's DecodeError, or invalid UTF-8 in a string field
@@ -92,8 +116,7 @@ def _decoder(request_class):
 
 async def _refuse_malformed(request, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, MalformedRequest):
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                            "request: not a valid message (malformed protobuf, or a string field that is not UTF-8)")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {request.reason}")
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):

@@ -21,6 +21,10 @@ from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
 # every stream's tokens: the tokenizer is Rust and releases the GIL, and a megabyte takes tens of milliseconds.
 OFF_LOOP_PROMPT_CHARS = 16_384
 
+# How many code points Unicode normalization (a tokenizer's NFC, e.g. Qwen2's) may fold into one at most: a
+# base letter with three combining marks (Greek 'ᾄ') or decomposed Hangul jamo compose into one character.
+MAX_NORMALIZATION_FOLD = 4
+
 # Template variables a request may not override through chat_template_kwargs: those the server sets itself
 # (and vLLM's own request fields, which have their own wire fields).
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -37,9 +41,11 @@ def encode_prompt(
     add_special_tokens: bool | None,
     tokenizer: Tokenizer | None,
     vocab_size: int,
+    max_model_len: int | None = None,
 ) -> list[int]:
     """Token ids of the prompt form `kind` ("text", "token_ids" or "chat"); fields are named as in
-    GenerateRequest (prompt.text, prompt.chat.*, add_special_tokens)."""
+    GenerateRequest (prompt.text, prompt.chat.*, add_special_tokens). With `max_model_len`, a text too long
+    to fit in it is refused before it is tokenized (`check_prompt_chars`)."""
     if kind is None:
         raise InvalidRequestError("prompt", "one of text, token_ids or chat is required")
     if kind == "token_ids":
@@ -53,13 +59,30 @@ def encode_prompt(
     if kind == "text":
         if not text:
             raise InvalidRequestError("prompt.text", "must not be empty")
+        check_prompt_chars("prompt.text", text, tokenizer, max_model_len)
         ids = tokenizer.encode(text, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
     else:
         rendered = render_chat(chat, tokenizer)
+        check_prompt_chars("prompt.chat.messages", rendered, tokenizer, max_model_len)
         ids = tokenizer.encode(rendered, add_special_tokens=bool(add_special_tokens))
     if not ids:
         raise InvalidRequestError(f"prompt.{kind}", "encodes to no tokens")
     return ids
+
+
+def check_prompt_chars(field: str, text: str, tokenizer: Tokenizer, max_model_len: int | None) -> None:
+    """Refuses a text that cannot encode to fewer than `max_model_len` tokens, without tokenizing it (a 20 MB
+    prompt would take a tokenizer thread seconds). No valid prompt is refused: a token covers at most
+    `tokenizer.max_token_chars` characters of the text as normalized, and normalization folds at most
+    MAX_NORMALIZATION_FOLD characters into one, so a text over max_model_len * max_token_chars *
+    MAX_NORMALIZATION_FOLD characters needs more than max_model_len tokens (SmolLM2: 8,192 * 81 * 4 = 2.65
+    million characters)."""
+    if max_model_len is None:
+        return
+    bound = max_model_len * tokenizer.max_token_chars * MAX_NORMALIZATION_FOLD
+    if len(text) > bound:
+        raise InvalidRequestError(field, f"{len(text):,} characters cannot fit in max_model_len {max_model_len} "
+                                         f"tokens (refused above {bound:,} characters, before tokenizing)")
 
 
 def prompt_chars(text: str, chat: generate_pb2.ChatPrompt) -> int:

@@ -65,7 +65,7 @@ def _prompt_token_ids(
 ) -> list[int]:
     add_special_tokens = request.add_special_tokens if request.HasField("add_special_tokens") else None
     return encode_prompt(request.WhichOneof("prompt"), request.text, list(request.token_ids.ids), request.chat,
-                         add_special_tokens, tokenizer, limits.vocab_size)
+                         add_special_tokens, tokenizer, limits.vocab_size, limits.max_model_len)
 
 
 def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -> InvalidRequestError:

@@ -21,6 +21,8 @@ templates are compiled in `chat_template.py`; both loaders build a `TokenizerSpe
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,14 @@ class Tokenizer:
                 self._single_token_texts[key] = text
             return text
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary string, added tokens included. A token covers at most this many
+        characters of a text: a byte-level token's string has one character per byte it covers (>= one per
+        code point), a SentencePiece piece one per character ('▁' for a space), a byte-fallback or special
+        token's spelling is at least as long as what it matches."""
+        return max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
         """Vocabulary strings of `ids` (byte-level spelling, e.g. 'Ġworld'); None for an id out of the vocabulary."""
