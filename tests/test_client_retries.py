@@ -136,3 +136,26 @@ def test_a_frozen_server_is_noticed_by_keepalive_pings(monkeypatch):
         next(stream)
         os.kill(process.pid, signal.SIGSTOP)
         _raises_unavailable_within(stream, 10.0)
+
+
+class _RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_grpcs_own_message_size_refusal_is_an_invalid_request_and_not_retried():
+    """RESOURCE_EXHAUSTED is "not now" (retried) unless gRPC says the message was over its limit: that request
+    can never succeed (a message over twice the server's --max-message-bytes, or over a client send limit)."""
+    from client.errors import from_rpc_error
+    too_large = from_rpc_error(_RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         "Received message larger than max (9000000 vs. 8388608)"))
+    assert isinstance(too_large, InvalidRequestError)
+    assert RetryBudget(RetryPolicy(), None).next_pause(too_large) is None
+    busy = from_rpc_error(_RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "1024 sequences are already queued"))
+    assert isinstance(busy, OverloadedError) and RetryBudget(RetryPolicy(), None).next_pause(busy) is not None
