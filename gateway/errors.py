@@ -59,10 +59,13 @@ def model_not_found(served: str) -> OpenAIError:
 def from_scheduler_error(error: PagedServeError, retry_after_s: int) -> OpenAIError:
     """The OpenAI error for a failed gRPC call to the scheduler."""
     details = error.details or error.code.name
-    if error.code == grpc.StatusCode.INVALID_ARGUMENT:
+    # The scheduler's message limit (INVALID_ARGUMENT naming --max-message-bytes), or past twice it gRPC's own
+    # (RESOURCE_EXHAUSTED): not load, and a 429 would have OpenAI clients resend the same request forever.
+    too_large = (error.code == grpc.StatusCode.INVALID_ARGUMENT and "--max-message-bytes" in details) or (
+        error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details)
+    if error.code == grpc.StatusCode.INVALID_ARGUMENT and not too_large:
         return invalid_request(details, _openai_param(details))
-    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in details:
-        # gRPC's size limit, not load: a 429 would have OpenAI clients resend the same request forever.
+    if too_large:
         return OpenAIError(413, f"the request is larger than the model server accepts: {details}",
                            type="invalid_request_error", code="request_too_large")
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:

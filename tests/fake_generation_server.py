@@ -26,7 +26,7 @@ STATS = generate_pb2.GetStatsResponse(**{
 
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):
-    """Prompt text -> behaviour: "invalid" / "overloaded" / "oversized" / "unavailable" fail; "unavailable twice" fails
+    """Prompt text -> behaviour: "invalid" / "overloaded" / "oversized" / "over the limit" / "unavailable" fail; "unavailable twice" fails
     UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
     fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
     waits for `gate`, then finishes; anything else streams NORMAL_CHUNKS and finishes with "stop"."""
@@ -48,7 +48,10 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests waiting")
         if request.text == "oversized":  # what gRPC answers a message over the server's size limit
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                "Received message larger than max (5242880 vs. 4194304)")
+                                "Received message larger than max (9437184 vs. 8388608)")
+        if request.text == "over the limit":  # what the scheduler answers a message over --max-message-bytes
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: 5,242,880 bytes, over the 4,194,304-byte "
+                                "message limit (the scheduler's --max-message-bytes)")
         attempt = sum(getattr(earlier, "text", None) == request.text for earlier in self.requests)
         if request.text == "unavailable" or (request.text == "unavailable twice" and attempt <= 2):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is starting")

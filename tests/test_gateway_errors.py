@@ -100,10 +100,13 @@ def test_a_body_over_the_limit_is_a_final_413_and_never_reaches_the_scheduler(fa
     assert status == 200  # the server keeps serving
 
 
-def test_a_request_over_the_schedulers_message_limit_is_a_413_not_a_429(fake, gateway_url, openai_client):
-    status, headers, body = post(gateway_url, "/v1/completions", {"prompt": "oversized"})
+@pytest.mark.parametrize("prompt, says", [("over the limit", "--max-message-bytes"), ("oversized", "larger than max")])
+def test_a_request_over_the_schedulers_message_limit_is_a_413_not_a_429(fake, gateway_url, openai_client, prompt,
+                                                                         says):
+    """The scheduler's INVALID_ARGUMENT naming its limit, or past twice it gRPC's own RESOURCE_EXHAUSTED."""
+    status, headers, body = post(gateway_url, "/v1/completions", {"prompt": prompt})
     assert status == 413 and "Retry-After" not in headers
-    assert body["error"]["code"] == "request_too_large" and "larger than max" in body["error"]["message"]
+    assert body["error"]["code"] == "request_too_large" and says in body["error"]["message"]
     with pytest.raises(openai.APIStatusError) as raised:
         openai_client.completions.create(model="fake-model", prompt="oversized")
     assert raised.value.status_code == 413
