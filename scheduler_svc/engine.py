@@ -91,7 +91,10 @@ class Engine:
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
-        self._worker_losses: dict[str, int] = {}  # client request id -> worker losses it is suspected of
+        # Client request id -> worker losses it is suspected of since it last got a token (a request that runs
+        # on a new worker is not what killed the old ones: under repeated unrelated losses it must not be
+        # taken for a poison request).
+        self._worker_losses: dict[str, int] = {}
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
@@ -247,8 +250,9 @@ class Engine:
     def recover_from_worker_loss(self, block_manager, failure: BaseException) -> int:
         """New workers replace lost ones (the loop is stopped): every request in flight stays open and is
         recomputed from its known tokens on `block_manager`, the new workers' empty pool. A request suspected
-        of MAX_WORKER_LOSSES_PER_REQUEST losses ends with RequestFailedError instead: a request that crashes its
-        worker would otherwise crash every new one. Returns how many requests were failed."""
+        of MAX_WORKER_LOSSES_PER_REQUEST losses with no token of its own in between ends with RequestFailedError
+        instead: a request that crashes its worker would otherwise crash every new one. Returns how many requests
+        were failed."""
         # Suspects: the requests that joined the worker in the steps it lost (a crash at admission is theirs),
         # else, when it crashed in the middle of decoding, every request it held.
         joined = {data.request_id for output in self._sent for data in output.new_requests}
@@ -319,6 +323,8 @@ class Engine:
             group = owners.get(request.request_id)
             if group is None:
                 continue
+            if self._worker_losses:
+                self._worker_losses.pop(group.request_id, None)  # it ran on this worker: no longer suspected
             group.on_step(request, outcome)
             if group.finished:  # the request that ended it says why (a beam row may not: STOP)
                 self._forget(group, request.finish_reason or FinishReason.STOP)
