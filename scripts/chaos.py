@@ -3,15 +3,17 @@ then proof that worker crash recovery lost nothing: no request failed, greedy an
 tokens of an undisturbed run, and every KV block is free at the end.
 
     .venv/bin/python scripts/chaos.py                                  # 2,000 requests, a kill every 30 s
-    .venv/bin/python scripts/chaos.py --requests 300 --kill-every 20   # what the README's CPU figure ran
+    .venv/bin/python scripts/chaos.py --requests 150 --kill-every 20 --concurrency 16 --time-limit 420
+                                       # the README's figure on 2 loaded CPU cores
 
 It starts its own `pagedserve serve` on a free loopback port (--model, else a tiny random Llama), with
 --max-worker-restarts high enough for every kill. The mix: streaming and non-streaming (`generate`), greedy
-and seeded sampling, prompts of 1-48 tokens and 1-48 output tokens; 10% are cancelled after 0-3 chunks.
+and seeded sampling, prompts of 1-32 tokens and 1-32 output tokens; 10% are cancelled after 0-3 tokens.
 First every request that runs to its end (greedy or seeded) is sent once with no kill, as the reference;
 then all of them again, concurrently, while a thread kills the worker (the launcher's child running
-worker_svc) every --kill-every seconds. Prints one JSON object; exits 1 if a request failed, a token
-differed from the reference, or a block was not freed.
+worker_svc) every --kill-every seconds, a replacement still loading included. Each pass starts no request
+after --time-limit seconds. Prints one JSON object; exits 1 if a request failed or never started, a token
+differed from the reference, or a block was not freed at the end (GetStats: free KV blocks == KV blocks).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Plan:
 
 @dataclass
 class Tally:
+    started: int = 0
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -61,9 +64,9 @@ def make_plans(count: int, seed: int, vocab_size: int) -> list[Plan]:
     plans = []
     for index in range(count):
         greedy = rng.random() < 0.5
-        sampling = dict(max_tokens=rng.randint(1, 48), ignore_eos=True,
+        sampling = dict(max_tokens=rng.randint(1, 32), ignore_eos=True,
                         **(dict(temperature=0.0) if greedy else dict(temperature=0.9, top_p=0.95, seed=index)))
-        plans.append(Plan(index, [rng.randrange(vocab_size) for _ in range(rng.randint(1, 48))], sampling,
+        plans.append(Plan(index, [rng.randrange(vocab_size) for _ in range(rng.randint(1, 32))], sampling,
                           streaming=rng.random() < 0.5,
                           cancel_after=rng.randint(0, 3) if rng.random() < 0.1 else None))
     return plans
@@ -86,13 +89,17 @@ async def run_one(client: AsyncClient, plan: Plan) -> list[int] | None:
 
 
 async def run_all(target: str, plans: list[Plan], concurrency: int, reference: dict[int, list[int]] | None,
-                  tally: Tally) -> dict[int, list[int]]:
+                  tally: Tally, deadline: float) -> dict[int, list[int]]:
+    """Runs the plans, `concurrency` at a time; none starts after `deadline` (time.monotonic())."""
     gate = asyncio.Semaphore(concurrency)
     results: dict[int, list[int]] = {}
     async with AsyncClient(target, max_retries=10) as client:
 
         async def one(plan: Plan) -> None:
             async with gate:
+                if time.monotonic() > deadline:
+                    return
+                tally.started += 1
                 try:
                     tokens = await run_one(client, plan)
                 except PagedServeError as error:
@@ -104,7 +111,7 @@ async def run_all(target: str, plans: list[Plan], concurrency: int, reference: d
                     return
                 tally.completed += 1
                 results[plan.index] = tokens
-                if reference is not None and reference.get(plan.index) != tokens:
+                if reference is not None and plan.index in reference and reference[plan.index] != tokens:
                     tally.mismatched += 1
                     tally.note(f"request {plan.index} ({plan.sampling}): tokens differ from the undisturbed run")
 
@@ -138,6 +145,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="default: a tiny random Llama")
+    parser.add_argument("--time-limit", type=float, default=3600.0,
+                        help="seconds per pass (reference, then chaos); no request starts after it")
     args = parser.parse_args()
     with running_server(Path(os.environ.get("TMPDIR", "/tmp")), *(_model_args(args.model)), "--max-model-len", "256",
                         "--max-worker-restarts", "1000") as server:
@@ -147,25 +156,26 @@ def main() -> int:
         whole = [plan for plan in plans if plan.cancel_after is None]
         started = time.monotonic()
         reference_tally = Tally()
-        reference = asyncio.run(run_all(server.target, whole, args.concurrency, None, reference_tally))
+        reference = asyncio.run(run_all(server.target, whole, args.concurrency, None, reference_tally,
+                                        started + args.time_limit))
         reference_s = time.monotonic() - started
         stop, kills = threading.Event(), []
         killer = threading.Thread(target=kill_worker_every, args=(server, args.kill_every, stop, kills), daemon=True)
         tally = Tally()
         started = time.monotonic()
         killer.start()
-        asyncio.run(run_all(server.target, plans, args.concurrency, reference, tally))
+        asyncio.run(run_all(server.target, plans, args.concurrency, reference, tally, started + args.time_limit))
         stop.set()
         killer.join()
         chaos_s = time.monotonic() - started
         stats = server.wait_all_blocks_free(timeout=60)
-    report = dict(requests=args.requests, kill_every_s=args.kill_every, worker_kills=len(kills),
-                  completed=tally.completed, cancelled=tally.cancelled, failed=tally.failed,
+    report = dict(requests=args.requests, started=tally.started, kill_every_s=args.kill_every,
+                  worker_kills=len(kills), completed=tally.completed, cancelled=tally.cancelled, failed=tally.failed,
                   token_mismatches=tally.mismatched, compared_with_reference=len(reference),
                   reference_failed=reference_tally.failed, failures=tally.failures + reference_tally.failures,
                   num_kv_blocks=stats.num_kv_blocks, num_free_kv_blocks=stats.num_free_kv_blocks,
                   reference_s=round(reference_s, 1), chaos_s=round(chaos_s, 1))
-    report["ok"] = (not tally.failed and not tally.mismatched and not reference_tally.failed
+    report["ok"] = (tally.started == args.requests and not tally.failed and not tally.mismatched and not reference_tally.failed
                     and stats.num_free_kv_blocks == stats.num_kv_blocks)
     print(json.dumps(report, indent=2))
     return 0 if report["ok"] else 1
