@@ -7,20 +7,35 @@ the bound is 512 * 81 * 4 = 165,888 characters."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import pytest
 
 from client import AsyncClient, InvalidRequestError
-from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.server_harness import REPO_ROOT, running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 from service_runtime.model_source import resolve_model
 
 MAX_MODEL_LEN = 512
 CHAR_BOUND = MAX_MODEL_LEN * 81 * 4
-HUGE_PROMPT = "hello world " * (20_000_000 // 12)  # 20 MB
 UNDER_BOUND = "hello world " * (CHAR_BOUND // 12)  # tokenized (on a thread), then too many tokens
-STREAM = dict(max_tokens=60, ignore_eos=True, temperature=0.0)
+SEND_HUGE_PROMPTS = '''
+import sys
+from client import Client, InvalidRequestError
+prompts = ["hello world " * (20_000_000 // 12), "hello world " * (int(sys.argv[2]) // 12)]
+with Client(sys.argv[1], max_retries=0) as client:
+    client.model_info()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for prompt in prompts:
+        try:
+            client.generate(prompt, max_tokens=1)
+        except InvalidRequestError:
+            continue
+        sys.exit("not refused")
+'''
+STREAM = dict(max_tokens=300, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +60,8 @@ def test_a_text_over_the_character_bound_is_refused_before_tokenizing_and_one_un
 
 
 async def _max_gaps(client: AsyncClient, prompts: list[str], interfere) -> list[float]:
-    """Each stream's largest gap between chunks after its 5th; `interfere` starts once every stream has 5."""
+    """Each stream's largest gap between chunks after its 5th; `interfere` starts once every stream has 5 and
+    must end before they do."""
     arrivals: list[list[float]] = [[] for _ in prompts]
     ready = asyncio.Event()
 
@@ -58,23 +74,31 @@ async def _max_gaps(client: AsyncClient, prompts: list[str], interfere) -> list[
     streams = asyncio.gather(*(stream(index) for index in range(len(prompts))))
     await ready.wait()
     await interfere()
+    interfered = time.monotonic()
     await streams
+    assert all(times[-1] > interfered for times in arrivals), "the streams ended before the huge prompts did"
     return [max(b - a for a, b in zip(times[4:], times[5:])) for times in arrivals]
 
 
 def test_a_20_mb_prompt_next_to_4_streams_delays_none_of_their_tokens_by_more_than_200_ms(server):
     prompts = [f"stream {index} says" for index in range(4)]
 
-    async def nothing() -> None:
-        return None
-
-    async def huge_prompts() -> None:
-        async with AsyncClient(server.target, max_retries=0) as other:
-            for prompt in (HUGE_PROMPT, UNDER_BOUND):
-                with pytest.raises(InvalidRequestError):
-                    await other.generate(prompt, max_tokens=1)
-
     async def run():
+        # The prompts are sent from another process (building and sending 20 MB here would stall this loop,
+        # which times the streams), started first so that its start-up is not in the window.
+        sender = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", SEND_HUGE_PROMPTS, server.target, str(CHAR_BOUND), cwd=REPO_ROOT,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert (await sender.stdout.readline()).strip() == b"ready"
+
+        async def nothing() -> None:
+            return None
+
+        async def huge_prompts() -> None:
+            sender.stdin.write(b"go\n")
+            await sender.stdin.drain()
+            assert await sender.wait() == 0
+
         async with AsyncClient(server.target) as client:
             baseline = await _max_gaps(client, prompts, nothing)
             loaded = await _max_gaps(client, prompts, huge_prompts)

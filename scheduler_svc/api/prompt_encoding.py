@@ -18,7 +18,8 @@ from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
 
 # Characters of prompt text above which it is encoded on a worker thread, not on the event loop that relays
-# every stream's tokens: the tokenizer is Rust and releases the GIL, and a megabyte takes tens of milliseconds.
+# every stream's tokens: a megabyte takes tens of milliseconds, and Tokenizer.encode releases the GIL for such
+# a text (through the Rust tokenizer's encode_batch; its plain encode holds the GIL throughout).
 OFF_LOOP_PROMPT_CHARS = 16_384
 
 # How many code points Unicode normalization (a tokenizer's NFC, e.g. Qwen2's) may fold into one at most: a
