@@ -24,8 +24,8 @@ from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartb
 # The step token budget (vLLM's max_num_batched_tokens) when none is given. A step is the unit an abort waits
 # for and a new request's first token queues behind, so on the CPU it is sized in time: one step of the
 # embedded SmolLM2-135M at 128 prompt tokens measured 0.19 s on 2 cores at the start of a prompt and 0.63 s at
-# position 2,000 (README, "Reliability"); at 2048 tokens, 13 s and more. `pagedserve serve --device cpu` takes the CPU one; the scheduler alone cannot know its
-# workers' device and takes the GPU one.
+# position 2,000 (README, "Reliability"); at 2048 tokens, 13 s and more. `pagedserve serve --device cpu` takes
+# the CPU one; the scheduler alone cannot know its workers' device and takes the GPU one.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 128
 
