@@ -2,7 +2,9 @@
 max_model_len can hold is refused before it is tokenized (prompt_encoding.check_prompt_chars), a long text
 under that bound is tokenized on a worker thread, and 4 streams running meanwhile see no gap between tokens
 grow by more than 200 ms. A tiny Llama with SmolLM2's tokenizer (the embedded GGUF's), max_model_len 512:
-the bound is 512 * 81 * 4 = 165,888 characters."""
+the bound is 512 * 81 * 4 = 165,888 characters. Measured: the largest gap grew from 23 to 116 ms on this
+2-core machine at rest; while other sessions saturated it (load 12) it grew by 410 ms and this test failed:
+the sender's and gRPC's work on 20 MB then takes CPU time from the worker itself (README, "Input bounds")."""
 
 from __future__ import annotations
 
