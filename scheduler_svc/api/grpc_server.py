@@ -21,7 +21,7 @@ import grpc
 
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.api.delta_coalescing import coalesce, take_ready
-from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS
+from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.api.request_limits import RequestLimitError
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
 from scheduler_svc.api.tokenization import detokenize, tokenize
@@ -149,7 +149,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
             request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
-            if request.ByteSize() > OFF_LOOP_PROMPT_CHARS:  # not len(request.text): that copies a huge text here
+            if prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS:
                 validated = await asyncio.to_thread(validate_request, request, self._tokenizer, model.limits)
             else:
                 validated = validate_request(request, self._tokenizer, model.limits)
