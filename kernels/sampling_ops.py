@@ -26,6 +26,9 @@ class SamplingOps:
     kth_largest: Callable
     nucleus: Callable
     logprob_details: Callable
+    # Each pass gives a row its own program, reducing over the vocabulary in blocks of a size fixed by the
+    # vocabulary alone: a row's bits cannot depend on the other rows (batch-invariant as they are).
+    one_program_per_row: bool = False
 
 
 def torch_sampling_ops() -> SamplingOps:
@@ -38,14 +41,18 @@ def triton_sampling_ops() -> SamplingOps:
     from kernels import triton_kth_largest, triton_logprob_details, triton_nucleus, triton_sample
 
     return SamplingOps("triton", triton_sample.first_pass, triton_kth_largest.kth_largest, triton_nucleus.nucleus,
-                       triton_logprob_details.logprob_details)
+                       triton_logprob_details.logprob_details, one_program_per_row=True)
 
 
 def batch_invariant_sampling_ops(ops: SamplingOps) -> SamplingOps:
     """`ops` with the passes that reduce over a row or draw transcendental noise over it (the first pass's
     logsumexp and Gumbel noise, the nucleus's exp and mass) run one row at a time, so that a row's token and
     logprobs cannot depend on the other rows (kernels/batch_invariant_ref.py says why on the CPU). The k-th
-    largest (a sort) and the logprob details (top-k, gathers, one subtraction) are exact per row already."""
+    largest (a sort) and the logprob details (top-k, gathers, one subtraction) are exact per row already. A set
+    whose kernels run one program per row (the Triton set) is batch-invariant already and is returned as is:
+    row-at-a-time launches would only cost N launches per pass."""
+    if ops.one_program_per_row:
+        return ops
     return SamplingOps(f"{ops.name}-batch-invariant", _one_row_at_a_time(ops.first_pass), ops.kth_largest,
                        _one_row_at_a_time(ops.nucleus), ops.logprob_details)
 

@@ -232,3 +232,28 @@ def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
     output = assert_rows_batch_invariant(moe, rows)
     expected = moe(rows, fn=fused_moe_ref.fused_moe)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# --- sampling ---------------------------------------------------------------------------------------------
+
+def test_the_triton_sampling_passes_are_batch_invariant_without_the_row_by_row_wrapper():
+    """One program per row and a block fixed by the vocabulary: a row's token, max and normalizer (the
+    first pass with Gumbel noise, then the nucleus draw) are the same bits in any batch, so the mode keeps
+    the Triton set as it is instead of launching it once per row."""
+    from kernels import sample_ref
+    from kernels.sampling_ops import batch_invariant_sampling_ops, triton_sampling_ops
+
+    ops = triton_sampling_ops()
+    assert batch_invariant_sampling_ops(ops) is ops
+
+    def first_and_nucleus(rows):
+        n = rows.shape[0]
+        temperature, seed = torch.full((n,), 0.8), torch.full((n,), 7, dtype=torch.int64)
+        position, top_p, min_p = torch.full((n,), 5, dtype=torch.int64), torch.full((n,), 0.9), torch.zeros(n)
+        ids, max_scaled, normalizer = ops.first_pass(rows, None, temperature, seed, position, 1e-5, True)
+        threshold = sample_ref.kth_largest(rows, torch.full((n,), 50)).threshold
+        ids = ops.nucleus(rows, ids, max_scaled, temperature, seed, position, top_p, min_p, threshold, 1e-5, None)
+        return torch.stack([ids.double(), max_scaled.double(), normalizer.double()], dim=-1)
+
+    assert_rows_batch_invariant(first_and_nucleus, random_tensor((64, 3000), torch.float32, 9) * 3,
+                                batch_sizes=(1, 3, 64))
