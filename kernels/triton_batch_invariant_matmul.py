@@ -36,6 +36,7 @@ from kernels.triton_numerics import dot_precision, needs_upcast
 # The one tile configuration. Changing it changes every row's bits (consistently for every batch).
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 NUM_WARPS, NUM_STAGES = 4, 3
+TILE = (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -78,10 +79,13 @@ def _batch_invariant_linear_kernel(
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           tile: tuple[int, int, int, int, int] = TILE) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
     accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
-    Leading axes beyond one are flattened into rows, as F.linear accepts them."""
+    Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile` (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages) is for benchmarks/batch_invariant_kernel_bench.py: serving uses the one TILE."""
+    block_m, block_n, block_k, num_warps, num_stages = tile
     assert weight.dim() == 2 and hidden.shape[-1] == weight.shape[1]
     assert hidden.dtype == weight.dtype, "hidden and weight must share a dtype"
     leading = hidden.shape[:-1]
@@ -98,15 +102,15 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
-    grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(n_size, BLOCK_N))
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n_size, block_n))
     _batch_invariant_linear_kernel[grid](
         hidden, weight, bias if bias is not None else out, out,
         num_rows, n_size, k_size,
         hidden.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=needs_upcast(hidden.dtype),
         DOT_PRECISION=dot_precision(hidden.dtype),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out.reshape(*leading, n_size)

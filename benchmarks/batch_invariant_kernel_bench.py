@@ -1,0 +1,111 @@
+"""Where `--batch-invariant` loses time on a GPU: the batch-invariant linear at candidate tile configurations
+against cuBLAS (F.linear), at a shape's layer sizes and token counts from a 1-row decode to a 16k prefill, each
+configuration checked for invariance. One command on a lent GPU:
+
+    python benchmarks/batch_invariant_kernel_bench.py --shape qwen2.5-1.5b [--json FILE]
+
+A configuration is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); serving uses one for every launch
+(kernels/triton_batch_invariant_matmul.py says why). "invariant" means row 0 of a 1-row product has the same
+bits as the same row at random positions among 3, 64, 257 and 2,048 rows (tests/triton_kernels' check).
+Printed per configuration: the time of each (layer, tokens) relative to cuBLAS, and the step-weighted total
+(decode rows at 256 tokens plus one 16k-token prefill, per layer's share of a forward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.model_shapes import SHAPES, head_dim  # noqa: E402
+from kernels.triton_batch_invariant_matmul import TILE, linear  # noqa: E402
+from tests.triton_kernels.batch_invariance_cases import assert_rows_batch_invariant  # noqa: E402
+
+CANDIDATES = [TILE, (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 256, 64, 8, 3),
+              (128, 256, 64, 8, 3), (64, 128, 32, 4, 5), (128, 128, 32, 8, 4)]
+TOKENS = (1, 64, 256, 2048, 16384)
+
+
+def layer_sizes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of one decoder layer, and the LM head."""
+    s = SHAPES[shape]
+    hidden, heads, kv_heads, d = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], head_dim(shape)
+    inter = s["intermediate_size"]
+    return {"qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter), "lm_head": (s["vocab_size"], hidden)}
+
+
+def tokens_of(layer: str) -> tuple[int, ...]:
+    """The LM head sees only the sampled rows (at most a decode batch), the other layers every token."""
+    return tuple(t for t in TOKENS if t <= 256) if layer == "lm_head" else TOKENS
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    sizes = layer_sizes(args.shape)
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}
+    results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(0), "cublas_ms": {}, "configs": {}}
+    for name, weight in weights.items():
+        for tokens in tokens_of(name):
+            x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            results["cublas_ms"][f"{name}@{tokens}"] = time_ms(lambda: F.linear(x, weight))
+    for tile in CANDIDATES:
+        entry: dict = {"ms": {}}
+        try:
+            for name, weight in weights.items():
+                for tokens in tokens_of(name):
+                    x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                    entry["ms"][f"{name}@{tokens}"] = time_ms(lambda: linear(x, weight, tile=tile))
+            full = torch.randn(2048, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
+            try:
+                assert_rows_batch_invariant(lambda rows: linear(rows, weights["gate_up"], tile=tile), full,
+                                            batch_sizes=(1, 3, 64, 257, 2048))
+                entry["invariant"] = True
+            except AssertionError as error:
+                entry["invariant"] = f"NO: {error}"
+        except Exception as error:  # noqa: BLE001 - a configuration that does not compile or fit is reported
+            entry["error"] = repr(error)[:300]
+            results["configs"][str(tile)] = entry
+            print(tile, entry["error"], flush=True)
+            continue
+        # One forward pass's linear time: every decoder layer's four plus the LM head (on the sampled rows).
+        for tokens in (256, 16384):
+            ours = layers * sum(entry["ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
+            cublas = layers * sum(results["cublas_ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
+            entry[f"forward_linear_ms@{tokens}"] = ours
+            entry[f"over_cublas@{tokens}"] = ours / cublas
+        results["configs"][str(tile)] = entry
+        print(tile, "invariant" if entry["invariant"] is True else entry["invariant"],
+              {k: round(v, 3) for k, v in entry.items() if k.startswith(("over", "forward"))}, flush=True)
+    print("cublas forward linear ms @256:", layers * sum(results["cublas_ms"][f"{n}@256"] for n in sizes if n != "lm_head"),
+          "@16384:", layers * sum(results["cublas_ms"][f"{n}@16384"] for n in sizes if n != "lm_head"))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
