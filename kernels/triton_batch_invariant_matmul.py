@@ -37,6 +37,7 @@ from kernels.triton_numerics import dot_precision, needs_upcast
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 NUM_WARPS, NUM_STAGES = 4, 3
 TILE = (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
+GROUP_M = 8
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -55,11 +56,21 @@ def _batch_invariant_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Grouped launch order (GROUP_M row tiles sweep the column tiles together): a weight tile and a group's
+    # rows stay in L2 while they are reused. The order programs run in changes no element's math.
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(num_rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
     col_mask = cols < n_size
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -102,13 +113,13 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(n_size, block_n))
+    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n_size, block_n),)
     _batch_invariant_linear_kernel[grid](
         hidden, weight, bias if bias is not None else out, out,
         num_rows, n_size, k_size,
         hidden.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
         UPCAST=needs_upcast(hidden.dtype),
         DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=num_warps, num_stages=num_stages,
