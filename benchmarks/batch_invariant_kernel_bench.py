@@ -60,15 +60,60 @@ def time_ms(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def sweep(sizes: dict, weights: dict, layers: int) -> dict:
+    """Per token count, every tile of a grid: one forward pass's linear time (LM head aside); the best tile per
+    token count; and whether every tile that ran gave the same bits as the first on a probe."""
+    small = [(64, n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w in (4,) for st in (3, 4)]
+    large = [(m, n, 64, 8, st) for m in (128, 256) for n in (128, 256) for st in (3, 4)] + [(128, 128, 128, 8, 3)]
+    probe = torch.randn(257, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
+    reference, differing, best = None, [], {}
+    for tokens, tiles in ((1, small), (16, small), (64, small), (128, small), (256, small + large[:4]),
+                          (1024, large), (2048, large), (16384, large)):
+        timings = {}
+        for tile in tiles:
+            try:
+                total = 0.0
+                for name, weight in weights.items():
+                    if name == "lm_head":
+                        continue
+                    x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                    total += layers * time_ms(lambda: linear(x, weight, tile=tile), repeats=10)
+                timings[str(tile)] = total
+                bits = linear(probe, weights["gate_up"], tile=tile)
+                if reference is None:
+                    reference = bits
+                elif not torch.equal(bits, reference) and str(tile) not in differing:
+                    differing.append(str(tile))
+            except Exception as error:  # noqa: BLE001
+                timings[str(tile)] = repr(error)[:100]
+        numeric = {t: v for t, v in timings.items() if isinstance(v, float)}
+        cublas = 0.0
+        for name, weight in weights.items():
+            if name != "lm_head":
+                x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                cublas += layers * time_ms(lambda: F.linear(x, weight), repeats=10)
+        winner = min(numeric, key=numeric.get)
+        best[tokens] = {"tile": winner, "ms": numeric[winner], "cublas_ms": cublas, "over_cublas": numeric[winner] / cublas}
+        print("sweep", tokens, best[tokens], flush=True)
+    return {"best": best, "tiles_with_other_bits": differing}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
     args = parser.parse_args()
     sizes = layer_sizes(args.shape)
     layers = SHAPES[args.shape]["num_hidden_layers"]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}
     results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(0), "cublas_ms": {}, "configs": {}}
+    if args.sweep:
+        results["sweep"] = sweep(sizes, weights, layers)
+        print("tiles with other bits:", results["sweep"]["tiles_with_other_bits"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     for name, weight in weights.items():
         for tokens in tokens_of(name):
             x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
