@@ -8,9 +8,14 @@ another order) where a prefill of 2,000 rows runs a plain tiled GEMM. Both are c
 sum is taken in a different order, so the same token gets different bits depending on what else is in the
 batch (--batch-invariant, issue 21). Here everything that decides a row's reduction order is a constant:
 
-- ONE tile configuration, `BLOCK_M`, `BLOCK_N`, `BLOCK_K` below: no autotuning, no choice by T, no
-  split-K. The tile shape (and so the MMA instruction and its per-element accumulation order) is the
-  same for every launch; the number of rows only changes how many tiles there are.
+- ONE tile configuration, `TILE` below, unless the device shows that the tiles make no difference: no
+  autotuning, no split-K. The tile shape fixes the MMA instructions and so a product's accumulation order,
+  and the number of rows only changes how many tiles there are. On an H200 every tile we tried (BLOCK_M 64
+  to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps; benchmarks/batch_invariant_kernel_bench.py)
+  gave the same bits: Hopper's MMA chains the K dimension 16 products at a time, in K order, whatever the
+  tile. So `tile_by_rows` (a decode-sized tile up to SMALL_ROWS rows, a prefill-sized one past) is used
+  where `tiles_agree` finds the same on the device at start-up (kernels/batch_invariant_layer_ops.py), and
+  TILE alone everywhere else (the interpreter, whose numpy matmul sums a tile's K in its own order).
 - K is looped from 0 in `BLOCK_K` steps into one fp32 accumulator, in that order, for every row; the last
   partial K tile reads zeros (exact zero products, which change no sum).
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
@@ -27,17 +32,38 @@ fp32 operands use IEEE products (no TF32) on the GPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.triton_numerics import dot_precision, needs_upcast
 
-# The one tile configuration. Changing it changes every row's bits (consistently for every batch).
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
-NUM_WARPS, NUM_STAGES = 4, 3
-TILE = (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). TILE: the one tile where tiles are not known to agree; a prefill's
+# best on an H200 (1.28x cuBLAS at 16k rows). SMALL_TILE: a decode's best there (64 to 256 rows).
+TILE = (128, 128, 64, 8, 3)
+SMALL_TILE, SMALL_ROWS = (64, 64, 128, 4, 3), 256
 GROUP_M = 8
+
+Tile = tuple[int, int, int, int, int]
+
+
+def tile_by_rows(num_rows: int) -> Tile:
+    """The faster tile for this many rows; batch-invariant only where `tiles_agree` holds."""
+    return SMALL_TILE if num_rows <= SMALL_ROWS else TILE
+
+
+def tiles_agree(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether SMALL_TILE and TILE give the same bits on this device: random products (K a multiple of every
+    BLOCK_K, and not), compared whole."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, n, k in ((70, 192, 1536), (33, 130, 1000)):
+        hidden = torch.randn(rows, k, generator=generator).to(device, dtype)
+        weight = (torch.randn(n, k, generator=generator) / k**0.5).to(device, dtype)
+        if not torch.equal(linear(hidden, weight, tile=SMALL_TILE), linear(hidden, weight, tile=TILE)):
+            return False
+    return True
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -91,12 +117,11 @@ def _batch_invariant_linear_kernel(
 
 
 def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: tuple[int, int, int, int, int] = TILE) -> torch.Tensor:
+           tile: Tile | Callable[[int], Tile] = TILE) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
     accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
-    Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile` (BLOCK_M, BLOCK_N,
-    BLOCK_K, warps, stages) is for benchmarks/batch_invariant_kernel_bench.py: serving uses the one TILE."""
-    block_m, block_n, block_k, num_warps, num_stages = tile
+    Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile`: one tile for every
+    call, or a function of the row count (`tile_by_rows`, where `tiles_agree`)."""
     assert weight.dim() == 2 and hidden.shape[-1] == weight.shape[1]
     assert hidden.dtype == weight.dtype, "hidden and weight must share a dtype"
     leading = hidden.shape[:-1]
@@ -107,6 +132,7 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         hidden = hidden.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    block_m, block_n, block_k, num_warps, num_stages = tile(num_rows) if callable(tile) else tile
     out = torch.empty((num_rows, n_size), dtype=hidden.dtype, device=hidden.device)
     if num_rows == 0 or n_size == 0:
         return out.reshape(*leading, n_size)

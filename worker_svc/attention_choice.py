@@ -27,7 +27,7 @@ def make_layer_ops(config: WorkerConfig) -> LayerOps:
             return batch_invariant_torch_layer_ops()
         from kernels.batch_invariant_layer_ops import batch_invariant_triton_layer_ops
 
-        return batch_invariant_triton_layer_ops()
+        return batch_invariant_triton_layer_ops(config.device)
     return triton_layer_ops() if kernel_set(config) == "triton" else torch_layer_ops()
 
 

@@ -192,10 +192,16 @@ def test_the_prefill_kernel_with_a_window_is_not_chunking_invariant():
 
 # --- the LayerOps set -----------------------------------------------------------------------------------
 
-def test_the_batch_invariant_layer_ops_set():
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_batch_invariant_layer_ops_set(monkeypatch, agree):
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    monkeypatch.setattr(matmul, "tiles_agree", lambda device: agree)
     ops = batch_invariant_triton_layer_ops()
     assert ops.name == "triton-batch-invariant" and ops.batch_invariant
-    assert ops.linear is linear and ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
+    # The tile follows the row count only where the device gives every tile the same bits.
+    assert ops.linear.func is linear and ops.linear.keywords == {"tile": matmul.tile_by_rows if agree else matmul.TILE}
+    assert ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
     assert ops.rotary_embedding is triton_rotary.rotary_embedding
     assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
     assert ops.gelu_and_mul is triton_silu_and_mul.gelu_and_mul
@@ -232,6 +238,19 @@ def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
     output = assert_rows_batch_invariant(moe, rows)
     expected = moe(rows, fn=fused_moe_ref.fused_moe)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_tiles_agree_compares_the_two_tiles_bits(monkeypatch):
+    """The start-up check: the same tile twice agrees; a tile that sums K in other groups does not under the
+    interpreter (numpy's matmul orders a tile's K its own way), which is why there it is TILE everywhere."""
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    monkeypatch.setattr(matmul, "SMALL_TILE", matmul.TILE)
+    assert matmul.tiles_agree("cpu")
+    monkeypatch.setattr(matmul, "SMALL_TILE", (64, 64, 32, 4, 3))
+    assert not matmul.tiles_agree("cpu")
+    assert matmul.tile_by_rows(matmul.SMALL_ROWS) == matmul.SMALL_TILE
+    assert matmul.tile_by_rows(matmul.SMALL_ROWS + 1) == matmul.TILE
 
 
 # --- sampling ---------------------------------------------------------------------------------------------
