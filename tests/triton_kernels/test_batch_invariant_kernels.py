@@ -197,10 +197,12 @@ def test_the_batch_invariant_layer_ops_set(monkeypatch, agree):
     from kernels import triton_batch_invariant_matmul as matmul
 
     monkeypatch.setattr(matmul, "tiles_agree", lambda device: agree)
+    monkeypatch.setattr(matmul, "slices_agree", lambda device: agree)
     ops = batch_invariant_triton_layer_ops()
     assert ops.name == "triton-batch-invariant" and ops.batch_invariant
     # The tile follows the row count only where the device gives every tile the same bits.
-    assert ops.linear.func is linear and ops.linear.keywords == {"tile": matmul.tile_by_rows if agree else matmul.TILE}
+    assert ops.linear.func is linear and ops.linear.keywords == {
+        "tile": matmul.tile_by_rows if agree else matmul.TILE, "split_rows": matmul.SPLIT_ROWS if agree else 0}
     assert ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
     assert ops.rotary_embedding is triton_rotary.rotary_embedding
     assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
@@ -251,6 +253,19 @@ def test_tiles_agree_compares_the_two_tiles_bits(monkeypatch):
     assert not matmul.tiles_agree("cpu")
     assert matmul.tile_by_rows(matmul.SMALL_ROWS) == matmul.SMALL_TILE
     assert matmul.tile_by_rows(matmul.SMALL_ROWS + 1) == matmul.TILE
+
+
+def test_k_slices_in_programs_of_their_own_give_the_in_program_sums_bits():
+    """Few rows: each K slice in its own programs and a second kernel adding them in slice order; the same
+    bits as one program adding its slices in that order (what every larger batch runs). K = 1000 makes the
+    last slice partial, with a bias."""
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    assert matmul.slices_agree("cpu")
+    hidden, weight = random_tensor((9, 1000), torch.bfloat16, 3), random_tensor((70, 1000), torch.bfloat16, 4)
+    split, whole = linear(hidden, weight, split_rows=9), linear(hidden, weight, split_rows=0)
+    assert torch.equal(split, whole)
+    torch.testing.assert_close(split.float(), F.linear(hidden.float(), weight.float()), atol=2e-2, rtol=2e-2)
 
 
 # --- sampling ---------------------------------------------------------------------------------------------
