@@ -9,7 +9,8 @@ here, not a precompute over the vocabulary. The grpc layer calls this off the ev
 GIL while it validates) and a bounded LRU cache keyed by the constraint's bytes builds a repeated schema once.
 
 What each kind becomes (vLLM's meanings): json -> llguidance's JSON-schema grammar (whitespace between tokens
-allowed unless disable_any_whitespace; an unimplemented keyword is refused, not ignored); json_object -> the
+allowed unless disable_any_whitespace or the schema's own llguidance options, "x-guidance": {"whitespace_flexible":
+false}, say otherwise; an unimplemented keyword is refused, not ignored); json_object -> the
 schema {"type": "object"}; regex -> a regex grammar (Rust regex syntax: no look-around or back-references);
 choice -> an alternation of the strings as literals; grammar -> Lark as llguidance reads it, or GBNF (`::=`
 rules, as llama.cpp and vLLM accept), converted to Lark by llguidance's own converter.
@@ -86,9 +87,12 @@ def _json_schema_grammar(schema_text: str, disable_any_whitespace: bool, field: 
         raise InvalidRequestError(field, f"not valid JSON ({error})") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(field, "a JSON schema must be an object (or true/false)")
-    options = {"whitespace_flexible": not disable_any_whitespace}
+    # Free whitespace by default (vLLM's), which a schema's own "x-guidance" options may turn off;
+    # disable_any_whitespace overrides them.
     try:
-        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+        if disable_any_whitespace:
+            return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
+        return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": True})
     except ValueError as error:
         raise InvalidRequestError(field, _reason(str(error))) from None
 
