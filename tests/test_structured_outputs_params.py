@@ -64,3 +64,22 @@ def test_the_offline_llm_constrains_its_outputs(tmp_path):
         (result,) = offline.generate(["Is it?"], params, use_tqdm=False)
     for output in result.outputs:
         assert output.finish_reason == "stop" and json.loads(output.text) in ({"ok": True}, {"ok": False})
+
+
+def test_the_command_line_sends_json_schema_regex_or_choice(tmp_path, capsys):
+    from client.cli import main
+    from tests.fake_generation_server import FakeServer
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    fake = FakeServer()
+    try:
+        server = fake.reset()
+        assert main(["hi", "--target", fake.target, "--json-schema", str(schema_file)]) == 0
+        assert main(["hi", "--target", fake.target, "--regex", "a+"]) == 0
+        assert main(["hi", "--target", fake.target, "--choice", "yes", "no"]) == 0
+        sent = [request.sampling.structured_outputs for request in server.requests]
+        assert json.loads(sent[0].json) == SCHEMA and sent[1].regex == "a+" and list(sent[2].choice.choices) == ["yes", "no"]
+        assert main(["hi", "--target", fake.target, "--json-schema", str(tmp_path / "missing.json")]) == 2
+    finally:
+        fake.stop()
