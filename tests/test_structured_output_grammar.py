@@ -122,6 +122,14 @@ def test_beam_search_and_a_server_without_tokenizer_refuse_constraints(tokenizer
         validate_request(_request(structured_outputs=wire(regex="a")), None, LIMITS)
 
 
+@pytest.mark.parametrize("sampling, field", [(dict(min_tokens=2), "sampling.min_tokens"),
+                                             (dict(bad_words=["x"]), "sampling.bad_words")])
+def test_masks_that_could_leave_a_constrained_row_nothing_to_sample_are_refused(tokenizer, sampling, field):
+    with pytest.raises(InvalidRequestError, match="structured_outputs") as refused:
+        validate_request(_request(structured_outputs=wire(choice=["x"]), **sampling), tokenizer, LIMITS)
+    assert refused.value.field == field
+
+
 def test_the_worker_sampling_params_carry_the_grammar():
     from scheduler_svc.core.sampling_params import SamplingParams
     from scheduler_svc.core.scheduler_output import NewRequestData

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import logging
+
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from protos.pagedserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
 
 
 class GrammarViolation(RuntimeError):
@@ -60,7 +64,7 @@ class GrammarMatchers:
 
     def add(self, row: int, grammar: str, output_token_ids: Sequence[int]) -> None:
         """Gives `row` a matcher of `grammar` that has consumed the row's output so far (a resumed row's)."""
-        matcher = LLMatcher(self.tokenizer, grammar)
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
         if matcher.is_error():
             raise ValueError(f"row {row}: the grammar does not compile: {matcher.get_error()}")
         if len(output_token_ids) and not matcher.consume_tokens([int(t) for t in output_token_ids]):
@@ -92,6 +96,8 @@ class GrammarMatchers:
         for row, token_id in zip(rows[self.constrained[rows]].tolist(), token_ids[self.constrained[rows]].tolist()):
             matcher = self._matchers[row]
             if matcher.is_stopped():
+                if matcher.is_error():  # e.g. a parser limit reached while computing a mask: it allowed EOS only
+                    logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
                 continue
             if not matcher.consume_token(token_id):
                 raise GrammarViolation(f"row {row}: sampled token {token_id} that its grammar rejects: "

@@ -161,6 +161,14 @@ def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer 
                                   "the server has none")
     if constrained and beam_width > 1:
         raise InvalidRequestError("sampling.structured_outputs", "not supported with beam search")
+    # Masks that could remove the grammar's only continuation (EOS once it is complete, a banned word's last
+    # token) would leave a row with no token to sample.
+    if constrained and wire.min_tokens:
+        raise InvalidRequestError("sampling.min_tokens", "not supported with structured_outputs (it masks EOS, "
+                                  "which may be the grammar's only continuation)")
+    if constrained and len(wire.bad_words):
+        raise InvalidRequestError("sampling.bad_words", "not supported with structured_outputs (a banned token "
+                                  "may be the grammar's only continuation)")
     return structured_grammar(wire.structured_outputs)
 
 
