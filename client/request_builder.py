@@ -41,10 +41,10 @@ def build_generate_request(
     early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
     bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
     skip_special_tokens, spaces_between_special_tokens, structured_outputs (a StructuredOutputsParams or a dict
-    of its fields: json, regex, choice, grammar, json_object, disable_any_whitespace); and the request's own request_id, priority
-    (lower first), return_prompt (the result carries the prompt's text and token ids), add_special_tokens
-    (default: true for a text, false for a chat) and strict_context_length (prompt + max_tokens past the
-    model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
+    of its fields: json, regex, choice, grammar, json_object, disable_any_whitespace); and the request's own
+    request_id, priority (lower first), return_prompt (the result carries the prompt's text and token ids),
+    add_special_tokens (default: true for a text, false for a chat) and strict_context_length (prompt +
+    max_tokens past the model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
     add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
     variables) and documents (a list of dicts). Raises TypeError for any other keyword or a malformed prompt,
     ValueError for a malformed chat message.

@@ -43,7 +43,8 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, Mapping):
-            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
+            raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict, "
+                            f"got {type(value).__name__}")
         unknown = sorted(set(value) - {*KINDS, "disable_any_whitespace"})
         if unknown:
             raise TypeError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")

@@ -1,8 +1,8 @@
 """Structured outputs end to end through the real processes, on a tiny random Llama that carries a real tokenizer
 (SmolLM2's, 49152 tokens, in a vocabulary padded to 49216): at temperature 1 with n = 8 every output of a nested
 JSON schema parses, validates against it (jsonschema) and ends with EOS; regex, choice and GBNF grammar outputs
-match; the same through the OpenAI gateway (response_format json_schema); bad constraints are INVALID_ARGUMENT / 400 naming the
-field, and the server keeps serving. Random weights never close a JSON object on their own: only the grammar
+match; the same through the OpenAI gateway (response_format json_schema); bad constraints are INVALID_ARGUMENT /
+400 naming the field, and the server keeps serving. Random weights never close a JSON object on their own: only the grammar
 (maxLength, maxItems, enums, no free whitespace) brings these outputs to their end."""
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("constraint, field, says", BAD, ids=[case[1].rsplit(".", 1)[1] + "-" + case[2] for case in BAD])
+@pytest.mark.parametrize("constraint, field, says", BAD,
+                         ids=[case[1].rsplit(".", 1)[1] + "-" + case[2] for case in BAD])
 def test_a_bad_constraint_is_invalid_argument_naming_the_field_and_the_server_keeps_serving(server, constraint,
                                                                                             field, says):
     with server.client() as client:

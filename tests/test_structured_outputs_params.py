@@ -79,7 +79,8 @@ def test_the_command_line_sends_json_schema_regex_or_choice(tmp_path, capsys):
         assert main(["hi", "--target", fake.target, "--regex", "a+"]) == 0
         assert main(["hi", "--target", fake.target, "--choice", "yes", "no"]) == 0
         sent = [request.sampling.structured_outputs for request in server.requests]
-        assert json.loads(sent[0].json) == SCHEMA and sent[1].regex == "a+" and list(sent[2].choice.choices) == ["yes", "no"]
+        assert json.loads(sent[0].json) == SCHEMA and sent[1].regex == "a+"
+        assert list(sent[2].choice.choices) == ["yes", "no"]
         assert main(["hi", "--target", fake.target, "--json-schema", str(tmp_path / "missing.json")]) == 2
     finally:
         fake.stop()

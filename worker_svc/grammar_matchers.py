@@ -19,9 +19,8 @@ stopped matcher allows.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch

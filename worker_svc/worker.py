@@ -141,8 +141,8 @@ class Worker:
                                                 adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
             sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
         # The grammar mask (constrained rows) has one variant.
-        self.sampling_ops.apply_token_bitmask(torch.zeros(1, vocab_size, device=self.device),
-                                              torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32, device=self.device),
+        no_tokens = torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32, device=self.device)
+        self.sampling_ops.apply_token_bitmask(torch.zeros(1, vocab_size, device=self.device), no_tokens,
                                               torch.zeros(1, dtype=torch.int64, device=self.device))
         from kernels.triton_kth_largest import MAX_FILTERED_K  # Triton only on a GPU
 

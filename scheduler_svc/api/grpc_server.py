@@ -3,9 +3,10 @@
 Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
 step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
 (refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded, and a structured-output
-constraint's grammar built, on a worker thread so the loop keeps relaying other streams), submit to the engine, and relay the engine's deltas as stream
-messages. Request bytes that do not parse (not protobuf, or a string field that is not
-UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`).
+constraint's grammar built, on a worker thread so the loop keeps relaying other streams), submit to the
+engine, and relay the engine's deltas as stream messages. Request bytes that do not parse (not protobuf, or
+a string field that is not UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer
+(`add_generation_service`).
 A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
 engine, which frees its blocks.
 """
