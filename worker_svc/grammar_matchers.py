@@ -92,12 +92,19 @@ class GrammarMatchers:
         """Each constrained row of `rows` consumes its sampled token. A stopped matcher (its grammar complete,
         EOS consumed) takes nothing more: a token sampled after it, in a step planned before the scheduler saw
         the EOS, is one the scheduler drops."""
-        for row, token_id in zip(rows[self.constrained[rows]].tolist(), token_ids[self.constrained[rows]].tolist()):
+        constrained = self.constrained[rows]
+        advancing = []
+        for row, token_id in zip(rows[constrained].tolist(), token_ids[constrained].tolist()):
             matcher = self._matchers[row]
-            if matcher.is_stopped():
-                if matcher.is_error():  # e.g. a parser limit reached while computing a mask: it allowed EOS only
-                    logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
-                continue
-            if not matcher.consume_token(token_id):
+            if not matcher.is_stopped():
+                advancing.append((row, token_id))
+            elif matcher.is_error():  # e.g. a parser limit reached while computing a mask: it allowed EOS only
+                logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
+        if not advancing:
+            return
+        # In llguidance's thread pool, the GIL released.
+        accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
+        for (row, token_id), ok in zip(advancing, accepted):
+            if not ok:
                 raise GrammarViolation(f"row {row}: sampled token {token_id} that its grammar rejects: "
-                                       f"{matcher.get_error()}")
+                                       f"{self._matchers[row].get_error()}")
