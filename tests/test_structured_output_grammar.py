@@ -61,19 +61,19 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"enum
     (dict(grammar='root ::= "x" num\nnum ::= [0-9]+'), "x42", "x"),  # GBNF
 ], ids=["json", "json-compact", "json_object", "regex", "choice-escaped", "choice-pipe", "lark", "gbnf"])
 def test_each_kind_becomes_a_grammar_that_accepts_what_it_should(ll_tokenizer, tokenizer, kind, good, bad):
-    grammar = structured_grammar(wire(**kind))
+    grammar = structured_grammar(wire(**kind), tokenizer)
     assert accepts(ll_tokenizer, tokenizer, grammar, good)
     assert not accepts(ll_tokenizer, tokenizer, grammar, bad)
 
 
-def test_no_constraint_is_an_empty_grammar():
-    assert structured_grammar(generate_pb2.StructuredOutputs()) == ""
+def test_no_constraint_is_an_empty_grammar(tokenizer):
+    assert structured_grammar(generate_pb2.StructuredOutputs(), tokenizer) == ""
 
 
-def test_a_repeated_constraint_is_built_once():
+def test_a_repeated_constraint_is_built_once(tokenizer):
     schema = wire(json=json.dumps({"type": "object", "properties": {"unique_to_this_test": {"type": "string"}}}))
     before = structured_outputs._cached_grammar.cache_info()
-    first, second = structured_grammar(schema), structured_grammar(schema)
+    first, second = structured_grammar(schema, tokenizer), structured_grammar(schema, tokenizer)
     after = structured_outputs._cached_grammar.cache_info()
     assert first == second and after.misses == before.misses + 1 and after.hits == before.hits + 1
     assert after.maxsize == structured_outputs.GRAMMAR_CACHE_SIZE
@@ -90,13 +90,14 @@ def test_a_repeated_constraint_is_built_once():
     (dict(choice=["a", ""]), "choice", "must not be empty"),
     (dict(grammar="root ::= (\"a\""), "grammar", "GBNF"),
     (dict(grammar="   "), "grammar", "must not be empty"),
+    (dict(grammar='start: "a" <|no_such_token|>'), "grammar", "unknown special token"),
     (dict(json_object=False), "json_object", "must be true"),
     (dict(disable_any_whitespace=True), "disable_any_whitespace", "json"),
     (dict(regex="a", disable_any_whitespace=True), "disable_any_whitespace", "json"),
 ])
-def test_a_bad_constraint_is_refused_naming_the_field(kind, field, says):
+def test_a_bad_constraint_is_refused_naming_the_field(tokenizer, kind, field, says):
     with pytest.raises(InvalidRequestError) as refused:
-        structured_grammar(wire(**kind))
+        structured_grammar(wire(**kind), tokenizer)
     assert refused.value.field == f"sampling.structured_outputs.{field}"
     assert says in str(refused.value), str(refused.value)
     assert len(str(refused.value)) < 400
@@ -110,7 +111,7 @@ def _request(**sampling) -> generate_pb2.GenerateRequest:
 
 def test_validation_puts_the_grammar_in_sampling_params(tokenizer):
     validated = validate_request(_request(structured_outputs=wire(regex="a+")), tokenizer, LIMITS)
-    assert validated.sampling_params.structured_grammar == structured_grammar(wire(regex="a+"))
+    assert validated.sampling_params.structured_grammar == structured_grammar(wire(regex="a+"), tokenizer)
     assert validate_request(_request(), tokenizer, LIMITS).sampling_params.structured_grammar == ""
 
 
@@ -143,3 +144,15 @@ def test_the_grammar_module_imports_no_torch():
     code = ("import sys; import scheduler_svc.api.structured_outputs, scheduler_svc.api.request_validation; "
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'torch or numpy imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_tokenizer_llguidance_cannot_read_refuses_constraints():
+    class UnreadableTokenizer:
+        eos_token_ids = (0,)
+
+        def to_json(self) -> str:
+            return '{"model": {"type": "NoSuchModel"}}'
+
+    with pytest.raises(InvalidRequestError, match="not available for this model's tokenizer") as refused:
+        structured_grammar(wire(regex="a"), UnreadableTokenizer())
+    assert refused.value.field == "sampling.structured_outputs"

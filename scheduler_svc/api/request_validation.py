@@ -169,7 +169,7 @@ def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer 
     if constrained and len(wire.bad_words):
         raise InvalidRequestError("sampling.bad_words", "not supported with structured_outputs (a banned token "
                                   "may be the grammar's only continuation)")
-    return structured_grammar(wire.structured_outputs)
+    return structured_grammar(wire.structured_outputs, tokenizer)
 
 
 def _penalties_and_masks(

@@ -21,11 +21,12 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.core.validated_request import InvalidRequestError
+from scheduler_svc.text.tokenizer import Tokenizer
 
 FIELD = "sampling.structured_outputs"
 # Distinct constraints whose grammars are kept; a grammar is about as large as its schema.
@@ -34,22 +35,33 @@ GRAMMAR_CACHE_SIZE = 256
 _MAX_REASON_CHARS = 300
 
 
-def structured_grammar(wire: generate_pb2.StructuredOutputs) -> str:
-    """The llguidance grammar of a request's constraint; "" for none. Raises InvalidRequestError."""
+def structured_grammar(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenizer) -> str:
+    """The llguidance grammar of a request's constraint, validated against the model's tokenizer (a grammar
+    naming a special token it lacks would fail in the workers); "" for none. Raises InvalidRequestError."""
     if wire.WhichOneof("kind") is None:
         if wire.disable_any_whitespace:
             raise InvalidRequestError(f"{FIELD}.disable_any_whitespace", "applies to json or json_object only")
         return ""
-    return _cached_grammar(wire.SerializeToString(deterministic=True))
+    return _cached_grammar(wire.SerializeToString(deterministic=True), tokenizer)
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _cached_grammar(key: bytes) -> str:
+def _cached_grammar(key: bytes, tokenizer: Tokenizer) -> str:
     """Built once per distinct constraint; refusals are not cached (they raise) and cost a rebuild."""
-    return _build_grammar(generate_pb2.StructuredOutputs.FromString(key))
+    return _build_grammar(generate_pb2.StructuredOutputs.FromString(key), _grammar_tokenizer(tokenizer))
 
 
-def _build_grammar(wire: generate_pb2.StructuredOutputs) -> str:
+@lru_cache(maxsize=2)
+def _grammar_tokenizer(tokenizer: Tokenizer) -> LLTokenizer:
+    """llguidance's view of the served tokenizer (about half a second to build, once, at the first constraint):
+    what the workers will build from the same JSON. A tokenizer llguidance cannot read refuses constraints."""
+    try:
+        return LLTokenizer(tokenizer.to_json(), eos_token=list(tokenizer.eos_token_ids) or None)
+    except Exception as error:  # its ValueError for a tokenizer model or decoder it does not support
+        raise InvalidRequestError(FIELD, f"not available for this model's tokenizer ({_reason(str(error))})") from None
+
+
+def _build_grammar(wire: generate_pb2.StructuredOutputs, ll_tokenizer: LLTokenizer) -> str:
     kind = wire.WhichOneof("kind")
     field = f"{FIELD}.{kind}"
     if wire.disable_any_whitespace and kind not in ("json", "json_object"):
@@ -74,7 +86,7 @@ def _build_grammar(wire: generate_pb2.StructuredOutputs) -> str:
         grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in choices))
     else:
         grammar = LLMatcher.grammar_from_lark(_lark_of(wire.grammar, field))
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, ll_tokenizer)
     if error:
         raise InvalidRequestError(field, _reason(error))
     return grammar
