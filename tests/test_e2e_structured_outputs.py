@@ -1,9 +1,10 @@
 """Structured outputs end to end through the real processes, on a tiny random Llama that carries a real tokenizer
 (SmolLM2's, 49152 tokens, in a vocabulary padded to 49216): at temperature 1 with n = 8 every output of a nested
 JSON schema parses, validates against it (jsonschema) and ends with EOS; regex, choice and GBNF grammar outputs
-match; the same through the OpenAI gateway (response_format json_schema); bad constraints are INVALID_ARGUMENT /
-400 naming the field, and the server keeps serving. Random weights never close a JSON object on their own: only the grammar
-(maxLength, maxItems, enums, no free whitespace) brings these outputs to their end."""
+match; a stop string still cuts a constrained output; the same through the OpenAI gateway (response_format
+json_schema); bad constraints are INVALID_ARGUMENT / 400 naming the field, and the server keeps serving. Random
+weights never close a JSON object on their own: only the grammar (maxLength, maxItems, enums, no free whitespace)
+brings these outputs to their end."""
 
 from __future__ import annotations
 
@@ -82,6 +83,13 @@ def test_a_gbnf_grammar_constrains_every_sample(server):
                                   structured_outputs=dict(grammar='root ::= "ab" [0-9] [0-9]? "!"'))
     for output in grammar.outputs:
         assert output.finish_reason == "stop" and re.fullmatch(r"ab[0-9][0-9]?!", output.text), output.text
+
+
+def test_a_stop_string_ends_a_constrained_output_before_the_constraint_does(server):
+    with server.client() as client:
+        cut = client.generate("x", temperature=0.0, max_tokens=10, stop=[" please"],
+                              structured_outputs=dict(choice=["yes please"]))
+    assert cut.text == "yes" and cut.finish_reason == "stop"
 
 
 BAD = [
