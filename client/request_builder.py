@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from client.structured_outputs import StructuredOutputsParams
 from protos.pagedserve.v1 import generate_pb2
 
 # Keywords named as vLLM's SamplingParams (each a SamplingParams field), plus the request's own id.
@@ -19,7 +20,7 @@ SAMPLING_KEYWORDS = frozenset(
      "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
      "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
-     "return_prompt", "add_special_tokens", "strict_context_length"}
+     "return_prompt", "add_special_tokens", "strict_context_length", "structured_outputs"}
 )
 # vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
 CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"})
@@ -39,10 +40,11 @@ def build_generate_request(
     (a string or a list of them), stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty,
     early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
     bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
-    skip_special_tokens, spaces_between_special_tokens; and the request's own request_id, priority
-    (lower first), return_prompt (the result carries the prompt's text and token ids), add_special_tokens
-    (default: true for a text, false for a chat) and strict_context_length (prompt + max_tokens past the
-    model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
+    skip_special_tokens, spaces_between_special_tokens, structured_outputs (a StructuredOutputsParams or a dict
+    of its fields: json, regex, choice, grammar, json_object, disable_any_whitespace); and the request's own
+    request_id, priority (lower first), return_prompt (the result carries the prompt's text and token ids),
+    add_special_tokens (default: true for a text, false for a chat) and strict_context_length (prompt +
+    max_tokens past the model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
     add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
     variables) and documents (a list of dicts). Raises TypeError for any other keyword or a malformed prompt,
     ValueError for a malformed chat message.
@@ -80,6 +82,9 @@ def build_generate_request(
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
     for token_id, bias in logit_bias.items():
         request.sampling.logit_bias[int(token_id)] = bias  # OpenAI clients send the ids as strings
+    structured_outputs = given.pop("structured_outputs", None)
+    if structured_outputs is not None:
+        request.sampling.structured_outputs.CopyFrom(StructuredOutputsParams.of(structured_outputs).to_wire())
     bad_words = given.pop("bad_words", [])
     if bad_words:
         request.sampling.bad_words.extend([bad_words] if isinstance(bad_words, str) else bad_words)

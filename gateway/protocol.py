@@ -73,7 +73,8 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, no effect by definition
     best_of: UInt32 | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    # text, json_object or json_schema (gateway/structured_outputs.py, as the guided_* fields below).
+    response_format: dict[str, Any] | None = None
     # vLLM's extra sampling fields.
     use_beam_search: bool = False
     top_k: Int32 | None = None
@@ -95,13 +96,14 @@ class SamplingFields(_Body):
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    structural_tag: Any = None
+    # vLLM's constrained decoding (checked in gateway/structured_outputs.py).
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None

@@ -1,7 +1,7 @@
 """Request fields the gateway knows (OpenAI's or vLLM's) but does not serve: each refused with a 400 naming it.
 
-Why refuse instead of ignoring: a client that asks for JSON-constrained output, tools or a per-request
-template and silently gets free text would trust output it did not get. A field is refused only when it
+Why refuse instead of ignoring: a client that asks for tools, a structural tag or a per-request template and
+silently gets free text would trust output it did not get. A field is refused only when it
 asks for something: absent, null, or its no-op value (tool_choice "none", response_format {"type": "text"},
 include_reasoning true, ...) passes. The table is the single list the README's "Request fields" follows.
 """
@@ -16,7 +16,6 @@ from pydantic import BaseModel
 from gateway.errors import unsupported
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
-_GUIDED = "structured output (guided decoding) is not supported"
 _TOOLS = "tool calling is not supported"
 
 
@@ -26,16 +25,9 @@ def _absent(value: Any) -> bool:
 
 # field -> (why it is refused, which values pass as asking for nothing)
 REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "guided_json": (_GUIDED, _absent),
-    "guided_regex": (_GUIDED, _absent),
-    "guided_choice": (_GUIDED, _absent),
-    "guided_grammar": (_GUIDED, _absent),
-    "guided_decoding_backend": (_GUIDED, _absent),
-    "guided_whitespace_pattern": (_GUIDED, _absent),
-    "structural_tag": (_GUIDED, _absent),
-    "structured_outputs": (_GUIDED, _absent),
-    "response_format": ("only {\"type\": \"text\"} is supported (no JSON mode or schema)",
-                        lambda value: _absent(value) or value == {"type": "text"}),
+    # The constraints served (response_format, structured_outputs, guided_*) are structured_outputs.py's.
+    "structural_tag": ("structural tags are not supported (json, regex, choice and grammar constraints are)",
+                       _absent),
     "tools": (_TOOLS, _absent),
     "tool_choice": (_TOOLS, lambda value: value in (None, "none")),
     "functions": (_TOOLS, _absent),

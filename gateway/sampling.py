@@ -1,6 +1,7 @@
 """OpenAI request fields -> the SDK's sampling keywords (vLLM's names), and refusals of what is not served.
 
-What is refused, and why, is refused_fields.py's table; each refusal is a 400 naming the field.
+What is refused, and why, is refused_fields.py's table; each refusal is a 400 naming the field. The
+constraint fields (response_format, structured_outputs, guided_*) are structured_outputs.py's.
 
 Logprobs: completions' `logprobs=k` and chat's `logprobs=true, top_logprobs=k` both become the scheduler's
 `logprobs=k` (the sampled token's logprob and rank plus k alternatives per token).
@@ -18,6 +19,7 @@ from client.types import ModelInfo
 from gateway.errors import invalid_request, unsupported
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from gateway.refused_fields import refuse_unserved
+from gateway.structured_outputs import structured_outputs_keyword
 
 
 def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
@@ -115,4 +117,5 @@ def _common_keywords(body: SamplingFields) -> dict[str, Any]:
         "n": body.n,
         "priority": body.priority or None,
         "add_special_tokens": body.add_special_tokens,
+        "structured_outputs": structured_outputs_keyword(body),
     }

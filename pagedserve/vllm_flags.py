@@ -53,7 +53,10 @@ REFUSED_FLAGS = (
     RefusedFlag(("--enable-auto-tool-choice",), f"tool calling: {NOT_YET}", takes_value=False),
     RefusedFlag(("--tool-call-parser",), f"tool calling: {NOT_YET}"),
     RefusedFlag(("--reasoning-parser",), f"reasoning parsers: {NOT_YET}"),
-    RefusedFlag(("--guided-decoding-backend", "--structured-outputs-config"), f"structured outputs: {NOT_YET}"),
+    RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance (README: Structured "
+                "outputs)", accepted=("auto", "guidance", "llguidance")),
+    RefusedFlag(("--structured-outputs-config",), "structured outputs always run on llguidance with vLLM's "
+                "defaults; per request, structured_outputs.disable_any_whitespace turns free whitespace off"),
     RefusedFlag(("--limit-mm-per-prompt", "--mm-processor-kwargs"), "pagedserve serves text-only models"),
     RefusedFlag(("--rope-scaling", "--rope-theta", "--hf-overrides"), f"overriding the model's config: {NOT_YET}; "
                 "edit its config.json"),

@@ -36,6 +36,7 @@ from worker_svc.attention_choice import kernel_set, make_attention_backend, make
 from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.grammar_matchers import GrammarMatchers
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
@@ -106,7 +107,10 @@ class Worker:
         swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, self.device)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device,
                                 tensor_parallel)
-        self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        grammars = GrammarMatchers(setup.structured_output_tokenizer if setup.HasField("structured_output_tokenizer")
+                                   else None, self.model_config.vocab_size, setup.max_num_seqs,
+                                   pin_memory=self.device.type == "cuda")
+        self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size, grammars)
         if self.device.type == "cuda":
             self._warm_up_sampler()
         if self.device.type == "cuda" and kernel_set(self.config) == "triton":
@@ -124,8 +128,8 @@ class Worker:
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
         """Compiles every variant of the sampler's kernels (greedy, drawn, restricted, with processed logits,
-        each logprobs buffer size up to 32 logprobs, each top-k size class) for one row and for several before
-        serving, not at a request's first sampled token."""
+        each logprobs buffer size up to 32 logprobs, each top-k size class, the grammar mask) for one row and
+        for several before serving, not at a request's first sampled token."""
         vocab_size = self.model_config.vocab_size
         bias = LogitsAdjustments(sparse=SparseLogits(rows=torch.zeros(1, dtype=torch.int64, device=self.device),
                                                      token_ids=torch.zeros(1, dtype=torch.int64, device=self.device),
@@ -136,6 +140,10 @@ class Worker:
                                                 top_k=[top_k] * rows, seed=[0] * rows, position=[0] * rows,
                                                 adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
             sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
+        # The grammar mask (constrained rows) has one variant.
+        no_tokens = torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32, device=self.device)
+        self.sampling_ops.apply_token_bitmask(torch.zeros(1, vocab_size, device=self.device), no_tokens,
+                                              torch.zeros(1, dtype=torch.int64, device=self.device))
         from kernels.triton_kth_largest import MAX_FILTERED_K  # Triton only on a GPU
 
         # The top-k filter's group size and buffers follow the batch's largest k: one compile per size class.
@@ -227,8 +235,8 @@ class Worker:
 
     def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
         """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
-        its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
-        token in flight is not there yet."""
+        its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks, a grammar
+        matcher), since the token in flight is not there yet."""
         batch = self.batch
         for scheduled in plan.scheduled_requests:
             row = batch.row_of(scheduled.request_id)
@@ -272,6 +280,7 @@ class Worker:
         logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
+        self._mask_by_grammar(logits, step.sampled_rows)
         tensors = build_sampling_tensors(self.batch, step.sampled_rows, self.device)
         out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
@@ -283,6 +292,17 @@ class Worker:
             step.copied.record()
         else:
             step.host_sampled = packed
+
+    def _mask_by_grammar(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        """Constrained rows: the tokens their grammar disallows get -inf, in place, before the logits processors
+        and sampling (vLLM applies the grammar bitmask at the same point, so logprobs are of the masked logits).
+        The bitmask is filled on the host while the queued forward pass runs, then copied without a sync."""
+        masks = self.batch.grammars.bitmask(rows) if self.batch.grammars is not None else None
+        if masks is None:
+            return
+        indices, bitmask = masks
+        self.sampling_ops.apply_token_bitmask(logits, _to_device(bitmask, torch.int32, self.device),
+                                              _to_device(indices, torch.long, self.device))
 
     @staticmethod
     def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> worker_pb2.SampledTokens:

@@ -142,6 +142,11 @@ class Tokenizer:
         """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The backend serialized as `tokenizers` JSON, added special tokens included: the workers' grammar
+        matchers build their token table from it (WorkerSetup.structured_output_tokenizer)."""
+        return self._backend.to_str()
+
     # ---- special tokens ----
 
     @property
