@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.errors import unsupported
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, ChatMessage
 
 _GUIDED = "structured output (guided decoding) is not supported"
 _TOOLS = "tool calling is not supported"
@@ -78,8 +78,6 @@ def refuse_unserved(body: BaseModel) -> None:
     """Raises a 400 naming the first field of `body` that asks for something not served."""
     if isinstance(body, ChatCompletionRequest) and body.echo:
         raise unsupported("echo", "echoing the last message is not supported in chat")
-    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, not returned over HTTP")
     for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise unsupported(name, reason)

@@ -16,6 +16,7 @@ from typing import Any
 
 from client.types import ModelInfo
 from gateway.errors import invalid_request, unsupported
+from gateway.prompt_echo import EchoPlan
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from gateway.refused_fields import refuse_unserved
 
@@ -26,8 +27,12 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
     # max_tokens null: until the context is full (vLLM's), so no strict check; else prompt + max_tokens past
     # the model's length is a 400 with vLLM's message (the scheduler's strict_context_length).
-    return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
-            "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
+    keywords = {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
+                "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
+    echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+    if echo is not None:
+        keywords |= echo.keywords(body.logprobs)
+    return keywords
 
 
 def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, Any]:

@@ -72,6 +72,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             response = generate_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=token_ids)
             if index == 0 and request.return_prompt:  # the prompt as the model saw it: 7 ids, as usage says
                 response.prompt, response.prompt_token_ids[:] = request.text, list(range(7))
+            if index == 0 and request.sampling.HasField("prompt_logprobs"):  # ids 1..6: "t<id>", logprob -id
+                response.prompt_logprobs.extend(_prompt_logprobs(request.sampling.prompt_logprobs))
             if index == len(chunks) - 1:
                 response.finish_reason = generate_pb2.FINISH_REASON_STOP
                 response.usage.prompt_tokens = 7
@@ -96,6 +98,14 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         if any(token_id >= MODEL_INFO.vocab_size for token_id in request.token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: ids must lie in [0, 32000)")
         return generate_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
+
+
+def _prompt_logprobs(top: int) -> list[generate_pb2.TokenLogprobs]:
+    """Prompt ids 1..6, each decoded "t<id>" with logprob -id and rank id, and `top` alternatives "a0", "a1"..."""
+    return [generate_pb2.TokenLogprobs(
+        token=generate_pb2.Logprob(token_id=i, logprob=-i, rank=i, decoded_token=f"t{i}"),
+        top=[generate_pb2.Logprob(token_id=100 + k, logprob=-0.5 - k, rank=k + 1, decoded_token=f"a{k}")
+             for k in range(top)]) for i in range(1, 7)]
 
 
 class FakeServer:
