@@ -19,7 +19,7 @@ SAMPLING_KEYWORDS = frozenset(
      "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
      "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
-     "return_prompt", "add_special_tokens", "strict_context_length"}
+     "return_prompt", "add_special_tokens", "strict_context_length", "structured_outputs"}
 )
 # vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
 CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
@@ -85,6 +85,11 @@ def build_generate_request(
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
     for token_id, bias in logit_bias.items():
         request.sampling.logit_bias[int(token_id)] = bias  # OpenAI clients send the ids as strings
+    structured_outputs = given.pop("structured_outputs", None)
+    if structured_outputs is not None:
+        if not isinstance(structured_outputs, generate_pb2.StructuredOutputs):
+            raise TypeError("structured_outputs must be a generate_pb2.StructuredOutputs message")
+        request.sampling.structured_outputs.CopyFrom(structured_outputs)
     bad_words = given.pop("bad_words", [])
     if bad_words:
         request.sampling.bad_words.extend([bad_words] if isinstance(bad_words, str) else bad_words)

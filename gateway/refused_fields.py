@@ -17,7 +17,7 @@ from gateway.errors import unsupported
 from gateway.protocol import ChatCompletionRequest, ChatMessage
 
 _GUIDED = "structured output (guided decoding) is not supported"
-_TOOLS = "tool calling is not supported"
+_FUNCTIONS = "OpenAI's deprecated functions API is not supported: use tools and tool_choice"
 
 
 def _absent(value: Any) -> bool:
@@ -36,10 +36,8 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "structured_outputs": (_GUIDED, _absent),
     "response_format": ("only {\"type\": \"text\"} is supported (no JSON mode or schema)",
                         lambda value: _absent(value) or value == {"type": "text"}),
-    "tools": (_TOOLS, _absent),
-    "tool_choice": (_TOOLS, lambda value: value in (None, "none")),
-    "functions": (_TOOLS, _absent),
-    "function_call": (_TOOLS, lambda value: value in (None, "none")),
+    "functions": (_FUNCTIONS, _absent),
+    "function_call": (_FUNCTIONS, lambda value: value in (None, "none")),
     "suffix": ("insertion (suffix) is not supported", _absent),
     "prompt_logprobs": ("prompt logprobs are not returned over HTTP (the gRPC API has them)", _absent),
     "truncate_prompt_tokens": ("prompt truncation is not supported", _absent),
@@ -61,16 +59,13 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
                          _absent),
     "verbosity": ("not supported", _absent),
     "store": ("stored completions are not supported", _absent),
-    "include_reasoning": ("reasoning is not parsed out of the content", lambda value: value in (None, True)),
     "use_beam_search": ("not supported over HTTP (the gRPC API has beam_width)", _absent),
     "length_penalty": ("applies to beam search only, which is not served over HTTP",
                        lambda value: value is None or value == 1.0),
 }
 _REFUSED_MESSAGE_FIELDS = {
     "name": "message names are not passed to the chat template",
-    "tool_calls": _TOOLS,
-    "tool_call_id": _TOOLS,
-    "reasoning_content": "reasoning content is not passed to the chat template",
+    "reasoning_content": "reasoning content is not passed to the chat template; send the answer as content",
 }
 
 

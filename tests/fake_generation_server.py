@@ -29,7 +29,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     """Prompt text -> behaviour: "invalid" / "overloaded" / "oversized" / "unavailable" fail; "unavailable twice" fails
     UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
     fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
-    waits for `gate`, then finishes; anything else streams NORMAL_CHUNKS and finishes with "stop"."""
+    waits for `gate`, then finishes; a chat streams `script` when it is set (one token per piece: the model's
+    text, scripted by the test); anything else streams NORMAL_CHUNKS and finishes with "stop"."""
 
     def __init__(self) -> None:
         self.reset()
@@ -38,6 +39,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         self.requests: list[generate_pb2.GenerateRequest] = []
         self.cancelled = threading.Event()
         self.gate = threading.Event()
+        self.script: list[str] | None = None
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -64,6 +66,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                 self.cancelled.set()
                 raise
         chunks = NORMAL_CHUNKS
+        if self.script is not None and request.HasField("chat"):
+            chunks = [(piece, [index + 10]) for index, piece in enumerate(self.script)]
         if request.text == "gated":
             yield generate_pb2.GenerateResponse(request_id=request_id, text="first", token_ids=[1])
             await asyncio.to_thread(self.gate.wait, 10)
