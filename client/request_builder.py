@@ -26,7 +26,7 @@ CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "c
                            "tools"})
 # A message has a role and content; an assistant's may call tools (content None then), a tool's answers a call.
 _MESSAGE_KEYS = frozenset({"role", "content"})
-_OPTIONAL_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id"})
+_OPTIONAL_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "reasoning_content"})
 
 
 def build_generate_request(
@@ -48,8 +48,8 @@ def build_generate_request(
     model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
     add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
     variables), documents (a list of dicts) and tools (OpenAI's tool definitions, for the template). A message
-    is {"role", "content"}; an assistant's may add "tool_calls" (OpenAI's shape; content None), a tool's
-    "tool_call_id". Raises TypeError for any other keyword or a malformed prompt,
+    is {"role", "content"}; an assistant's may add "tool_calls" (OpenAI's shape; content None) and
+    "reasoning_content", a tool's "tool_call_id". Raises TypeError for any other keyword or a malformed prompt,
     ValueError for a malformed chat message.
     """
     chat_options = {name: sampling.pop(name) for name in CHAT_KEYWORDS & set(sampling)}
@@ -134,7 +134,7 @@ def _chat_message(index: int, message: Mapping[str, Any]) -> generate_pb2.ChatMe
     if missing or extra:
         raise ValueError(
             f"messages[{index}] must have the keys 'role' and 'content' (and optionally 'tool_calls', "
-            "'tool_call_id')"
+            "'tool_call_id', 'reasoning_content')"
             + (f"; missing {sorted(missing)}" if missing else "")
             + (f"; unsupported {sorted(extra)}" if extra else "")
         )
@@ -142,7 +142,8 @@ def _chat_message(index: int, message: Mapping[str, Any]) -> generate_pb2.ChatMe
     if not isinstance(message["role"], str) or not (isinstance(content, str) or content is None):
         raise ValueError(f"messages[{index}]: 'role' must be a string and 'content' a string or None")
     wire = generate_pb2.ChatMessage(role=message["role"], content=content,
-                                    tool_call_id=message.get("tool_call_id") or "")
+                                    tool_call_id=message.get("tool_call_id") or "",
+                                    reasoning_content=message.get("reasoning_content"))
     for call_index, call in enumerate(message.get("tool_calls") or ()):
         wire.tool_calls.append(_tool_call(f"messages[{index}].tool_calls[{call_index}]", call))
     return wire

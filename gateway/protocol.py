@@ -140,12 +140,12 @@ class ChatMessage(_Body):
     # Text parts ({"type": "text", "text": ...}) are joined; any other part (image_url, input_audio, ...) is
     # refused (sampling.py).
     content: str | list[dict[str, Any]] | None = None
-    # An assistant's tool calls, and a tool message's answer to one: the template renders them.
+    # An assistant's tool calls and thought, and a tool message's answer to a call: the template renders them.
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    # Refused when set (refused_fields.py): the wire's chat messages do not carry them.
-    name: str | None = None
     reasoning_content: str | None = None
+    # Refused when set (refused_fields.py): the wire's chat messages do not carry it.
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:

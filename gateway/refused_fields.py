@@ -65,7 +65,6 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 _REFUSED_MESSAGE_FIELDS = {
     "name": "message names are not passed to the chat template",
-    "reasoning_content": "reasoning content is not passed to the chat template; send the answer as content",
 }
 
 

@@ -76,7 +76,7 @@ def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """The conversation for the model's chat template: text content (parts joined by newlines), an assistant's
-    tool calls and a tool message's call id (the SDK's message shape)."""
+    tool calls and thought, and a tool message's call id (the SDK's message shape)."""
     conversation = []
     for index, message in enumerate(messages):
         entry: dict[str, Any] = {"role": message.role, "content": _text_content(index, message.content)}
@@ -86,6 +86,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                 entry["content"] = None
         if message.tool_call_id is not None:
             entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
         conversation.append(entry)
     return conversation
 

@@ -60,7 +60,7 @@ def chat(url: str, **body) -> tuple[int, dict]:
 
 
 def test_tools_and_the_conversations_calls_reach_the_scheduler(fake, gateway_url):
-    conversation = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+    conversation = [*ASK, {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     status, reply = chat(gateway_url, messages=conversation, tools=TOOLS, tool_choice="none")
@@ -69,6 +69,7 @@ def test_tools_and_the_conversations_calls_reach_the_scheduler(fake, gateway_url
     assert json.loads(prompt.tools_json) == TOOLS
     assistant, tool = prompt.messages[1], prompt.messages[2]
     assert not assistant.HasField("content") and assistant.tool_calls[0].name == "get_weather"
+    assert assistant.reasoning_content == "Look it up."
     assert json.loads(assistant.tool_calls[0].arguments) == {"city": "Paris"} and assistant.tool_calls[0].id == "call_1"
     assert tool.role == "tool" and tool.tool_call_id == "call_1" and tool.content == "sunny"
     assert not fake.requests[0].sampling.HasField("structured_outputs")  # "none": nothing forced

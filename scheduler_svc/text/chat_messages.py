@@ -31,6 +31,8 @@ def _template_message(message: generate_pb2.ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.HasField("reasoning_content"):
+        rendered["reasoning_content"] = message.reasoning_content
     return rendered
 
 
