@@ -19,7 +19,7 @@ from client.types import GenerateChunk
 from gateway.backend import Backend
 from gateway.choices import ChoiceLog, TokenSpan, completion_logprobs, usage
 from gateway.errors import invalid_request
-from gateway.prompt_echo import EchoPlan, prompt_token_span
+from gateway.prompt_echo import EchoPlan, prompt_token_span, vllm_prompt_logprobs
 from gateway.protocol import CompletionRequest
 from gateway.request_ids import base_request_id
 from gateway.sampling import completion_keywords
@@ -56,6 +56,8 @@ class _CompletionRelay:
         self._echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
         self._detokenize = detokenize
         self._first_token_texts: dict[int, str] = {}  # echo with logprobs: per prompt, its first token's text
+        self._with_prompt_logprobs = body.prompt_logprobs is not None
+        self._prompt_logprobs: dict[int, list] = {}  # per choice, vLLM's prompt_logprobs
         self._model = model_name
         self._created = int(time.time())
         self._n = body.n
@@ -80,15 +82,21 @@ class _CompletionRelay:
             chunk = self._echo.generated(chunk)
         choice.add(chunk)
         span = choice.span_from(first)
+        prompt_logprobs = None
+        if opening and self._with_prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs[index] = vllm_prompt_logprobs(chunk.prompt_logprobs)
         if chunk.prompt_tokens is not None:
             self._prompt_tokens[prompt_index] = chunk.prompt_tokens
         elif chunk.prompt_token_ids is not None:  # asked for by continuous_usage_stats
             self._prompt_tokens[prompt_index] = len(chunk.prompt_token_ids)
-        if not (echoed or chunk.text or chunk.token_ids or chunk.finish_reason):
+        if not (echoed or prompt_logprobs or chunk.text or chunk.token_ids or chunk.finish_reason):
             return None
-        return {"index": index, "text": echoed + chunk.text,
-                "logprobs": completion_logprobs(span) if self._with_logprobs else None,
-                "finish_reason": chunk.finish_reason}
+        streamed = {"index": index, "text": echoed + chunk.text,
+                    "logprobs": completion_logprobs(span) if self._with_logprobs else None,
+                    "finish_reason": chunk.finish_reason}
+        if prompt_logprobs is not None:  # on the choice's first chunk only
+            streamed["prompt_logprobs"] = prompt_logprobs
+        return streamed
 
     async def _echoed_tokens(self, prompt_index: int, chunk: GenerateChunk) -> TokenSpan | None:
         """Echo with logprobs: the prompt's tokens (from the sequence's first chunk), else None."""
@@ -110,7 +118,8 @@ class _CompletionRelay:
         choices = [
             {"index": choice.index, "text": choice.text,
              "logprobs": completion_logprobs(choice.whole()) if self._with_logprobs else None,
-             "finish_reason": choice.finish_reason}
+             "finish_reason": choice.finish_reason,
+             **({"prompt_logprobs": self._prompt_logprobs.get(choice.index)} if self._with_prompt_logprobs else {})}
             for choice in sorted(self._choices.values(), key=lambda c: c.index)
         ]
         return self._object(choices=choices, usage=self._usage())

@@ -1,5 +1,6 @@
 """`echo` on /v1/completions: each choice opens with its prompt; with `logprobs`, also with the prompt's tokens
-and their logprobs; with `max_tokens: 0`, with nothing else. vLLM's behaviour, and what lm-evaluation-harness's
+and their logprobs; with `max_tokens: 0`, with nothing else. And vLLM's `prompt_logprobs` field: each choice
+carries the prompt's logprobs in vLLM's shape. vLLM's behaviour, and what lm-evaluation-harness's
 `local-completions` model scores log-likelihoods from (it sums `token_logprobs` past the context).
 
 Why the gateway asks for one token when the client asked for none: the scheduler samples at least one token
@@ -40,12 +41,12 @@ class EchoPlan:
             return None
         return cls(with_prompt_logprobs=logprobs is not None, prompt_only=max_tokens == 0)
 
-    def keywords(self, logprobs: int | None) -> dict[str, Any]:
+    def keywords(self, logprobs: int | None, prompt_logprobs: int | None) -> dict[str, Any]:
         """The SDK keywords this echo changes: prompt logprobs (and the prompt's ids, whose first has none),
         and max_tokens 1 for the token that prompt_only drops."""
         changed: dict[str, Any] = {}
         if self.with_prompt_logprobs:
-            changed |= {"prompt_logprobs": logprobs, "return_prompt": True}
+            changed |= {"prompt_logprobs": max(logprobs, prompt_logprobs or 0), "return_prompt": True}
         if self.prompt_only:
             changed |= {"max_tokens": 1, "logprobs": None}
         return changed
@@ -70,3 +71,14 @@ def prompt_token_span(first_token_text: str, prompt_logprobs: tuple[TokenLogprob
         offsets.append(offset)
         offset += len(text)
     return TokenSpan(texts, logprobs, tuple(offsets), alternatives)
+
+
+def vllm_prompt_logprobs(prompt_logprobs: tuple[TokenLogprobs, ...]) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first token, then per token {token id: {logprob,
+    rank, decoded_token}} for the token itself and its alternatives."""
+    return [None] + [
+        {str(logprob.token_id): {"logprob": max(logprob.logprob, LOGPROB_FLOOR), "rank": logprob.rank,
+                                 "decoded_token": logprob.decoded_token}
+         for logprob in (entry.token, *entry.top)}
+        for entry in prompt_logprobs
+    ]

@@ -91,8 +91,9 @@ class SamplingFields(_Body):
     priority: Int32 = 0
     request_id: str | None = None
     add_special_tokens: bool | None = None
+    # vLLM's: per prompt token, its logprob and this many alternatives (completions only; prompt_echo.py).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Declared to be refused by name (refused_fields.py): vLLM fields pagedserve does not serve.
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     guided_json: Any = None

@@ -39,7 +39,6 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "functions": (_FUNCTIONS, _absent),
     "function_call": (_FUNCTIONS, lambda value: value in (None, "none")),
     "suffix": ("insertion (suffix) is not supported", _absent),
-    "prompt_logprobs": ("prompt logprobs are not returned over HTTP (the gRPC API has them)", _absent),
     "truncate_prompt_tokens": ("prompt truncation is not supported", _absent),
     "allowed_token_ids": ("use logit_bias instead", _absent),
     "logits_processors": ("per-request logits processors are not supported", _absent),
@@ -72,6 +71,8 @@ def refuse_unserved(body: BaseModel) -> None:
     """Raises a 400 naming the first field of `body` that asks for something not served."""
     if isinstance(body, ChatCompletionRequest) and body.echo:
         raise unsupported("echo", "echoing the last message is not supported in chat")
+    if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt logprobs are returned by /v1/completions (and the gRPC API)")
     for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise unsupported(name, reason)

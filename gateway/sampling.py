@@ -31,9 +31,11 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
     # the model's length is a 400 with vLLM's message (the scheduler's strict_context_length).
     keywords = {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
                 "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
+    if body.prompt_logprobs is not None:
+        keywords["prompt_logprobs"] = body.prompt_logprobs
     echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
     if echo is not None:
-        keywords |= echo.keywords(body.logprobs)
+        keywords |= echo.keywords(body.logprobs, body.prompt_logprobs)
     return keywords
 
 

@@ -1,5 +1,6 @@
 """/v1/completions with echo, logprobs and max_tokens 0 (lm-evaluation-harness's log-likelihood request):
-each choice opens with the prompt's tokens and their logprobs (the first None), against the in-process
+each choice opens with the prompt's tokens and their logprobs (the first None); and vLLM's prompt_logprobs
+field; against the in-process
 stand-in for the scheduler, whose prompt ids are 0..6 ("t<id>", logprob -id) and whose output is
 "Hello world" (5 tokens)."""
 
@@ -85,3 +86,13 @@ def test_max_tokens_0_without_echo_is_refused_by_the_scheduler_rule(fake, gatewa
     # Only echo turns max_tokens 0 into "the prompt alone"; otherwise it reaches the scheduler as is.
     complete(gateway_url, max_tokens=0)
     assert fake.requests[0].sampling.max_tokens == 0
+
+
+def test_prompt_logprobs_field_returns_vllms_shape_per_choice(fake, gateway_url):
+    reply = complete(gateway_url, prompt_logprobs=1, max_tokens=5)
+    assert fake.requests[0].sampling.prompt_logprobs == 1
+    entries = reply["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 7
+    assert entries[2] == {"2": {"logprob": -2, "rank": 2, "decoded_token": "t2"},
+                          "100": {"logprob": -0.5, "rank": 1, "decoded_token": "a0"}}
+    assert reply["choices"][0]["text"] == "Hello world"  # no echo: the prompt's text is not prepended

@@ -65,7 +65,7 @@ def post(gateway_url: str, path: str, body, headers=AUTH):
     ("/v1/chat/completions", {**CHAT, "add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message"),
     ("/v1/chat/completions", {**CHAT, "echo": True}, "echo"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "hi", "truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "hi", "request_id": "bad\nid"}, "request_id"),
