@@ -13,7 +13,7 @@ carried.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.reasoning_parsers.think_tags import ThinkTagReasoningParser
 from gateway.tool_parsers.partial_json import MalformedJSON
@@ -26,15 +26,15 @@ class _SentCall:
     arguments: str = ""
 
 
-@dataclass
 class ChatOutput:
-    reasoning_parser: ThinkTagReasoningParser | None
-    tool_parser: ToolCallParser | None
-    text: str = ""
-    _reasoning: str = ""
-    _content: str = ""
-    _calls: list[_SentCall] = field(default_factory=list)
-    _final: ParsedOutput | None = None
+    def __init__(self, reasoning_parser: ThinkTagReasoningParser | None, tool_parser: ToolCallParser | None) -> None:
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.text = ""  # the choice's whole output so far
+        self._reasoning = ""  # what was sent of each part
+        self._content = ""
+        self._calls: list[_SentCall] = []
+        self._final: ParsedOutput | None = None  # the parse of the whole output, once finished
 
     def add(self, text: str) -> dict:
         """Records the choice's next text; returns the delta fields it makes (empty when none)."""

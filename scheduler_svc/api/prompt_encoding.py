@@ -15,8 +15,8 @@ import json
 from typing import Any
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.chat_messages import template_messages
 from scheduler_svc.core.validated_request import InvalidRequestError
-from scheduler_svc.text.chat_messages import template_messages
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
 
 # Characters of prompt text above which it is encoded on a worker thread, not on the event loop that relays
