@@ -66,7 +66,10 @@ class _ChatRelay:
         self._choices: dict[int, ChoiceLog] = {}
         self._prompt_tokens = 0
         self._tool_plan = tools
-        self._reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
+        # A forced tool choice's constraint holds from the first token, so its output has no thought to split
+        # off (deepseek_r1's would take the whole JSON for one); see README "Reasoning outputs".
+        reads_thought = config.reasoning_parser is not None and tools.json_schema is None
+        self._reasoning = REASONING_PARSERS[config.reasoning_parser] if reads_thought else None
         self._include_reasoning = body.include_reasoning
         self._outputs: dict[int, ChatOutput] = {}
 

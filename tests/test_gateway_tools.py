@@ -132,6 +132,14 @@ def test_a_named_function_sends_its_parameters_schema_and_reads_its_arguments(fa
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
 
 
+def test_a_forced_choices_output_is_not_read_as_thought(fake, gateway_url):
+    # Its constraint holds from the first token: no thought precedes the JSON (README "Reasoning outputs").
+    fake.script = ['[{"name": "get_time", "parameters": {}}]']
+    status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required")
+    assert status == 200 and reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert "reasoning_content" not in reply["choices"][0]["message"]
+
+
 def test_include_reasoning_false_leaves_the_thought_out(fake, gateway_url):
     fake.script = ["<think>hm</think>", "Sunny."]
     status, reply = chat(gateway_url, include_reasoning=False)
