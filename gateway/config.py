@@ -99,7 +99,8 @@ def output_parsing_error(args: argparse.Namespace) -> str | None:
         return (f"--reasoning-parser {args.reasoning_parser!r}: unknown; choose one of "
                 f"{', '.join(sorted(REASONING_PARSERS))}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        return f"--enable-auto-tool-choice needs --tool-call-parser NAME (one of {', '.join(sorted(TOOL_CALL_PARSERS))})"
+        return ("--enable-auto-tool-choice needs --tool-call-parser NAME (one of "
+                f"{', '.join(sorted(TOOL_CALL_PARSERS))})")
     return None
 
 

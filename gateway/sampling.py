@@ -40,7 +40,8 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
 
 
 def chat_keywords(body: ChatCompletionRequest, model: ModelInfo, tools: ToolPlan) -> dict[str, Any]:
-    """`tools`: the request's tool plan (tool_choice.py): a forced choice's constraint, and special tokens kept where the parser's markers are special tokens (as vLLM's parsers ask)."""
+    """`tools`: the request's tool plan (tool_choice.py): a forced choice's constraint, and special tokens kept
+    where the parser's markers are special tokens (as vLLM's parsers ask)."""
     refuse_unserved(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")

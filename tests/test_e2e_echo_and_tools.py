@@ -62,7 +62,8 @@ def test_echo_logprobs_with_max_tokens_0_equal_transformers_and_the_grpc_prompt_
     for position in range(1, len(ids)):
         expected = reference[position - 1, ids[position]].item()
         assert logprobs["token_logprobs"][position] == pytest.approx(expected, abs=2e-3)
-        assert logprobs["token_logprobs"][position] == pytest.approx(grpc.outputs[0].prompt_logprobs[position].token.logprob, abs=1e-6)
+        grpc_logprob = grpc.outputs[0].prompt_logprobs[position].token.logprob
+        assert logprobs["token_logprobs"][position] == pytest.approx(grpc_logprob, abs=1e-6)
         top = logprobs["top_logprobs"][position]
         assert max(top.values()) == pytest.approx(reference[position - 1].max().item(), abs=2e-3)
     assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(ids))]
@@ -78,7 +79,8 @@ def test_lm_eval_harness_request_shape_token_ids_and_max_tokens_1(server):
     first, second = sorted(reply["choices"], key=lambda choice: choice["index"])
     assert len(first["logprobs"]["token_logprobs"]) == len(ids) + 1
     assert len(second["logprobs"]["token_logprobs"]) == 3 + 1
-    assert first["logprobs"]["token_logprobs"][1:3] == pytest.approx(second["logprobs"]["token_logprobs"][1:3], abs=1e-4)
+    shared = second["logprobs"]["token_logprobs"][1:3]
+    assert first["logprobs"]["token_logprobs"][1:3] == pytest.approx(shared, abs=1e-4)
 
 
 def test_tools_reach_the_template_and_tool_conversations_are_served(server, model_dir):

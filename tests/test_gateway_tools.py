@@ -102,12 +102,14 @@ def test_streamed_tool_calls_reassemble_with_the_openai_package(fake, api):
     fragments = [event.arguments_delta for event in events if event.type == "tool_calls.function.arguments.delta"]
     assert len(fragments) > 1, "arguments stream in fragments"
     raw = list(api.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS, stream=True))
-    thought = "".join(getattr(chunk.choices[0].delta, "reasoning_content", None) or "" for chunk in raw if chunk.choices)
+    thought = "".join(getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                      for chunk in raw if chunk.choices)
     assert thought == "Need the weather."
 
 
 def test_required_sends_the_calls_schema_and_reads_an_array(fake, gateway_url):
-    fake.script = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}', ', {"name": "get_time", "parameters": {}}]']
+    fake.script = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}',
+                   ', {"name": "get_time", "parameters": {}}]']
     status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required")
     assert status == 200, reply
     schema = json.loads(fake.requests[0].sampling.structured_outputs.json)

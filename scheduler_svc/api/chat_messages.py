@@ -26,7 +26,8 @@ def _template_message(message: generate_pb2.ChatMessage) -> dict[str, Any]:
         rendered["content"] = message.content
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": _arguments(call.arguments)}}
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name, "arguments": _arguments(call.arguments)}}
             for call in message.tool_calls
         ]
     if message.tool_call_id:

@@ -5,8 +5,9 @@ generation of the same prompt would read. The chat options are vLLM's (which are
 `apply_chat_template`'s): add_generation_prompt (default true), continue_final_message (the last message, an
 assistant's, is left open; refused together with add_generation_prompt, as vLLM), chat_template_kwargs (extra
 template variables, e.g. enable_thinking), documents and tools (OpenAI's tool definitions, the template's
-`tools`). Messages carry an assistant's tool calls and a tool message's tool_call_id (chat_messages.py). add_special_tokens defaults to true for a text and
-false for a chat, whose template writes its own BOS.
+`tools`). Messages carry an assistant's tool calls and thought and a tool message's tool_call_id
+(chat_messages.py). add_special_tokens defaults to true for a text and false for a chat, whose template writes
+its own BOS.
 """
 
 from __future__ import annotations
