@@ -107,6 +107,18 @@ def test_streamed_tool_calls_reassemble_with_the_openai_package(fake, api):
     assert thought == "Need the weather."
 
 
+def test_the_openai_packages_reply_goes_back_into_the_conversation(fake, api):
+    fake.script = HERMES_CALL
+    reply = api.chat.completions.create(model="fake-model", messages=ASK, tools=TOOLS)
+    message = reply.choices[0].message
+    fake.script = ["Sunny."]
+    conversation = [*ASK, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"}]
+    answer = api.chat.completions.create(model="fake-model", messages=conversation, tools=TOOLS)
+    assert answer.choices[0].message.content == "Sunny." and answer.choices[0].finish_reason == "stop"
+    sent = fake.requests[-1].chat.messages[1]
+    assert sent.reasoning_content == "Need the weather." and sent.tool_calls[0].id == message.tool_calls[0].id
+
+
 def test_required_sends_the_calls_schema_and_reads_an_array(fake, gateway_url):
     fake.script = ['[{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}',
                    ', {"name": "get_time", "parameters": {}}]']
