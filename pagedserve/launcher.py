@@ -344,4 +344,9 @@ def _gateway_argv(args) -> list[str]:
         argv += ["--grpc-root-cert", args.tls_cert_file]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
+    if args.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
+        if value is not None:
+            argv += [flag, value]
     return argv

@@ -50,9 +50,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--revision",), f"hub revisions: {NOT_YET}; download the revision and pass its directory"),
     RefusedFlag(("--tokenizer-revision",), f"hub revisions: {NOT_YET}; download it and pass --tokenizer DIR"),
     RefusedFlag(("--download-dir",), f"{NOT_YET}; set HF_HUB_CACHE to choose where hub models are stored"),
-    RefusedFlag(("--enable-auto-tool-choice",), f"tool calling: {NOT_YET}", takes_value=False),
-    RefusedFlag(("--tool-call-parser",), f"tool calling: {NOT_YET}"),
-    RefusedFlag(("--reasoning-parser",), f"reasoning parsers: {NOT_YET}"),
     RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance (README: Structured "
                 "outputs)", accepted=("auto", "guidance", "llguidance")),
     RefusedFlag(("--structured-outputs-config",), "structured outputs always run on llguidance with vLLM's "
