@@ -206,6 +206,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv += ["--generation-config", args.generation_config, "--seed", str(args.seed)]
     if args.override_generation_config:
         argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
+    if args.structured_outputs_config:
+        argv += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
     if args.plan_log:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:

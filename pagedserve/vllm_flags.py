@@ -52,8 +52,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--download-dir",), f"{NOT_YET}; set HF_HUB_CACHE to choose where hub models are stored"),
     RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance (README: Structured "
                 "outputs)", accepted=("auto", "guidance", "llguidance")),
-    RefusedFlag(("--structured-outputs-config",), "structured outputs always run on llguidance with vLLM's "
-                "defaults; per request, structured_outputs.disable_any_whitespace turns free whitespace off"),
     RefusedFlag(("--limit-mm-per-prompt", "--mm-processor-kwargs"), "pagedserve serves text-only models"),
     RefusedFlag(("--rope-scaling", "--rope-theta", "--hf-overrides"), f"overriding the model's config: {NOT_YET}; "
                 "edit its config.json"),

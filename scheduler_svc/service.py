@@ -259,6 +259,7 @@ def _request_limits(config: SchedulerConfig) -> RequestLimits:
         max_stop_strings=config.max_stop_strings,
         max_stop_string_length=config.max_stop_string_length,
         max_logprobs=config.max_logprobs,
+        json_without_whitespace=config.structured_outputs_disable_any_whitespace,
     )
 
 

@@ -51,8 +51,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
+    # No free whitespace in JSON constraints unless asked (vLLM's server option): a forced tool choice's schema
+    # is the gateway's, so the test cannot add it per request.
     with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-model-len", "512",
-                        http=True) as running:
+                        "--structured-outputs-config", '{"disable_any_whitespace": true}', http=True) as running:
         yield running
 
 
@@ -134,3 +136,40 @@ def test_openai_response_format_json_schema_validates_and_bad_schema_is_a_400(se
     status, _, body = http_json(f"{server.http_url}/v1/completions",
                                 {"prompt": "x", "max_tokens": 4, "guided_regex": "a(b"})
     assert status == 400 and body["error"]["param"] == "structured_outputs.regex", body
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_required_and_named_give_calls_whose_arguments_validate(server, stream):
+    """The forced choices' JSON-schema constraint (the gateway builds it, the workers' grammar enforces it) on a
+    random model at temperature 1: every call names a tool and its arguments validate against that tool's
+    parameters, whole and streamed (the openai package reassembles the streamed calls)."""
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in WEATHER_TOOLS}
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as api:
+        for tool_choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            ask = dict(model=api.models.list().data[0].id, messages=messages, tools=WEATHER_TOOLS, tool_choice=tool_choice,
+                       temperature=1.0, seed=5, max_tokens=300)
+            if stream:
+                with api.chat.completions.stream(**ask) as events:
+                    completion = events.get_final_completion()
+            else:
+                completion = api.chat.completions.create(**ask)
+            choice = completion.choices[0]
+            assert choice.finish_reason == "tool_calls", choice.message
+            calls = choice.message.tool_calls
+            assert calls and all(call.id for call in calls)
+            for call in calls:
+                if tool_choice != "required":
+                    assert call.function.name == "get_time"
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])

@@ -156,3 +156,27 @@ def test_a_tokenizer_llguidance_cannot_read_refuses_constraints():
     with pytest.raises(InvalidRequestError, match="not available for this model's tokenizer") as refused:
         structured_grammar(wire(regex="a"), UnreadableTokenizer())
     assert refused.value.field == "sampling.structured_outputs"
+
+
+def test_the_servers_structured_outputs_config_takes_whitespace_out_of_every_json_constraint(tokenizer):
+    """--structured-outputs-config '{"disable_any_whitespace": true}' (vLLM's): a JSON constraint's grammar is the
+    one its request would get with disable_any_whitespace; a regex's is unchanged."""
+    import argparse
+
+    from scheduler_svc.api.request_limits import RequestLimits
+    from scheduler_svc.config import structured_outputs_config
+
+    compact = ServingLimits(256, 49152, 4096, RequestLimits(json_without_whitespace=True))
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+
+    def grammar(limits, **kind):
+        return validate_request(_request(structured_outputs=wire(**kind)), tokenizer,
+                                limits).sampling_params.structured_grammar
+
+    assert grammar(compact, json=schema) == grammar(LIMITS, json=schema, disable_any_whitespace=True)
+    assert grammar(compact, json=schema) != grammar(LIMITS, json=schema)
+    assert grammar(compact, regex="a+") == grammar(LIMITS, regex="a+")
+    assert structured_outputs_config('{"backend": "guidance", "disable_any_whitespace": true}')
+    for bad in ("[]", "{", '{"backend": "xgrammar"}', '{"disable_any_whitespace": 1}', '{"reasoning_parser": "x"}'):
+        with pytest.raises(argparse.ArgumentTypeError):
+            structured_outputs_config(bad)

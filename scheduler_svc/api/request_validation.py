@@ -127,7 +127,7 @@ def _sampling_params(
             raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
         temperature, top_p, top_k = 0.0, 1.0, -1
     extra = _penalties_and_masks(wire, tokenizer, limits, max_tokens, beam_width)
-    grammar = _structured_grammar(wire, tokenizer, beam_width)
+    grammar = _structured_grammar(wire, tokenizer, beam_width, limits.request_limits.json_without_whitespace)
     return SamplingParams(
         n=n,
         best_of=best_of,
@@ -151,8 +151,10 @@ def _sampling_params(
     )
 
 
-def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, beam_width: int) -> str:
-    """The llguidance grammar of the request's structured_outputs ("" for none); see structured_outputs.py."""
+def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, beam_width: int,
+                        json_without_whitespace: bool = False) -> str:
+    """The llguidance grammar of the request's structured_outputs ("" for none); see structured_outputs.py.
+    `json_without_whitespace`: the server's default for JSON kinds (--structured-outputs-config)."""
     if not wire.HasField("structured_outputs"):
         return ""
     constrained = wire.structured_outputs.WhichOneof("kind") is not None
@@ -169,7 +171,12 @@ def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer 
     if constrained and len(wire.bad_words):
         raise InvalidRequestError("sampling.bad_words", "not supported with structured_outputs (a banned token "
                                   "may be the grammar's only continuation)")
-    return structured_grammar(wire.structured_outputs, tokenizer)
+    constraint = wire.structured_outputs
+    if json_without_whitespace and constraint.WhichOneof("kind") in ("json", "json_object"):
+        constraint = generate_pb2.StructuredOutputs()
+        constraint.CopyFrom(wire.structured_outputs)
+        constraint.disable_any_whitespace = True
+    return structured_grammar(constraint, tokenizer)
 
 
 def _penalties_and_masks(
