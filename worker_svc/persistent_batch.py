@@ -110,11 +110,11 @@ class PersistentBatch:
         return self._request_of_row[row]
 
     def reads_history(self, row: int) -> bool:
-        """Whether sampling this row reads its earlier tokens on the host (penalties, sparse masks, a grammar
-        matcher that must have consumed the previous token)."""
+        """Whether building this row's sampling inputs reads its earlier tokens on the host (penalties, sparse
+        masks). A grammar matcher needs the previous token too, but only for the mask, which the worker builds
+        after the step in flight is finished (Worker.complete)."""
         return bool(self.has_sparse[row] or self.presence_penalty[row] or self.frequency_penalty[row]
-                    or self.repetition_penalty[row] != 1.0
-                    or (self.grammars is not None and self.grammars.constrained[row]))
+                    or self.repetition_penalty[row] != 1.0)
 
     def remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)

@@ -22,7 +22,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -203,7 +205,14 @@ class Worker:
             # Who sampled, as of now: a row may be handed to another request before the step finishes.
             step.request_ids = [batch.request_id_of(row) for row in step.sampled_rows.tolist()]
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
-            self._sample(logits, np.flatnonzero(~is_beam), step)
+            # The sampling inputs as of now (a row's seed position is its token count before begin_step).
+            tensors = build_sampling_tensors(batch, step.sampled_rows, self.device)
+            if previous is not None and batch.grammars is not None and batch.grammars.constrained[step.sampled_rows].any():
+                # A grammar's mask needs the token `previous` samples: queued forward first, the mask and the
+                # draw once `previous` is finished (`complete`), still while this step's forward runs.
+                step.deferred_sample = partial(self._sample, logits, np.flatnonzero(~is_beam), step, tensors)
+            else:
+                self._sample(logits, np.flatnonzero(~is_beam), step, tensors)
         pending = batch.begin_step(inputs, step.sampled_rows)
         step.pending = pending if len(step.sampled_rows) else None
         if is_beam.any():
@@ -218,8 +227,17 @@ class Worker:
                         len(inputs.input_ids), inputs.num_decode_seqs, len(inputs.rows) - inputs.num_decode_seqs)
         return step
 
+    @torch.inference_mode()
+    def complete(self, step: LaunchedStep) -> None:
+        """Launches a step's deferred draw (constrained rows launched behind another step: see `launch`); call it
+        once the step it was launched behind is finished. Nothing to do for any other step."""
+        if step.deferred_sample is not None:
+            deferred, step.deferred_sample = step.deferred_sample, None
+            deferred()
+
     def finish(self, step: LaunchedStep) -> worker_pb2.StepResult:
         """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
+        self.complete(step)
         timer = self.step_timer
         timer.resume()
         if step.pending is not None:
@@ -235,8 +253,8 @@ class Worker:
 
     def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
         """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
-        its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks, a grammar
-        matcher), since the token in flight is not there yet."""
+        its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
+        token in flight is not there yet. A grammar's row may: its draw waits for that token (`complete`)."""
         batch = self.batch
         for scheduled in plan.scheduled_requests:
             row = batch.row_of(scheduled.request_id)
@@ -275,13 +293,12 @@ class Worker:
             return None
         return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, self.device)])
 
-    def _sample(self, logits, logits_rows: np.ndarray, step: LaunchedStep) -> None:
+    def _sample(self, logits, logits_rows: np.ndarray, step: LaunchedStep, tensors) -> None:
         """Samples the step's sampled rows on the device and starts the step's one device-to-host copy: ids,
         logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
         self._mask_by_grammar(logits, step.sampled_rows)
-        tensors = build_sampling_tensors(self.batch, step.sampled_rows, self.device)
         out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
@@ -369,3 +386,5 @@ class LaunchedStep:
     sampled_ids: torch.Tensor | None = None
     host_sampled: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
+    deferred_sample: Callable[[], None] | None = None
