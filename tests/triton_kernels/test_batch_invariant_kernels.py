@@ -152,7 +152,7 @@ SPLIT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
-def test_decodes_split_over_segments_give_the_bits_of_one_program_merging_them(case):
+def test_attention_decodes_split_over_segments_give_the_bits_of_one_program_merging_them(case):
     """Way (b) (each 32-key segment in programs of its own, a merge kernel) against way (a) (one program per
     decode folding and merging the segments in registers), for contexts of 1 to 4 segments, partial and whole:
     bitwise equal, and close to the torch reference."""
@@ -167,6 +167,21 @@ def test_decodes_split_over_segments_give_the_bits_of_one_program_merging_them(c
     query = torch.cat([pool.queries[name][-1:] for name in seq_lens])
     expected = paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
     torch.testing.assert_close(split.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_attention_start_up_check_of_the_two_decode_ways(monkeypatch):
+    """`segments_agree` (the worker splits decodes only where it holds) finds (a) and (b) equal here, and
+    tells when they are not: (b) with other segments than (a)'s."""
+    from kernels import triton_batch_invariant_attention as attention
+
+    assert attention.segments_agree("cpu")
+
+    class OtherSegmentsWhenSplit(BatchInvariantTritonBackend):
+        def __init__(self, split_decodes):
+            super().__init__(segment=128 if split_decodes else 256, split_decodes=split_decodes)
+
+    monkeypatch.setattr(attention, "BatchInvariantTritonBackend", OtherSegmentsWhenSplit)
+    assert not attention.segments_agree("cpu")
 
 
 def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other_row():
