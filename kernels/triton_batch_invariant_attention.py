@@ -75,7 +75,10 @@ from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
 from kernels.triton_prefill_attention import _find_sequence
 
 SEGMENT = 256  # keys a segment, from key 0: see the module docstring for why 256
-SPLIT_BELOW_PROGRAMS = 256  # decode rows x KV heads below which decodes run split (see `paged_attention`)
+# Decode rows x KV heads below which decodes run split. The same boundary as the split-KV decode's
+# (triton_decode_attention.choose_num_kv_splits' min_programs), so worker_svc/kernel_warmup.py's decode
+# size classes compile both variants before serving.
+SPLIT_BELOW_PROGRAMS = 256
 TARGET_SPLIT_PROGRAMS = 512  # split-decode programs aimed at (most exit at once when contexts are short)
 MERGE_CHUNK = 16  # segment partials the merge kernel loads at once
 

@@ -126,7 +126,8 @@ ATTENTION_CASES = {
     "fp32-gqa4-segments32": (torch.float32, 4, {}, {"segment": 32}),
     "fp32-mha-window20-segments32": (torch.float32, 1, {"sliding_window": 20}, {"block_n": 16, "segment": 32}),
     "fp32-gqa6-softcap-tiles16-segments48": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16, "segment": 48}),
-    "bf16-gqa4-window40-softcap-segments64": (torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {"segment": 64}),
+    "bf16-gqa4-window40-softcap-segments64": (
+        torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {"segment": 64}),
 }
 
 
