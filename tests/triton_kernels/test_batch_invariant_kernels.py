@@ -121,11 +121,13 @@ HEAD_DIM = 64
 SEQ_LEN = 70  # the sequence whose tokens are followed through every way of serving them
 
 
+# Segments of 32 to 64 keys, so that the 70-token sequence spans 2 or 3 of them (the default, 256, would be one).
 ATTENTION_CASES = {
-    "fp32-gqa4": (torch.float32, 4, {}, {}),
-    "fp32-mha-window20": (torch.float32, 1, {"sliding_window": 20}, {}),
-    "fp32-gqa6-softcap-tiles16": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16}),
-    "bf16-gqa4-window40-softcap": (torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {}),
+    "fp32-gqa4-segments32": (torch.float32, 4, {}, {"segment": 32}),
+    "fp32-mha-window20-segments32": (torch.float32, 1, {"sliding_window": 20}, {"block_n": 16, "segment": 32}),
+    "fp32-gqa6-softcap-tiles16-segments48": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16, "segment": 48}),
+    "bf16-gqa4-window40-softcap-segments64": (
+        torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {"segment": 64}),
 }
 
 
@@ -141,6 +143,46 @@ def test_attention_of_a_token_is_the_same_however_it_is_served(case):
     metadata = pool.metadata([("ours", SEQ_LEN, SEQ_LEN)])
     expected = paged_attention(pool.queries["ours"], pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
     torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+SPLIT_CASES = {
+    "fp32": (torch.float32, {}),
+    "fp32-window40": (torch.float32, {"sliding_window": 40}),
+    "bf16-softcap": (torch.bfloat16, {"logit_softcap": 5.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_attention_decodes_split_over_segments_give_the_bits_of_one_program_merging_them(case):
+    """Way (b) (each 32-key segment in programs of its own, a merge kernel) against way (a) (one program per
+    decode folding and merging the segments in registers), for contexts of 1 to 4 segments, partial and whole:
+    bitwise equal, and close to the torch reference."""
+    dtype, options = SPLIT_CASES[case]
+    seq_lens = {"one": 1, "under": 31, "exactly": 32, "over": 33, "two": 64, "three": 65, "four": 97}
+    pool = PagedPool(seq_lens, 4, dtype, seed=5)
+    steps = [(name, length, 1) for name, length in seq_lens.items()]
+    split, in_registers = (torch.cat(pool.run(BatchInvariantTritonBackend(block_n=16, segment=32, split_decodes=way),
+                                              steps, **options)) for way in (True, False))
+    assert torch.equal(split, in_registers)
+    metadata = pool.metadata(steps)
+    query = torch.cat([pool.queries[name][-1:] for name in seq_lens])
+    expected = paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
+    torch.testing.assert_close(split.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_attention_start_up_check_of_the_two_decode_ways(monkeypatch):
+    """`segments_agree` (the worker splits decodes only where it holds) finds (a) and (b) equal here, and
+    tells when they are not: (b) with other segments than (a)'s."""
+    from kernels import triton_batch_invariant_attention as attention
+
+    assert attention.segments_agree("cpu")
+
+    class OtherSegmentsWhenSplit(BatchInvariantTritonBackend):
+        def __init__(self, split_decodes):
+            super().__init__(segment=128 if split_decodes else 256, split_decodes=split_decodes)
+
+    monkeypatch.setattr(attention, "BatchInvariantTritonBackend", OtherSegmentsWhenSplit)
+    assert not attention.segments_agree("cpu")
 
 
 def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other_row():
