@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     shapes = SMOKE_SHAPES if "--smoke" in argv else GPU_SHAPES
     device, batch_sizes, hidden_size, inter, vocab_size, _, _, _, _ = shapes
     rows = batch_sizes[-1]
-    ops = batch_invariant_triton_layer_ops()
+    ops = batch_invariant_triton_layer_ops(device)
     dtype = torch.bfloat16
     weight = random_tensor((hidden_size, hidden_size), dtype, 1, device) * 0.02
     hidden = random_tensor((rows, hidden_size), dtype, 2, device)
