@@ -9,15 +9,17 @@ sum is taken in a different order, so the same token gets different bits dependi
 batch (--batch-invariant, issue 21). Here everything that decides a row's reduction order is a constant:
 
 - ONE tile configuration, `TILE` below, unless the device shows that the tiles make no difference: no
-  autotuning, no split-K. The tile shape fixes the MMA instructions and so a product's accumulation order,
+  autotuning, no split-K chosen by the rows. The tile shape fixes the MMA instructions and so a product's accumulation order,
   and the number of rows only changes how many tiles there are. On an H200 every tile we tried (BLOCK_M 64
   to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps; benchmarks/batch_invariant_kernel_bench.py)
   gave the same bits: Hopper's MMA chains the K dimension 16 products at a time, in K order, whatever the
   tile. So `tile_by_rows` (a decode-sized tile up to SMALL_ROWS rows, a prefill-sized one past) is used
   where `tiles_agree` finds the same on the device at start-up (kernels/batch_invariant_layer_ops.py), and
   TILE alone everywhere else (the interpreter, whose numpy matmul sums a tile's K in its own order).
-- K is looped from 0 in `BLOCK_K` steps into one fp32 accumulator, in that order, for every row; the last
-  partial K tile reads zeros (exact zero products, which change no sum).
+- K is cut into K_SLICES fixed slices; each is looped in `BLOCK_K` steps into a fresh fp32 accumulator, and
+  the slices' sums are added in slice order, for every row; the last partial K tile reads zeros (exact zero
+  products, which change no sum). Whether one program adds its slices or each slice has programs of its own
+  and a second kernel adds them (few rows), the operations are the same (`slices_agree` checks it).
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
   its M tile does not change its math (the MMA computes every element of a tile the same way; under the
   interpreter numpy's matmul does too, checked by the tests).
