@@ -34,25 +34,27 @@ from worker_svc.worker import Worker  # noqa: E402
 
 def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
                      spread: bool = False, overlap: bool = False, rank: int = 0, world_size: int = 1,
-                     init_method: str | None = None, custom_all_reduce: bool = True):
+                     init_method: str | None = None, custom_all_reduce: bool = True, batch_invariant: bool = False):
     """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
     tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
     planning ahead (call `torch.cuda.synchronize()` after the last). `rank` of `world_size` (meeting at
     `init_method`) makes it one tensor-parallel rank on cuda:rank; every rank must be fed the same steps."""
-    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method, custom_all_reduce)
+    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method, custom_all_reduce,
+                           batch_invariant)
     return prefill(worker, batch, prompt, spread=spread, overlap=overlap)[0]
 
 
 def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
                   rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                  custom_all_reduce: bool = True) -> Worker:
+                  custom_all_reduce: bool = True, batch_invariant: bool = False) -> Worker:
     """A real `Worker` (random weights of `shape`, bf16, CUDA) set up for `batch` requests of up to 768 tokens."""
     model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
     worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device=f"cuda:{rank}", dtype="bfloat16",
                                  load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
                                  cuda_graphs=cuda_graphs, rank=rank, world_size=world_size,
-                                 distributed_init_method=init_method, custom_all_reduce=custom_all_reduce))
+                                 distributed_init_method=init_method, custom_all_reduce=custom_all_reduce,
+                                 batch_invariant=batch_invariant))
     worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
                                         max_model_len=1024))
     gc.freeze()  # as the serving loop does after setup: full collections then skip the model's objects
@@ -122,7 +124,8 @@ def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -
     decode_step = prefilled_worker(args.shape, args.batch, args.prompt, cuda_graphs=not args.no_cuda_graphs,
                                    num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap,
                                    rank=rank, world_size=world_size, init_method=init_method,
-                                   custom_all_reduce=not args.disable_custom_all_reduce)
+                                   custom_all_reduce=not args.disable_custom_all_reduce,
+                                   batch_invariant=args.batch_invariant)
     for _ in range(5):
         decode_step()
     torch.cuda.synchronize()
@@ -171,6 +174,7 @@ def main() -> int:
     parser.add_argument("--overlap", action="store_true", help="launch each step before finishing the previous")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks, one per GPU")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
+    parser.add_argument("--batch-invariant", action="store_true", help="the worker's --batch-invariant kernels")
     parser.add_argument("--json", default=None, help="write the step's figures here")
     args = parser.parse_args()
     if args.tensor_parallel_size == 1:

@@ -20,6 +20,7 @@ from client.errors import (
     ServerUnavailableError,
 )
 from client.sampling_params import SamplingParams
+from client.structured_outputs import StructuredOutputsParams
 from client.sync_client import Client
 from client.types import (
     CompletionOutput,
@@ -49,5 +50,6 @@ __all__ = [
     "SamplingParams",
     "ServerStats",
     "ServerUnavailableError",
+    "StructuredOutputsParams",
     "TokenLogprobs",
 ]

@@ -24,6 +24,10 @@ EXIT_INTERRUPTED = 130
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    try:
+        structured_outputs = _structured_outputs(args)
+    except OSError as error:
+        return _fail(f"--json-schema: {error}", EXIT_INVALID_REQUEST)
     sampling = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -45,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "prompt_logprobs": args.prompt_logprobs,
         "skip_special_tokens": False if args.keep_special_tokens else None,
         "spaces_between_special_tokens": False if args.no_spaces_between_special_tokens else None,
+        "structured_outputs": structured_outputs,
     }
     with Client(args.target, api_key=args.api_key, root_certificates=args.tls_root_cert) as client:
         try:
@@ -104,6 +109,18 @@ def _print_stream(stream: Generator[GenerateChunk, None, None], show_logprobs: b
     return 0
 
 
+def _structured_outputs(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE, --regex or --choice as the structured_outputs keyword (at most one: argparse's group)."""
+    if args.json_schema is not None:
+        with open(args.json_schema, encoding="utf-8") as schema:
+            return {"json": schema.read()}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice is not None:
+        return {"choice": args.choice}
+    return None
+
+
 def _token_bias(text: str) -> tuple[int, float]:
     token_id, _, bias = text.partition("=")
     try:
@@ -159,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="print each prompt token's logprob, rank and top K alternatives to stderr")
     parser.add_argument("--keep-special-tokens", action="store_true", help="skip_special_tokens=False")
     parser.add_argument("--no-spaces-between-special-tokens", action="store_true")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema")
+    constraint.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    constraint.add_argument("--choice", nargs="+", metavar="STR", help="the output is one of these strings")
     parser.add_argument(
         "--wait", type=float, metavar="SECONDS", help="first wait up to SECONDS for the server to be ready"
     )

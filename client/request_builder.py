@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from client.structured_outputs import StructuredOutputsParams
 from protos.pagedserve.v1 import generate_pb2
 
 # Keywords named as vLLM's SamplingParams (each a SamplingParams field), plus the request's own id.
@@ -19,11 +20,14 @@ SAMPLING_KEYWORDS = frozenset(
      "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
      "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
      "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
-     "return_prompt", "add_special_tokens", "strict_context_length"}
+     "return_prompt", "add_special_tokens", "strict_context_length", "structured_outputs"}
 )
 # vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
-CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents"})
+CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
+                           "tools"})
+# A message has a role and content; an assistant's may call tools (content None then), a tool's answers a call.
 _MESSAGE_KEYS = frozenset({"role", "content"})
+_OPTIONAL_MESSAGE_KEYS = frozenset({"tool_calls", "tool_call_id", "reasoning_content"})
 
 
 def build_generate_request(
@@ -39,12 +43,15 @@ def build_generate_request(
     (a string or a list of them), stop_token_ids, ignore_eos, n, best_of, beam_width, length_penalty,
     early_stopping, presence_penalty, frequency_penalty, repetition_penalty, logit_bias ({token id: bias}),
     bad_words (a list of strings), min_tokens, include_stop_str_in_output, logprobs, prompt_logprobs,
-    skip_special_tokens, spaces_between_special_tokens; and the request's own request_id, priority
-    (lower first), return_prompt (the result carries the prompt's text and token ids), add_special_tokens
-    (default: true for a text, false for a chat) and strict_context_length (prompt + max_tokens past the
-    model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
+    skip_special_tokens, spaces_between_special_tokens, structured_outputs (a StructuredOutputsParams or a dict
+    of its fields: json, regex, choice, grammar, json_object, disable_any_whitespace); and the request's own
+    request_id, priority (lower first), return_prompt (the result carries the prompt's text and token ids),
+    add_special_tokens (default: true for a text, false for a chat) and strict_context_length (prompt +
+    max_tokens past the model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
     add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
-    variables) and documents (a list of dicts). Raises TypeError for any other keyword or a malformed prompt,
+    variables), documents (a list of dicts) and tools (OpenAI's tool definitions, for the template). A message
+    is {"role", "content"}; an assistant's may add "tool_calls" (OpenAI's shape; content None) and
+    "reasoning_content", a tool's "tool_call_id". Raises TypeError for any other keyword or a malformed prompt,
     ValueError for a malformed chat message.
     """
     chat_options = {name: sampling.pop(name) for name in CHAT_KEYWORDS & set(sampling)}
@@ -80,6 +87,9 @@ def build_generate_request(
         raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
     for token_id, bias in logit_bias.items():
         request.sampling.logit_bias[int(token_id)] = bias  # OpenAI clients send the ids as strings
+    structured_outputs = given.pop("structured_outputs", None)
+    if structured_outputs is not None:
+        request.sampling.structured_outputs.CopyFrom(StructuredOutputsParams.of(structured_outputs).to_wire())
     bad_words = given.pop("bad_words", [])
     if bad_words:
         request.sampling.bad_words.extend([bad_words] if isinstance(bad_words, str) else bad_words)
@@ -117,19 +127,37 @@ def _token_ids(values: Any, what: str) -> list[int]:
     return list(values)
 
 
-def _chat_message(index: int, message: Mapping[str, str]) -> generate_pb2.ChatMessage:
+def _chat_message(index: int, message: Mapping[str, Any]) -> generate_pb2.ChatMessage:
     if not isinstance(message, Mapping):
         raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
-    missing, extra = _MESSAGE_KEYS - set(message), set(message) - _MESSAGE_KEYS
+    missing, extra = _MESSAGE_KEYS - set(message), set(message) - _MESSAGE_KEYS - _OPTIONAL_MESSAGE_KEYS
     if missing or extra:
         raise ValueError(
-            f"messages[{index}] must have exactly the keys 'role' and 'content'"
+            f"messages[{index}] must have the keys 'role' and 'content' (and optionally 'tool_calls', "
+            "'tool_call_id', 'reasoning_content')"
             + (f"; missing {sorted(missing)}" if missing else "")
             + (f"; unsupported {sorted(extra)}" if extra else "")
         )
-    if not isinstance(message["role"], str) or not isinstance(message["content"], str):
-        raise ValueError(f"messages[{index}]: 'role' and 'content' must be strings")
-    return generate_pb2.ChatMessage(role=message["role"], content=message["content"])
+    content = message["content"]
+    if not isinstance(message["role"], str) or not (isinstance(content, str) or content is None):
+        raise ValueError(f"messages[{index}]: 'role' must be a string and 'content' a string or None")
+    wire = generate_pb2.ChatMessage(role=message["role"], content=content,
+                                    tool_call_id=message.get("tool_call_id") or "",
+                                    reasoning_content=message.get("reasoning_content"))
+    for call_index, call in enumerate(message.get("tool_calls") or ()):
+        wire.tool_calls.append(_tool_call(f"messages[{index}].tool_calls[{call_index}]", call))
+    return wire
+
+
+def _tool_call(where: str, call: Any) -> generate_pb2.ToolCall:
+    """OpenAI's {"id", "type": "function", "function": {"name", "arguments"}} as the wire's ToolCall."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise ValueError(f"{where}: must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):  # a dict, as some clients send: the wire carries JSON text
+        arguments = json.dumps(arguments)
+    return generate_pb2.ToolCall(id=str(call.get("id") or ""), name=function["name"], arguments=arguments)
 
 
 def build_tokenize_request(
@@ -167,6 +195,7 @@ def set_chat_options(
     continue_final_message: bool | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
     documents: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> None:
     if add_generation_prompt is not None:
         chat.add_generation_prompt = bool(add_generation_prompt)
@@ -179,3 +208,7 @@ def set_chat_options(
         if isinstance(documents, (str, bytes, Mapping)) or not all(isinstance(d, Mapping) for d in documents):
             raise TypeError("documents must be a list of dicts")
         chat.documents_json = json.dumps([dict(document) for document in documents])
+    if tools is not None:
+        if isinstance(tools, (str, bytes, Mapping)) or not all(isinstance(tool, Mapping) for tool in tools):
+            raise TypeError("tools must be a list of dicts (OpenAI's tool definitions)")
+        chat.tools_json = json.dumps([dict(tool) for tool in tools])

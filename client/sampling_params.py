@@ -12,6 +12,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from client.structured_outputs import StructuredOutputsParams
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -45,6 +47,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    # Constrained decoding: a JSON schema, regex, choice or grammar the output must follow.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Lists are accepted as vLLM's are, and kept as tuples so the object stays hashable and immutable.

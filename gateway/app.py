@@ -67,7 +67,7 @@ def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(body, request, backend)
+        return await create_chat_completion(body, request, backend, config)
 
     app.include_router(v1)
     # vLLM serves these at the root, not under /v1; they need the key as /v1 does.

@@ -66,8 +66,23 @@ class ChoiceLog:
             self.completion_tokens = chunk.completion_tokens or 0
         return self._span(first)
 
+    def add_prompt(self, text: str, tokens: TokenSpan | None) -> None:
+        """Opens the choice with its prompt (echo): the prompt's text, and its tokens with their logprobs
+        when the client asked for logprobs (the first token's logprob and alternatives are None)."""
+        self.text += text
+        if tokens is None:
+            return
+        self.token_texts += tokens.texts
+        self.logprobs += tokens.logprobs
+        self.alternatives += tokens.alternatives
+        self.text_offsets += tokens.text_offsets
+
     def whole(self) -> TokenSpan:
         return self._span(0)
+
+    def span_from(self, first: int) -> TokenSpan:
+        """The tokens from the `first`-th on (what a streamed chunk adds)."""
+        return self._span(first)
 
     def _span(self, first: int) -> TokenSpan:
         return TokenSpan(tuple(self.token_texts[first:]), tuple(self.logprobs[first:]),
@@ -80,7 +95,8 @@ def completion_logprobs(span: TokenSpan) -> dict:
     return {
         "tokens": list(span.texts),
         "token_logprobs": list(span.logprobs),
-        "top_logprobs": [{text: logprob, **dict(alternatives)}
+        # A prompt's first token (echo) has no logprob: None for its top_logprobs too, as vLLM's.
+        "top_logprobs": [None if logprob is None else {text: logprob, **dict(alternatives)}
                          for text, logprob, alternatives in zip(span.texts, span.logprobs, span.alternatives)],
         "text_offset": list(span.text_offsets),
     }

@@ -3,22 +3,23 @@
 A batch of prompts runs concurrently (the scheduler batches them like any other requests); prompt p's n
 sequences are choices p*n .. p*n+n-1, as in OpenAI's API. The gRPC request ids are the completion id plus
 the prompt index, so scheduler logs and Abort calls can be matched to the HTTP response. With `echo`, each
-choice opens with its prompt's text (streamed: in its first chunk), as vLLM does.
+choice opens with its prompt's text (streamed: in its first chunk), as vLLM does; with `logprobs` and
+`max_tokens: 0` too (prompt_echo.py).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from client.types import GenerateChunk
 from gateway.backend import Backend
-from gateway.choices import ChoiceLog, completion_logprobs, usage
+from gateway.choices import ChoiceLog, TokenSpan, completion_logprobs, usage
 from gateway.errors import invalid_request
+from gateway.prompt_echo import EchoPlan, prompt_token_span, vllm_prompt_logprobs
 from gateway.protocol import CompletionRequest
 from gateway.request_ids import base_request_id
 from gateway.sampling import completion_keywords
@@ -36,12 +37,12 @@ async def create_completion(body: CompletionRequest, request: Request, backend: 
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
         raise invalid_request(str(error)) from error
     echoes = [await _prompt_text(prompt, backend) for prompt in prompts] if body.echo else None
-    relay = _CompletionRelay(completion_id, model_name, body, echoes)
+    relay = _CompletionRelay(completion_id, model_name, body, echoes, backend.client.detokenize)
     if body.stream:
         chunks = await start_streams(request, streams)
         return event_stream(relay.events(chunks), backend.to_openai_error)
     for prompt_index, chunk in await collect_streams(request, streams):
-        relay.record(prompt_index, chunk)
+        await relay.record(prompt_index, chunk)
     return JSONResponse(relay.response())
 
 
@@ -49,9 +50,14 @@ class _CompletionRelay:
     """The choices of one completion as its chunks arrive, and the OpenAI objects made from them."""
 
     def __init__(self, completion_id: str, model_name: str, body: CompletionRequest,
-                 echoes: list[str] | None) -> None:
+                 echoes: list[str] | None, detokenize: Callable[[list[int]], Awaitable[str]]) -> None:
         self._id = completion_id
         self._echoes = echoes  # echo: each prompt's text, which opens each of its choices
+        self._echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+        self._detokenize = detokenize
+        self._first_token_texts: dict[int, str] = {}  # echo with logprobs: per prompt, its first token's text
+        self._with_prompt_logprobs = body.prompt_logprobs is not None
+        self._prompt_logprobs: dict[int, list] = {}  # per choice, vLLM's prompt_logprobs
         self._model = model_name
         self._created = int(time.time())
         self._n = body.n
@@ -62,26 +68,47 @@ class _CompletionRelay:
         self._choices: dict[int, ChoiceLog] = {}
         self._prompt_tokens: dict[int, int] = {}
 
-    def record(self, prompt_index: int, chunk: GenerateChunk) -> dict | None:
+    async def record(self, prompt_index: int, chunk: GenerateChunk) -> dict | None:
         """Adds a chunk; returns its choice's streamed form, or None when it carries nothing to send."""
         index = prompt_index * self._n + chunk.index
-        if self._echoes is not None and index not in self._choices:
-            chunk = replace(chunk, text=self._echoes[prompt_index] + chunk.text)
+        opening = index not in self._choices
         choice = self._choices.setdefault(index, ChoiceLog(index))
-        span = choice.add(chunk)
+        first = len(choice.token_texts)
+        echoed = ""
+        if self._echo is not None:
+            if opening:
+                echoed = self._echoes[prompt_index]
+                choice.add_prompt(echoed, await self._echoed_tokens(prompt_index, chunk))
+            chunk = self._echo.generated(chunk)
+        choice.add(chunk)
+        span = choice.span_from(first)
+        prompt_logprobs = None
+        if opening and self._with_prompt_logprobs:
+            prompt_logprobs = self._prompt_logprobs[index] = vllm_prompt_logprobs(chunk.prompt_logprobs)
         if chunk.prompt_tokens is not None:
             self._prompt_tokens[prompt_index] = chunk.prompt_tokens
         elif chunk.prompt_token_ids is not None:  # asked for by continuous_usage_stats
             self._prompt_tokens[prompt_index] = len(chunk.prompt_token_ids)
-        if not (chunk.text or chunk.token_ids or chunk.finish_reason):
+        if not (echoed or prompt_logprobs or chunk.text or chunk.token_ids or chunk.finish_reason):
             return None
-        return {"index": index, "text": chunk.text,
-                "logprobs": completion_logprobs(span) if self._with_logprobs else None,
-                "finish_reason": chunk.finish_reason}
+        streamed = {"index": index, "text": echoed + chunk.text,
+                    "logprobs": completion_logprobs(span) if self._with_logprobs else None,
+                    "finish_reason": chunk.finish_reason}
+        if prompt_logprobs is not None:  # on the choice's first chunk only
+            streamed["prompt_logprobs"] = prompt_logprobs
+        return streamed
+
+    async def _echoed_tokens(self, prompt_index: int, chunk: GenerateChunk) -> TokenSpan | None:
+        """Echo with logprobs: the prompt's tokens (from the sequence's first chunk), else None."""
+        if not self._echo.with_prompt_logprobs or not chunk.prompt_token_ids:
+            return None
+        if prompt_index not in self._first_token_texts:
+            self._first_token_texts[prompt_index] = await self._detokenize([chunk.prompt_token_ids[0]])
+        return prompt_token_span(self._first_token_texts[prompt_index], chunk.prompt_logprobs)
 
     async def events(self, chunks: AsyncIterator[tuple[int, GenerateChunk]]) -> AsyncIterator[dict]:
         async for prompt_index, chunk in chunks:
-            choice = self.record(prompt_index, chunk)
+            choice = await self.record(prompt_index, chunk)
             if choice is not None:
                 yield self._object(choices=[choice], **self._running_usage())
         if self._with_usage:
@@ -91,7 +118,8 @@ class _CompletionRelay:
         choices = [
             {"index": choice.index, "text": choice.text,
              "logprobs": completion_logprobs(choice.whole()) if self._with_logprobs else None,
-             "finish_reason": choice.finish_reason}
+             "finish_reason": choice.finish_reason,
+             **({"prompt_logprobs": self._prompt_logprobs.get(choice.index)} if self._with_prompt_logprobs else {})}
             for choice in sorted(self._choices.values(), key=lambda c: c.index)
         ]
         return self._object(choices=choices, usage=self._usage())

@@ -13,6 +13,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from gateway.reasoning_parsers import REASONING_PARSERS
+from gateway.tool_parsers import TOOL_CALL_PARSERS
 from service_runtime.api_key_source import GRPC_API_KEY_ENV, api_key_from, grpc_api_key_from
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -41,6 +43,12 @@ class GatewayConfig:
     log_requests: bool = True
     # Larger request bodies get a 413 before they are read (body_limit.py).
     max_request_body_bytes: int = 16 * 1024 * 1024
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default with tools)
+    # parses the model's tool calls in this format (tool_parsers/); without them "auto" is a 400.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser: the model's thought goes to reasoning_content (reasoning_parsers/).
+    reasoning_parser: str | None = None
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +76,32 @@ def add_gateway_access_arguments(parser: argparse.ArgumentParser) -> None:
                         action="store_false", help="write no log line per HTTP request")
     parser.add_argument("--max-request-body-bytes", type=int, default=16 * 1024 * 1024,
                         help="larger HTTP request bodies get a 413 (invalid_request_error) before they are read")
+    add_output_parsing_arguments(parser)
+
+
+def add_output_parsing_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-call and reasoning parser flags (shared by `serve` and `gateway`)."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice \"auto\" (needs --tool-call-parser)")
+    parser.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                        help=f"the model's tool-call format: {', '.join(sorted(TOOL_CALL_PARSERS))}")
+    parser.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                        help=f"put the model's thought in reasoning_content: {', '.join(sorted(REASONING_PARSERS))}")
+
+
+def output_parsing_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the parser flags (an unknown name, listing the known ones; --enable-auto-tool-choice
+    without a parser), or None."""
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        return (f"--tool-call-parser {args.tool_call_parser!r}: unknown; choose one of "
+                f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        return (f"--reasoning-parser {args.reasoning_parser!r}: unknown; choose one of "
+                f"{', '.join(sorted(REASONING_PARSERS))}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        return ("--enable-auto-tool-choice needs --tool-call-parser NAME (one of "
+                f"{', '.join(sorted(TOOL_CALL_PARSERS))})")
+    return None
 
 
 def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -77,6 +111,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise SystemExit("--retry-after must be >= 0")
     if args.max_request_body_bytes < 1:
         raise SystemExit("--max-request-body-bytes must be at least 1")
+    if (error := output_parsing_error(args)) is not None:
+        raise SystemExit(error)
     return GatewayConfig(
         grpc_target=args.grpc_target,
         host=args.host,
@@ -90,4 +126,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         uvicorn_log_level=args.uvicorn_log_level,
         log_requests=args.log_requests,
         max_request_body_bytes=args.max_request_body_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )

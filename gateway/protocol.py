@@ -3,7 +3,7 @@
 Fields are OpenAI's (API reference) and vLLM's extras (vLLM's protocol.py names), nothing else: a field
 neither knows is a 400 naming it (extra="forbid"; app.py gives it OpenAI's error shape), because a typo such
 as `max_token` silently ignored would serve a request the client did not ask for. Fields declared here but
-not served (guided decoding, tools, suffix, ...) are refused in refused_fields.py with a 400 naming them;
+not served (guided decoding, suffix, ...) are refused in refused_fields.py with a 400 naming them;
 fields served are mapped to the SDK in sampling.py. README "Switching from vLLM" > "Request fields" lists
 each field's fate.
 """
@@ -73,7 +73,8 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # OpenAI's end-user id for abuse monitoring: accepted, no effect by definition
     best_of: UInt32 | None = None
-    response_format: dict[str, Any] | None = None  # {"type": "text"} only
+    # text, json_object or json_schema (gateway/structured_outputs.py, as the guided_* fields below).
+    response_format: dict[str, Any] | None = None
     # vLLM's extra sampling fields.
     use_beam_search: bool = False
     top_k: Int32 | None = None
@@ -91,17 +92,19 @@ class SamplingFields(_Body):
     priority: Int32 = 0
     request_id: str | None = None
     add_special_tokens: bool | None = None
+    # vLLM's: per prompt token, its logprob and this many alternatives (completions only; prompt_echo.py).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # Declared to be refused by name (refused_fields.py): vLLM fields pagedserve does not serve.
-    prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    structural_tag: Any = None
+    # vLLM's constrained decoding (checked in gateway/structured_outputs.py).
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    structural_tag: Any = None
     structured_outputs: Any = None
     logits_processors: Any = None
     return_tokens_as_token_ids: bool | None = None
@@ -122,16 +125,30 @@ class CompletionRequest(SamplingFields):
     prompt_embeds: Any = None  # refused
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made (OpenAI's shape), sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Role
     # Text parts ({"type": "text", "text": ...}) are joined; any other part (image_url, input_audio, ...) is
     # refused (sampling.py).
     content: str | list[dict[str, Any]] | None = None
-    # Refused when set (refused_fields.py): the wire's chat messages carry role and content only.
-    name: str | None = None
-    tool_calls: list[Any] | None = None
+    # An assistant's tool calls and thought, and a tool message's answer to a call: the template renders them.
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # Refused when set (refused_fields.py): the wire's chat messages do not carry it.
+    name: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
@@ -139,6 +156,32 @@ class ChatMessage(_Body):
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
             raise ValueError(f"content: required in a {self.role} message")
         return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    # A JSON Schema of an object (tool_choice.py checks it); None: no parameters.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """OpenAI's tool: a function the model may call."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """tool_choice {"type": "function", "function": {"name": ...}}: the model must call this function."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -158,9 +201,10 @@ class ChatCompletionRequest(SamplingFields):
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # Tool calling (tool_choice.py): None with tools means "auto", as OpenAI's.
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # Refused unless absent or their no-op value (refused_fields.py).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -170,7 +214,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
     store: bool | None = None
-    include_reasoning: bool | None = None
+    include_reasoning: bool = True  # false: no reasoning_content (with --reasoning-parser)
     echo: bool = False
     chat_template: str | None = None
     mm_processor_kwargs: Any = None
@@ -188,9 +232,9 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
+    tools: list[ToolDefinition] | None = None  # rendered by the template as a chat request's are
     # Refused when set.
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
     mm_processor_kwargs: Any = None
 
 

@@ -1,7 +1,7 @@
 """Request fields the gateway knows (OpenAI's or vLLM's) but does not serve: each refused with a 400 naming it.
 
-Why refuse instead of ignoring: a client that asks for JSON-constrained output, tools or a per-request
-template and silently gets free text would trust output it did not get. A field is refused only when it
+Why refuse instead of ignoring: a client that asks for a structural tag or a per-request template and
+silently gets free text would trust output it did not get. A field is refused only when it
 asks for something: absent, null, or its no-op value (tool_choice "none", response_format {"type": "text"},
 include_reasoning true, ...) passes. The table is the single list the README's "Request fields" follows.
 """
@@ -14,10 +14,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from gateway.errors import unsupported
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.protocol import ChatCompletionRequest, ChatMessage
 
-_GUIDED = "structured output (guided decoding) is not supported"
-_TOOLS = "tool calling is not supported"
+_FUNCTIONS = "OpenAI's deprecated functions API is not supported: use tools and tool_choice"
 
 
 def _absent(value: Any) -> bool:
@@ -26,22 +25,12 @@ def _absent(value: Any) -> bool:
 
 # field -> (why it is refused, which values pass as asking for nothing)
 REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "guided_json": (_GUIDED, _absent),
-    "guided_regex": (_GUIDED, _absent),
-    "guided_choice": (_GUIDED, _absent),
-    "guided_grammar": (_GUIDED, _absent),
-    "guided_decoding_backend": (_GUIDED, _absent),
-    "guided_whitespace_pattern": (_GUIDED, _absent),
-    "structural_tag": (_GUIDED, _absent),
-    "structured_outputs": (_GUIDED, _absent),
-    "response_format": ("only {\"type\": \"text\"} is supported (no JSON mode or schema)",
-                        lambda value: _absent(value) or value == {"type": "text"}),
-    "tools": (_TOOLS, _absent),
-    "tool_choice": (_TOOLS, lambda value: value in (None, "none")),
-    "functions": (_TOOLS, _absent),
-    "function_call": (_TOOLS, lambda value: value in (None, "none")),
+    # The constraints served (response_format, structured_outputs, guided_*) are structured_outputs.py's.
+    "structural_tag": ("structural tags are not supported (json, regex, choice and grammar constraints are)",
+                       _absent),
+    "functions": (_FUNCTIONS, _absent),
+    "function_call": (_FUNCTIONS, lambda value: value in (None, "none")),
     "suffix": ("insertion (suffix) is not supported", _absent),
-    "prompt_logprobs": ("prompt logprobs are not returned over HTTP (the gRPC API has them)", _absent),
     "truncate_prompt_tokens": ("prompt truncation is not supported", _absent),
     "allowed_token_ids": ("use logit_bias instead", _absent),
     "logits_processors": ("per-request logits processors are not supported", _absent),
@@ -61,16 +50,12 @@ REFUSED_FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
                          _absent),
     "verbosity": ("not supported", _absent),
     "store": ("stored completions are not supported", _absent),
-    "include_reasoning": ("reasoning is not parsed out of the content", lambda value: value in (None, True)),
     "use_beam_search": ("not supported over HTTP (the gRPC API has beam_width)", _absent),
     "length_penalty": ("applies to beam search only, which is not served over HTTP",
                        lambda value: value is None or value == 1.0),
 }
 _REFUSED_MESSAGE_FIELDS = {
     "name": "message names are not passed to the chat template",
-    "tool_calls": _TOOLS,
-    "tool_call_id": _TOOLS,
-    "reasoning_content": "reasoning content is not passed to the chat template",
 }
 
 
@@ -78,8 +63,8 @@ def refuse_unserved(body: BaseModel) -> None:
     """Raises a 400 naming the first field of `body` that asks for something not served."""
     if isinstance(body, ChatCompletionRequest) and body.echo:
         raise unsupported("echo", "echoing the last message is not supported in chat")
-    if isinstance(body, CompletionRequest) and body.echo and body.logprobs is not None:
-        raise unsupported("echo", "echo with logprobs needs the prompt's logprobs, not returned over HTTP")
+    if isinstance(body, ChatCompletionRequest) and body.prompt_logprobs is not None:
+        raise unsupported("prompt_logprobs", "prompt logprobs are returned by /v1/completions (and the gRPC API)")
     for name, (reason, asks_nothing) in REFUSED_FIELDS.items():
         if name in type(body).model_fields and not asks_nothing(getattr(body, name)):
             raise unsupported(name, reason)

@@ -1,6 +1,7 @@
 """OpenAI request fields -> the SDK's sampling keywords (vLLM's names), and refusals of what is not served.
 
-What is refused, and why, is refused_fields.py's table; each refusal is a 400 naming the field.
+What is refused, and why, is refused_fields.py's table; each refusal is a 400 naming the field. The
+constraint fields (response_format, structured_outputs, guided_*) are structured_outputs.py's.
 
 Logprobs: completions' `logprobs=k` and chat's `logprobs=true, top_logprobs=k` both become the scheduler's
 `logprobs=k` (the sampled token's logprob and rank plus k alternatives per token).
@@ -16,8 +17,11 @@ from typing import Any
 
 from client.types import ModelInfo
 from gateway.errors import invalid_request, unsupported
+from gateway.prompt_echo import EchoPlan
 from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields, TokenizeRequest
 from gateway.refused_fields import refuse_unserved
+from gateway.structured_outputs import structured_outputs_keyword
+from gateway.tool_choice import ToolPlan, schema_text
 
 
 def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
@@ -26,11 +30,19 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
         raise unsupported("logprobs", "per-token logprobs are not returned with best_of > n")
     # max_tokens null: until the context is full (vLLM's), so no strict check; else prompt + max_tokens past
     # the model's length is a 400 with vLLM's message (the scheduler's strict_context_length).
-    return {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
-            "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
+    keywords = {**_common_keywords(body), "max_tokens": body.max_tokens, "best_of": body.best_of,
+                "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
+    if body.prompt_logprobs is not None:
+        keywords["prompt_logprobs"] = body.prompt_logprobs
+    echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+    if echo is not None:
+        keywords |= echo.keywords(body.logprobs, body.prompt_logprobs)
+    return keywords
 
 
-def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, Any]:
+def chat_keywords(body: ChatCompletionRequest, model: ModelInfo, tools: ToolPlan) -> dict[str, Any]:
+    """`tools`: the request's tool plan (tool_choice.py): a forced choice's constraint, and special tokens kept
+    where the parser's markers are special tokens (as vLLM's parsers ask)."""
     refuse_unserved(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
@@ -44,9 +56,18 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo) -> dict[str, An
     strict = max_tokens is not None
     if max_tokens is None and "max_tokens" not in model.default_sampling:
         max_tokens = model.max_model_len
-    return {**_common_keywords(body), "max_tokens": max_tokens, "strict_context_length": strict,
-            "best_of": body.best_of, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
-            **chat_options(body)}
+    keywords = {**_common_keywords(body), "max_tokens": max_tokens, "strict_context_length": strict,
+                "best_of": body.best_of, "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+                **chat_options(body)}
+    if tools.json_schema is not None:
+        if keywords["structured_outputs"] is not None:
+            raise invalid_request("tool_choice: a forced tool choice is an output constraint of its own; drop "
+                                  "response_format / structured_outputs / guided_* or set tool_choice to auto",
+                                  "tool_choice")
+        keywords["structured_outputs"] = {"json": schema_text(tools.json_schema)}
+    if tools.parser is not None and tools.parser.keeps_special_tokens and body.skip_special_tokens is None:
+        keywords["skip_special_tokens"] = False
+    return keywords
 
 
 def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
@@ -57,13 +78,26 @@ def chat_options(body: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any
     return {"add_generation_prompt": body.add_generation_prompt,
             "continue_final_message": body.continue_final_message,
             "chat_template_kwargs": body.chat_template_kwargs,
-            "documents": body.documents}
+            "documents": body.documents,
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None}
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The conversation for the model's chat template: text content only (parts joined by newlines)."""
-    return [{"role": message.role, "content": _text_content(index, message.content)}
-            for index, message in enumerate(messages)]
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The conversation for the model's chat template: text content (parts joined by newlines), an assistant's
+    tool calls and thought, and a tool message's call id (the SDK's message shape)."""
+    conversation = []
+    for index, message in enumerate(messages):
+        entry: dict[str, Any] = {"role": message.role, "content": _text_content(index, message.content)}
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.content is None:
+                entry["content"] = None
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            entry["reasoning_content"] = message.reasoning_content
+        conversation.append(entry)
+    return conversation
 
 
 def _text_content(index: int, content: str | list[dict[str, Any]] | None) -> str:
@@ -115,4 +149,5 @@ def _common_keywords(body: SamplingFields) -> dict[str, Any]:
         "n": body.n,
         "priority": body.priority or None,
         "add_special_tokens": body.add_special_tokens,
+        "structured_outputs": structured_outputs_keyword(body),
     }

@@ -4,8 +4,9 @@ Why a set of its own: in batch-invariant mode a token's logits must have the sam
 the step, so every op that reduces over a row must take that row's sum in an order fixed by the row alone.
 Op by op, and why each qualifies:
 
-- linear: kernels/triton_batch_invariant_matmul.py (one tile configuration, no split-K; cuBLAS picks its
-  kernel by the number of rows).
+- linear: kernels/triton_batch_invariant_matmul.py (no split-K; cuBLAS picks its kernel by the number of
+  rows). Its tile follows the row count, and a few rows' K slices get programs of their own, only on a
+  device where `tiles_agree` and `slices_agree` (checked here, once).
 - rms_norm, gemma_rms_norm: kernels/triton_rmsnorm.py as it is (one program per token, a fixed BLOCK per
   hidden size; see kernels/triton_batch_invariant_norm.py).
 - rotary_embedding, silu_and_mul, gelu_and_mul: the existing Triton kernels. They are elementwise (each
@@ -24,12 +25,15 @@ log-softmax: kernels/triton_batch_invariant_norm.py's `log_softmax` is for it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from kernels.layer_ops import LayerOps
+
+logger = logging.getLogger(__name__)
 
 # The fused MoE's one row tile in batch-invariant mode: a decode step's few rows per expert waste less of a
 # 16-row tile than of a 64-row one, at some cost to prefill speed.
@@ -43,10 +47,18 @@ def apply_row_by_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     return torch.cat([fn(x[row: row + 1]) for row in range(x.shape[0])])
 
 
-def batch_invariant_triton_layer_ops() -> LayerOps:
-    """Triton kernels whose per-row results do not depend on the batch (GPU; CPU under TRITON_INTERPRET=1)."""
+def batch_invariant_triton_layer_ops(device: torch.device | str = "cpu") -> LayerOps:
+    """Triton kernels whose per-row results do not depend on the batch (GPU; CPU under TRITON_INTERPRET=1).
+    `device`: where the linear's tiles are checked for agreement (one tile for every row count if they differ)."""
     from kernels import triton_fused_moe, triton_rotary, triton_silu_and_mul
-    from kernels.triton_batch_invariant_matmul import linear
+    from kernels.triton_batch_invariant_matmul import SPLIT_ROWS, TILE, linear, slices_agree, tile_by_rows, tiles_agree
+
+    agree, split = tiles_agree(device), slices_agree(device)
+    tile = tile_by_rows if agree else TILE
+    logger.info("batch-invariant linear on %s: %s, %s", device,
+                "tile by row count (the tiles give the same bits)" if agree else "one tile (the tiles' bits differ)",
+                "K slices in programs of their own up to %d rows" % SPLIT_ROWS if split
+                else "K slices summed in one program (split programs' bits differ)")
     from kernels.triton_batch_invariant_norm import gemma_rms_norm, rms_norm
 
     return LayerOps(
@@ -57,7 +69,7 @@ def batch_invariant_triton_layer_ops() -> LayerOps:
         gemma_rms_norm,
         triton_silu_and_mul.gelu_and_mul,
         partial(triton_fused_moe.fused_moe, block_m=MOE_BLOCK_M),
-        linear=linear,
+        linear=partial(linear, tile=tile, split_rows=SPLIT_ROWS if split else 0),
         per_row=apply_row_by_row,
         batch_invariant=True,
     )

@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from gateway import main as gateway_main
-from gateway.config import add_gateway_access_arguments
+from gateway.config import add_gateway_access_arguments, output_parsing_error
 from pagedserve.bench.cli import add_bench_commands, run_bench
 from pagedserve.vllm_flags import add_refused_vllm_flags
 from scheduler_svc import main as scheduler_main
@@ -79,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
             parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model if args.model is not None else args.model_tag
+        if (error := output_parsing_error(args)) is not None:
+            parser.error(error)
         given = sys.argv[1:] if argv is None else argv
         if any(arg == "--http-port" or arg.startswith("--http-port=") for arg in given):
             print("pagedserve: --http-port is deprecated and will be removed in the next release: use --port",

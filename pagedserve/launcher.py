@@ -214,6 +214,8 @@ def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
     argv += ["--generation-config", args.generation_config, "--seed", str(args.seed)]
     if args.override_generation_config:
         argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
+    if args.structured_outputs_config:
+        argv += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
     if args.plan_log:
         argv += ["--plan-log", args.plan_log]
     if not args.async_scheduling:
@@ -354,4 +356,9 @@ def _gateway_argv(args) -> list[str]:
         argv += ["--grpc-root-cert", args.tls_cert_file]
     if args.served_model_name:
         argv += ["--served-model-name", args.served_model_name]
+    if args.enable_auto_tool_choice:
+        argv.append("--enable-auto-tool-choice")
+    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
+        if value is not None:
+            argv += [flag, value]
     return argv

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from client.async_client import AsyncClient
@@ -77,10 +77,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[GenerationResult]:
         """Like `generate`, for conversations (lists of {"role", "content"} messages, or one conversation)
-        rendered by the model's chat template on the server; each result's `prompt` is the rendered text."""
-        requests = [dict(messages=conversation) for conversation in conversation_list(messages)]
+        rendered by the model's chat template on the server; each result's `prompt` is the rendered text.
+        The chat options are vLLM's `LLM.chat`'s (transformers' apply_chat_template's): `tools` are OpenAI's
+        tool definitions, which the template lists; the output is not parsed for tool calls (as vLLM's)."""
+        options = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools, chat_template_kwargs=chat_template_kwargs)
+        requests = [dict(messages=conversation, **options) for conversation in conversation_list(messages)]
         return self._run_all(requests, sampling_params, use_tqdm)
 
     def beam_search(

@@ -50,10 +50,8 @@ REFUSED_FLAGS = (
     RefusedFlag(("--revision",), f"hub revisions: {NOT_YET}; download the revision and pass its directory"),
     RefusedFlag(("--tokenizer-revision",), f"hub revisions: {NOT_YET}; download it and pass --tokenizer DIR"),
     RefusedFlag(("--download-dir",), f"{NOT_YET}; set HF_HUB_CACHE to choose where hub models are stored"),
-    RefusedFlag(("--enable-auto-tool-choice",), f"tool calling: {NOT_YET}", takes_value=False),
-    RefusedFlag(("--tool-call-parser",), f"tool calling: {NOT_YET}"),
-    RefusedFlag(("--reasoning-parser",), f"reasoning parsers: {NOT_YET}"),
-    RefusedFlag(("--guided-decoding-backend", "--structured-outputs-config"), f"structured outputs: {NOT_YET}"),
+    RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance (README: Structured "
+                "outputs)", accepted=("auto", "guidance", "llguidance")),
     RefusedFlag(("--limit-mm-per-prompt", "--mm-processor-kwargs"), "pagedserve serves text-only models"),
     RefusedFlag(("--rope-scaling", "--rope-theta", "--hf-overrides"), f"overriding the model's config: {NOT_YET}; "
                 "edit its config.json"),

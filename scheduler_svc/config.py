@@ -78,6 +78,9 @@ class SchedulerConfig:
     max_stop_string_length: int = 1024
     max_logprobs: int = 20
     max_message_bytes: int = 4 * 1024 * 1024
+    # vLLM's --structured-outputs-config disable_any_whitespace: JSON constraints without free whitespace
+    # for every request (a request's own disable_any_whitespace true applies either way).
+    structured_outputs_disable_any_whitespace: bool = False
     # Access (see access.py): a key every RPC but health must carry; TLS when both files are given.
     api_key: str | None = None
     tls_cert_file: str | None = None
@@ -95,6 +98,24 @@ class SchedulerConfig:
     # Seeds the source of the per-request seeds of requests that carry none (engine.py), so that the same
     # requests in the same order sample the same tokens after a restart. vLLM V1's default is 0 too.
     seed: int = 0
+
+
+def structured_outputs_config(text: str) -> dict:
+    """--structured-outputs-config's value: vLLM's JSON object; the keys llguidance serves, else an argparse error."""
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(options, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = sorted(set(options) - {"backend", "disable_any_whitespace"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unsupported key(s) {', '.join(unknown)} (backend, disable_any_whitespace)")
+    if options.get("backend", "auto") not in ("auto", "guidance", "llguidance"):
+        raise argparse.ArgumentTypeError("backend: the engine is llguidance (auto, guidance or llguidance)")
+    if not isinstance(options.get("disable_any_whitespace", False), bool):
+        raise argparse.ArgumentTypeError("disable_any_whitespace must be true or false")
+    return options
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +172,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-bytes", type=int, default=4 * 1024 * 1024,
                         help="largest gRPC request message; larger ones get INVALID_ARGUMENT (beyond twice it, "
                              "gRPC's own RESOURCE_EXHAUSTED)")
+    parser.add_argument("--structured-outputs-config", type=structured_outputs_config, default={},
+                        help="vLLM's JSON options of the constraint engine: {\"backend\": \"auto\"|\"guidance\"|"
+                             "\"llguidance\", \"disable_any_whitespace\": true|false} (the engine is llguidance)")
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
@@ -254,6 +278,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_stop_string_length=args.max_stop_string_length,
         max_logprobs=args.max_logprobs,
         max_message_bytes=args.max_message_bytes,
+        structured_outputs_disable_any_whitespace=bool(
+            args.structured_outputs_config.get("disable_any_whitespace", False)),
         api_key=api_key_from(getattr(args, "api_key", None), os.environ),
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

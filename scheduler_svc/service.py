@@ -33,6 +33,7 @@ from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.engine import Engine
 from scheduler_svc.generation_defaults import load_generation_defaults
+from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
 from scheduler_svc.worker_io.plan_log import PlanLogWriter
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink, WorkerPool
@@ -84,11 +85,13 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     if keys is None and config.worker_address.startswith("tcp://") and not _loopback(config.worker_address):
         logger.warning("the worker link on %s is not authenticated: anyone who reaches it can act as a worker; set "
                        "%s in the scheduler's and the workers' environment", config.worker_address, WORKER_SECRET_ENV)
+    structured_tokenizer = _structured_output_tokenizer(tokenizer, eos_token_ids)
     link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval, config.heartbeat_grace,
                       keys)
     try:
         connecting = asyncio.ensure_future(
-            link.connect_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
+            link.connect_workers(lambda hello: _worker_setup(config, hello, structured_tokenizer),
+                                 config.worker_ready_timeout))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not connecting.done():
@@ -238,14 +241,24 @@ def loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello) -> worker_pb2.WorkerSetup:
+def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
+                  structured_tokenizer: worker_pb2.StructuredOutputTokenizer | None) -> worker_pb2.WorkerSetup:
     max_model_len = _max_model_len(config, hello.max_position_embeddings)
     return worker_pb2.WorkerSetup(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=_token_budget(config, max_model_len),
         max_model_len=max_model_len,
+        structured_output_tokenizer=structured_tokenizer,
     )
+
+
+def _structured_output_tokenizer(tokenizer: Tokenizer | None,
+                                 eos_token_ids: tuple[int, ...]) -> worker_pb2.StructuredOutputTokenizer | None:
+    """What the workers build their grammar matchers' tokenizer from (serialized once, sent at every setup)."""
+    if tokenizer is None:
+        return None
+    return worker_pb2.StructuredOutputTokenizer(tokenizer_json=tokenizer.to_json(), eos_token_ids=eos_token_ids)
 
 
 def _request_limits(config: SchedulerConfig) -> RequestLimits:
@@ -256,6 +269,7 @@ def _request_limits(config: SchedulerConfig) -> RequestLimits:
         max_stop_strings=config.max_stop_strings,
         max_stop_string_length=config.max_stop_string_length,
         max_logprobs=config.max_logprobs,
+        json_without_whitespace=config.structured_outputs_disable_any_whitespace,
     )
 
 

@@ -9,11 +9,17 @@ effect. A flag set after any earlier-collected test module pulled `triton` in wo
 
 `TRITON_INTERPRET=0 pytest` on a GPU machine opts out: tests/triton_kernels/ is then skipped, and
 benchmarks/kernel_bench.py checks the compiled kernels against the references instead.
+
+One OpenMP thread per process (torch's CPU ops here, and in every server process a test starts, which inherit
+the variable): `make test` runs 3 pytest processes on 2 cores, each with servers of its own, and torch's
+default of one thread per core made their OpenMP threads spin against each other. Measured on the CI machine
+with the other processes busy: a SmolLM2 decode step took 842 ms with 2 threads and 59 ms with 1.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402

@@ -29,7 +29,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     """Prompt text -> behaviour: "invalid" / "overloaded" / "oversized" / "over the limit" / "unavailable" fail; "unavailable twice" fails
     UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
     fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
-    waits for `gate`, then finishes; anything else streams NORMAL_CHUNKS and finishes with "stop"."""
+    waits for `gate`, then finishes; a chat streams `script` when it is set (one token per piece: the model's
+    text, scripted by the test); anything else streams NORMAL_CHUNKS and finishes with "stop"."""
 
     def __init__(self) -> None:
         self.reset()
@@ -38,6 +39,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         self.requests: list[generate_pb2.GenerateRequest] = []
         self.cancelled = threading.Event()
         self.gate = threading.Event()
+        self.script: list[str] | None = None
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -67,6 +69,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                 self.cancelled.set()
                 raise
         chunks = NORMAL_CHUNKS
+        if self.script is not None and request.HasField("chat"):
+            chunks = [(piece, [index + 10]) for index, piece in enumerate(self.script)]
         if request.text == "gated":
             yield generate_pb2.GenerateResponse(request_id=request_id, text="first", token_ids=[1])
             await asyncio.to_thread(self.gate.wait, 10)
@@ -75,6 +79,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             response = generate_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=token_ids)
             if index == 0 and request.return_prompt:  # the prompt as the model saw it: 7 ids, as usage says
                 response.prompt, response.prompt_token_ids[:] = request.text, list(range(7))
+            if index == 0 and request.sampling.HasField("prompt_logprobs"):  # ids 1..6: "t<id>", logprob -id
+                response.prompt_logprobs.extend(_prompt_logprobs(request.sampling.prompt_logprobs))
             if index == len(chunks) - 1:
                 response.finish_reason = generate_pb2.FINISH_REASON_STOP
                 response.usage.prompt_tokens = 7
@@ -99,6 +105,14 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         if any(token_id >= MODEL_INFO.vocab_size for token_id in request.token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: ids must lie in [0, 32000)")
         return generate_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
+
+
+def _prompt_logprobs(top: int) -> list[generate_pb2.TokenLogprobs]:
+    """Prompt ids 1..6, each decoded "t<id>" with logprob -id and rank id, and `top` alternatives "a0", "a1"..."""
+    return [generate_pb2.TokenLogprobs(
+        token=generate_pb2.Logprob(token_id=i, logprob=-i, rank=i, decoded_token=f"t{i}"),
+        top=[generate_pb2.Logprob(token_id=100 + k, logprob=-0.5 - k, rank=k + 1, decoded_token=f"a{k}")
+             for k in range(top)]) for i in range(1, 7)]
 
 
 class FakeServer:

@@ -377,6 +377,26 @@ def test_chat_options_and_prompt_encoding_keywords_reach_the_request(client, fak
         client.generate(messages=[{"role": "user", "content": "x"}], documents={"title": "t"})
 
 
+def test_tools_and_tool_call_messages_reach_the_request(client, fake):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    client.generate(messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Look it up.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}], tools=tools)
+    chat = fake.requests[0].chat
+    assert json.loads(chat.tools_json) == tools
+    assistant, tool = chat.messages[1], chat.messages[2]
+    assert not assistant.HasField("content") and assistant.reasoning_content == "Look it up."
+    assert (assistant.tool_calls[0].id, assistant.tool_calls[0].name) == ("call_1", "get_weather")
+    assert json.loads(assistant.tool_calls[0].arguments) == {"city": "Oslo"}  # a dict travels as JSON text
+    assert tool.tool_call_id == "call_1" and not tool.HasField("reasoning_content")
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\]"):
+        client.generate(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "x"}]}])
+    with pytest.raises(TypeError, match="tools must be a list of dicts"):
+        client.generate(messages=[{"role": "user", "content": "x"}], tools={"type": "function"})
+
+
 def test_tokenize_and_detokenize_sync_and_async(server, client, fake):
     tokenization = client.tokenize("a b c", return_token_strs=True)
     assert (tokenization.token_ids, tokenization.count, tokenization.max_model_len) == ([1, 2, 3], 3, 2048)

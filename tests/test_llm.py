@@ -135,6 +135,9 @@ def test_chat_renders_each_conversation_with_the_template_in_order():
             expected = [client.generate(messages=conversation, temperature=0.0, max_tokens=12)
                         for conversation in conversations]
         text = smollm2.generate("The capital of France is", params, use_tqdm=False)[0]
+        [continued] = smollm2.chat([{"role": "assistant", "content": "The capital of France is"}],
+                                   SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False,
+                                   add_generation_prompt=False, continue_final_message=True)
         tokenizer = smollm2.get_tokenizer()
     assert [r.text for r in results] == [e.text for e in expected]
     assert "Paris" in results[0].text
@@ -144,6 +147,7 @@ def test_chat_renders_each_conversation_with_the_template_in_order():
     assert list(text.prompt_token_ids) == tokenizer.encode("The capital of France is")
     rendered = tokenizer.apply_chat_template(conversations[0], tokenize=False, add_generation_prompt=True)
     assert results[0].prompt == rendered and len(results[0].prompt_token_ids) == results[0].prompt_tokens
+    assert continued.prompt.endswith("The capital of France is")  # vLLM's chat options reach the template
 
 
 def test_each_output_carries_its_tokens_logprobs_streamed_or_ranked(llm):

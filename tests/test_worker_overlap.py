@@ -4,6 +4,8 @@ a new request while the old owner's last token is still in flight."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,49 @@ def test_a_row_reading_its_history_is_not_overlapped(model_dir):
     plan.new_requests[1].sampling.repetition_penalty = 1.3
     worker.execute(plan)
     assert not worker.can_overlap(decode("a", "b")) and worker.can_overlap(decode("a"))
+
+
+def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_consumed(tmp_path):
+    """A constrained row overlaps like any other: its forward is queued at once, its mask and draw wait for the
+    token in flight (Worker.complete), so overlapped steps give the sequential steps' tokens, every one of which
+    the grammar accepts, seeded draws at the same positions included."""
+    from llguidance import LLMatcher
+
+    from pagedserve.testing.tiny_models import add_embedded_tokenizer
+    from scheduler_svc.text.tokenizer_loading import load_tokenizer
+
+    model = add_embedded_tokenizer(make_tiny_model(tmp_path, "llama", seed=3, vocab_size=49216, eos_token_id=2))
+    tokenizer = load_tokenizer(str(model))
+    grammar = LLMatcher.grammar_from_regex("(cat|dog)s? [0-9]{1,6}")
+
+    def constrained_worker() -> Worker:
+        worker = Worker(WorkerConfig(scheduler_address="", model=str(model), num_kv_blocks=64, swap_space=0.01))
+        worker.setup(worker_pb2.WorkerSetup(
+            block_size=BLOCK, max_num_seqs=2, max_num_batched_tokens=256, max_model_len=128,
+            structured_output_tokenizer=worker_pb2.StructuredOutputTokenizer(tokenizer_json=tokenizer.to_json(),
+                                                                              eos_token_ids=[2])))
+        return worker
+
+    def steps() -> list[worker_pb2.StepPlan]:
+        a, b = new("a", [5, 9, 2, 7, 3], [0, 1], temperature=0.9), new("b", [11, 4, 8], [2, 3])
+        a.sampling.structured_grammar = grammar
+        out = [worker_pb2.StepPlan(step_id=0, new_requests=[a, b])]
+        return out + [decode("a", "b") for _ in range(4)]
+
+    reference = constrained_worker()
+    sequential = tokens_of([reference.execute(plan) for plan in steps()])
+    worker = constrained_worker()
+    results, in_flight = [], None
+    for plan in steps():
+        assert worker.can_overlap(plan)
+        launched = worker.launch(plan, previous=in_flight)
+        if in_flight is not None:
+            assert launched.deferred_sample is not None, "the grammar row's draw waits for the token in flight"
+            results.append(worker.finish(in_flight))
+        worker.complete(launched)
+        in_flight = launched
+    results.append(worker.finish(in_flight))
+    overlapped = tokens_of(results)
+    assert overlapped == sequential
+    text = tokenizer.decode(overlapped["a"])
+    assert re.fullmatch(r"(cat|dog)s?( [0-9]{0,6})?", text), text

@@ -8,10 +8,14 @@ CPU, kernels/batch_invariant_layer_ops.py on a GPU).
 
 from __future__ import annotations
 
+import logging
+
 from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
 from kernels.batch_invariant_ref import BatchInvariantTorchBackend, batch_invariant_torch_layer_ops
 from kernels.layer_ops import LayerOps, torch_layer_ops, triton_layer_ops
 from worker_svc.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
 
 
 def kernel_set(config: WorkerConfig) -> str:
@@ -27,7 +31,7 @@ def make_layer_ops(config: WorkerConfig) -> LayerOps:
             return batch_invariant_torch_layer_ops()
         from kernels.batch_invariant_layer_ops import batch_invariant_triton_layer_ops
 
-        return batch_invariant_triton_layer_ops()
+        return batch_invariant_triton_layer_ops(config.device)
     return triton_layer_ops() if kernel_set(config) == "triton" else torch_layer_ops()
 
 
@@ -35,9 +39,14 @@ def make_attention_backend(config: WorkerConfig) -> AttentionBackend:
     if config.batch_invariant:
         if kernel_set(config) == "torch":
             return BatchInvariantTorchBackend()
-        from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
+        from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend, segments_agree
 
-        return BatchInvariantTritonBackend()
+        # Decodes split over KV segments only where the device gives them the one-program merge's bits.
+        agree = segments_agree(config.device)
+        logger.info("batch-invariant attention on %s: %s", config.device,
+                    "small decode batches split over KV segments" if agree
+                    else "every decode in one program (the split programs' bits differ)")
+        return BatchInvariantTritonBackend(split_decodes=None if agree else False)
     if kernel_set(config) == "torch":
         return TorchReferenceBackend()
     from kernels.triton_backend import TritonAttentionBackend  # triton is imported only when used

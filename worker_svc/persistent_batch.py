@@ -4,7 +4,9 @@ Owned by the worker process. A row holds a request's known tokens, how many of t
 block table and its sampling parameters, in preallocated numpy arrays indexed by row. Each plan only edits
 rows (add the new, drop the finished and preempted, append new block ids); the forward pass's inputs are then
 gathered from the rows with whole-array operations, never a Python loop over tokens. Sampled tokens are
-appended here, on the worker: the scheduler is told them but never sends them back.
+appended here, on the worker: the scheduler is told them but never sends them back. A constrained row's
+grammar matcher (`grammar_matchers.py`) is made with its row and dropped with it, and advanced when the row's
+sampled token is written (`fill`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos.pagedserve.v1 import worker_pb2
+from worker_svc.grammar_matchers import GrammarMatchers
 from worker_svc.row_entries import RowEntries
 
 # A token the previous step samples that has not come back to the host yet: the next step may be built
@@ -55,8 +58,11 @@ class PendingTokens:
 
 
 class PersistentBatch:
-    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int):
+    def __init__(self, max_num_seqs: int, max_model_len: int, block_size: int,
+                 grammars: GrammarMatchers | None = None):
         self.block_size = block_size
+        # Constrained decoding (None: the worker has no tokenizer and takes no constrained rows).
+        self.grammars = grammars
         max_blocks = -(-max_model_len // block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -104,7 +110,9 @@ class PersistentBatch:
         return self._request_of_row[row]
 
     def reads_history(self, row: int) -> bool:
-        """Whether sampling this row reads its earlier tokens on the host (penalties, sparse masks)."""
+        """Whether building this row's sampling inputs reads its earlier tokens on the host (penalties, sparse
+        masks). A grammar matcher needs the previous token too, but only for the mask, which the worker builds
+        after the step in flight is finished (Worker.complete)."""
         return bool(self.has_sparse[row] or self.presence_penalty[row] or self.frequency_penalty[row]
                     or self.repetition_penalty[row] != 1.0)
 
@@ -116,6 +124,8 @@ class PersistentBatch:
             self.min_tokens_masked.clear(row)
             self.bad_words[row] = ()
             self.has_bad_words[row] = self.has_sparse[row] = False
+            if self.grammars is not None:
+                self.grammars.remove(row)
             self._free_rows.append(row)
 
     def add(self, new: worker_pb2.NewRequest) -> int:
@@ -155,7 +165,18 @@ class PersistentBatch:
         self.has_bad_words[row] = bool(self.bad_words[row])
         self.has_sparse[row] = bool(self.logit_bias.length[row] or self.min_tokens_masked.length[row]
                                     or self.has_bad_words[row])
+        if sampling.structured_grammar:
+            self._add_grammar(row, sampling.structured_grammar)
         return row
+
+    def _add_grammar(self, row: int, grammar: str) -> None:
+        if self.grammars is None:
+            raise ValueError("a constrained request, but this worker has no grammar matchers (no tokenizer)")
+        try:
+            self.grammars.add(row, grammar, self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]])
+        except Exception:
+            self.remove(self._request_of_row[row])  # the row is not half-made
+            raise
 
     def update(self, scheduled: worker_pb2.ScheduledRequest) -> int:
         """Applies a scheduled request's diff to its row: copy-on-write replacements, new blocks, and the
@@ -224,3 +245,5 @@ class PersistentBatch:
         requests."""
         same = self.generation[pending.rows] == pending.generations
         self.token_ids[pending.rows[same], pending.positions[same]] = sampled_token_ids[same]
+        if self.grammars is not None:
+            self.grammars.advance(pending.rows[same], sampled_token_ids[same])

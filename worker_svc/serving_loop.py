@@ -79,6 +79,7 @@ def run_worker(config: WorkerConfig) -> int:
                 launched = worker.launch(message.plan, previous=in_flight)
                 if in_flight is not None:
                     answer(worker.finish(in_flight))
+                worker.complete(launched)  # a grammar row's draw, once the token it follows is known
                 in_flight = launched
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s", config.rank,

@@ -22,7 +22,9 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -36,6 +38,7 @@ from worker_svc.attention_choice import kernel_set, make_attention_backend, make
 from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.grammar_matchers import GrammarMatchers
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
@@ -106,7 +109,10 @@ class Worker:
         swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, self.device)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, self.device,
                                 tensor_parallel)
-        self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size)
+        grammars = GrammarMatchers(setup.structured_output_tokenizer if setup.HasField("structured_output_tokenizer")
+                                   else None, self.model_config.vocab_size, setup.max_num_seqs,
+                                   pin_memory=self.device.type == "cuda")
+        self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size, grammars)
         if self.device.type == "cuda":
             self._warm_up_sampler()
         if self.device.type == "cuda" and kernel_set(self.config) == "triton":
@@ -124,8 +130,8 @@ class Worker:
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
         """Compiles every variant of the sampler's kernels (greedy, drawn, restricted, with processed logits,
-        each logprobs buffer size up to 32 logprobs, each top-k size class) for one row and for several before
-        serving, not at a request's first sampled token."""
+        each logprobs buffer size up to 32 logprobs, each top-k size class, the grammar mask) for one row and
+        for several before serving, not at a request's first sampled token."""
         vocab_size = self.model_config.vocab_size
         bias = LogitsAdjustments(sparse=SparseLogits(rows=torch.zeros(1, dtype=torch.int64, device=self.device),
                                                      token_ids=torch.zeros(1, dtype=torch.int64, device=self.device),
@@ -136,6 +142,10 @@ class Worker:
                                                 top_k=[top_k] * rows, seed=[0] * rows, position=[0] * rows,
                                                 adjustments=adjustments, num_top_logprobs=logprobs, device=self.device)
             sample(torch.zeros(rows, vocab_size, device=self.device), tensors, self.sampling_ops)
+        # The grammar mask (constrained rows) has one variant.
+        no_tokens = torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32, device=self.device)
+        self.sampling_ops.apply_token_bitmask(torch.zeros(1, vocab_size, device=self.device), no_tokens,
+                                              torch.zeros(1, dtype=torch.int64, device=self.device))
         from kernels.triton_kth_largest import MAX_FILTERED_K  # Triton only on a GPU
 
         # The top-k filter's group size and buffers follow the batch's largest k: one compile per size class.
@@ -197,7 +207,14 @@ class Worker:
             # Who sampled, as of now: a row may be handed to another request before the step finishes.
             step.request_ids = [batch.request_id_of(row) for row in step.sampled_rows.tolist()]
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
-            self._sample(logits, np.flatnonzero(~is_beam), step)
+            # The sampling inputs as of now (a row's seed position is its token count before begin_step).
+            tensors = build_sampling_tensors(batch, step.sampled_rows, self.device)
+            if previous is not None and batch.grammars is not None and batch.grammars.constrained[step.sampled_rows].any():
+                # A grammar's mask needs the token `previous` samples: queued forward first, the mask and the
+                # draw once `previous` is finished (`complete`), still while this step's forward runs.
+                step.deferred_sample = partial(self._sample, logits, np.flatnonzero(~is_beam), step, tensors)
+            else:
+                self._sample(logits, np.flatnonzero(~is_beam), step, tensors)
         pending = batch.begin_step(inputs, step.sampled_rows)
         step.pending = pending if len(step.sampled_rows) else None
         if is_beam.any():
@@ -212,8 +229,17 @@ class Worker:
                         len(inputs.input_ids), inputs.num_decode_seqs, len(inputs.rows) - inputs.num_decode_seqs)
         return step
 
+    @torch.inference_mode()
+    def complete(self, step: LaunchedStep) -> None:
+        """Launches a step's deferred draw (constrained rows launched behind another step: see `launch`); call it
+        once the step it was launched behind is finished. Nothing to do for any other step."""
+        if step.deferred_sample is not None:
+            deferred, step.deferred_sample = step.deferred_sample, None
+            deferred()
+
     def finish(self, step: LaunchedStep) -> worker_pb2.StepResult:
         """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
+        self.complete(step)
         timer = self.step_timer
         timer.resume()
         if step.pending is not None:
@@ -230,7 +256,7 @@ class Worker:
     def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
         """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
         its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
-        token in flight is not there yet."""
+        token in flight is not there yet. A grammar's row may: its draw waits for that token (`complete`)."""
         batch = self.batch
         for scheduled in plan.scheduled_requests:
             row = batch.row_of(scheduled.request_id)
@@ -269,12 +295,12 @@ class Worker:
             return None
         return self.model.compute_logits(hidden[_to_device(inputs.logits_indices, torch.long, self.device)])
 
-    def _sample(self, logits, logits_rows: np.ndarray, step: LaunchedStep) -> None:
+    def _sample(self, logits, logits_rows: np.ndarray, step: LaunchedStep, tensors) -> None:
         """Samples the step's sampled rows on the device and starts the step's one device-to-host copy: ids,
         logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
-        tensors = build_sampling_tensors(self.batch, step.sampled_rows, self.device)
+        self._mask_by_grammar(logits, step.sampled_rows)
         out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
@@ -285,6 +311,17 @@ class Worker:
             step.copied.record()
         else:
             step.host_sampled = packed
+
+    def _mask_by_grammar(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+        """Constrained rows: the tokens their grammar disallows get -inf, in place, before the logits processors
+        and sampling (vLLM applies the grammar bitmask at the same point, so logprobs are of the masked logits).
+        The bitmask is filled on the host while the queued forward pass runs, then copied without a sync."""
+        masks = self.batch.grammars.bitmask(rows) if self.batch.grammars is not None else None
+        if masks is None:
+            return
+        indices, bitmask = masks
+        self.sampling_ops.apply_token_bitmask(logits, _to_device(bitmask, torch.int32, self.device),
+                                              _to_device(indices, torch.long, self.device))
 
     @staticmethod
     def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> worker_pb2.SampledTokens:
@@ -351,3 +388,5 @@ class LaunchedStep:
     sampled_ids: torch.Tensor | None = None
     host_sampled: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
+    deferred_sample: Callable[[], None] | None = None

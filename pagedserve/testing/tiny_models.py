@@ -126,3 +126,21 @@ def perturb_norms_and_biases(model: torch.nn.Module) -> None:
                 param.normal_(0.0, 0.2)
             elif "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn_like(param))
+
+
+def add_embedded_tokenizer(model_dir) -> Path:
+    """Gives a tiny model the embedded default model's tokenizer (SmolLM2's 49152-token BPE, from its GGUF, as the
+    scheduler loads it) as tokenizer.json + tokenizer_config.json, with <|im_end|> (id 2) as EOS in both configs.
+    Why: features that read token text (structured outputs, stop strings) need a real tokenizer, and a random
+    model as small as these runs far faster than the real 135M one. Make the model with vocab_size >= 49152
+    (larger pads the vocabulary past the tokenizer's) and eos_token_id=2."""
+    from scheduler_svc.text.tokenizer_loading import load_tokenizer
+    from service_runtime.model_source import resolve_model
+
+    model_dir = Path(model_dir)
+    tokenizer = load_tokenizer(resolve_model(None).path)
+    (model_dir / "tokenizer.json").write_text(tokenizer.to_json())
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": tokenizer.chat_template}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return model_dir

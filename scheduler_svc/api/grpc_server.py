@@ -2,11 +2,11 @@
 
 Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` sequences already wait for a
 step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
-(refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded on a worker thread so
-the loop keeps relaying other streams), submit to the engine, and relay the engine's deltas as stream
-messages. Request bytes that do not parse (not protobuf, or a string field that is not
-UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer (`add_generation_service`),
-and so does a request over --max-message-bytes (`grpc_receive_limit` says how).
+(refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded, and a structured-output
+constraint's grammar built, on a worker thread so the loop keeps relaying other streams), submit to the
+engine, and relay the engine's deltas as stream messages. Request bytes that do not parse (not protobuf, or
+a string field that is not UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer
+(`add_generation_service`), and so does a request over --max-message-bytes (`grpc_receive_limit` says how).
 A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
 engine, which frees its blocks.
 """
@@ -149,7 +149,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
             request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
-            if prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS:
+            # A large prompt's encoding and a constraint's grammar build run on a thread: other streams go on.
+            if (prompt_chars(request.text, request.chat) > OFF_LOOP_PROMPT_CHARS
+                    or request.sampling.HasField("structured_outputs")):
                 validated = await asyncio.to_thread(validate_request, request, self._tokenizer, model.limits)
             else:
                 validated = validate_request(request, self._tokenizer, model.limits)

@@ -4,8 +4,10 @@ Who uses it: Generate's validator and the Tokenize RPC, so that /tokenize counts
 generation of the same prompt would read. The chat options are vLLM's (which are transformers'
 `apply_chat_template`'s): add_generation_prompt (default true), continue_final_message (the last message, an
 assistant's, is left open; refused together with add_generation_prompt, as vLLM), chat_template_kwargs (extra
-template variables, e.g. enable_thinking) and documents. add_special_tokens defaults to true for a text and
-false for a chat, whose template writes its own BOS.
+template variables, e.g. enable_thinking), documents and tools (OpenAI's tool definitions, the template's
+`tools`). Messages carry an assistant's tool calls and thought and a tool message's tool_call_id
+(chat_messages.py). add_special_tokens defaults to true for a text and false for a chat, whose template writes
+its own BOS.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 from typing import Any
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.chat_messages import template_messages
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import NAMED_SPECIAL_TOKENS, Tokenizer
 
@@ -88,7 +91,9 @@ def check_prompt_chars(field: str, text: str, tokenizer: Tokenizer, max_model_le
 
 def prompt_chars(text: str, chat: generate_pb2.ChatPrompt) -> int:
     """How much text a prompt has to encode (to decide whether it leaves the event loop)."""
-    return len(text) + sum(len(message.content) for message in chat.messages)
+    return (len(text) + len(chat.tools_json)
+            + sum(len(message.content) + sum(len(call.arguments) for call in message.tool_calls)
+                  for message in chat.messages))
 
 
 def render_chat(chat: generate_pb2.ChatPrompt, tokenizer: Tokenizer) -> str:
@@ -97,7 +102,7 @@ def render_chat(chat: generate_pb2.ChatPrompt, tokenizer: Tokenizer) -> str:
         raise InvalidRequestError("prompt.chat", "this model has no chat template")
     if not chat.messages:
         raise InvalidRequestError("prompt.chat.messages", "must not be empty")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = template_messages(chat.messages)
     if any(not m["role"] for m in messages):
         raise InvalidRequestError("prompt.chat.messages.role", "must not be empty")
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
@@ -105,14 +110,15 @@ def render_chat(chat: generate_pb2.ChatPrompt, tokenizer: Tokenizer) -> str:
         if add_generation_prompt:
             raise InvalidRequestError("prompt.chat.continue_final_message",
                                       "cannot be true together with add_generation_prompt; set it to false")
-        if messages[-1]["role"] != "assistant":
+        if messages[-1]["role"] != "assistant" or messages[-1].get("content") is None:
             raise InvalidRequestError("prompt.chat.continue_final_message", "the last message must be an assistant's")
     template_kwargs = _template_kwargs(chat.chat_template_kwargs_json)
-    documents = _documents(chat.documents_json)
+    documents = _json_objects(chat.documents_json, "prompt.chat.documents")
+    tools = _json_objects(chat.tools_json, "prompt.chat.tools")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt,
                                              continue_final_message=chat.continue_final_message,
-                                             documents=documents, template_kwargs=template_kwargs)
+                                             documents=documents, tools=tools, template_kwargs=template_kwargs)
     except Exception as error:  # a template's raise_exception() for e.g. bad role order
         raise InvalidRequestError("prompt.chat.messages", f"the chat template refused them ({type(error).__name__}"
                                   + (f": {error}" if isinstance(error, ValueError) else "") + ")") from None
@@ -131,12 +137,12 @@ def _template_kwargs(source: str) -> dict[str, Any]:
     return value
 
 
-def _documents(source: str) -> list[dict[str, Any]] | None:
+def _json_objects(source: str, field: str) -> list[dict[str, Any]] | None:
     if not source:
         return None
-    value = _json(source, "prompt.chat.documents")
-    if not isinstance(value, list) or not all(isinstance(document, dict) for document in value):
-        raise InvalidRequestError("prompt.chat.documents", "must be a JSON array of objects")
+    value = _json(source, field)
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise InvalidRequestError(field, "must be a JSON array of objects")
     return value
 
 

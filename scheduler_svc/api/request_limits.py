@@ -40,6 +40,8 @@ class RequestLimits:
     # (request_validation.py).
     max_logprobs: int = 20
     max_chat_messages: int = 1024
+    # --structured-outputs-config's disable_any_whitespace: JSON constraints of every request without it.
+    json_without_whitespace: bool = False
 
 
 def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:

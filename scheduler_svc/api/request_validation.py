@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
+from scheduler_svc.api.structured_outputs import structured_grammar
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.text.bad_words import bad_words_token_ids
@@ -126,6 +127,7 @@ def _sampling_params(
             raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
         temperature, top_p, top_k = 0.0, 1.0, -1
     extra = _penalties_and_masks(wire, tokenizer, limits, max_tokens, beam_width)
+    grammar = _structured_grammar(wire, tokenizer, beam_width, limits.request_limits.json_without_whitespace)
     return SamplingParams(
         n=n,
         best_of=best_of,
@@ -144,8 +146,37 @@ def _sampling_params(
         skip_special_tokens=wire.skip_special_tokens if wire.HasField("skip_special_tokens") else True,
         spaces_between_special_tokens=(wire.spaces_between_special_tokens
                                        if wire.HasField("spaces_between_special_tokens") else True),
+        structured_grammar=grammar,
         **extra,
     )
+
+
+def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, beam_width: int,
+                        json_without_whitespace: bool = False) -> str:
+    """The llguidance grammar of the request's structured_outputs ("" for none); see structured_outputs.py.
+    `json_without_whitespace`: the server's default for JSON kinds (--structured-outputs-config)."""
+    if not wire.HasField("structured_outputs"):
+        return ""
+    constrained = wire.structured_outputs.WhichOneof("kind") is not None
+    if constrained and tokenizer is None:
+        raise InvalidRequestError("sampling.structured_outputs", "constraints need the model's tokenizer; "
+                                  "the server has none")
+    if constrained and beam_width > 1:
+        raise InvalidRequestError("sampling.structured_outputs", "not supported with beam search")
+    # Masks that could remove the grammar's only continuation (EOS once it is complete, a banned word's last
+    # token) would leave a row with no token to sample.
+    if constrained and wire.min_tokens:
+        raise InvalidRequestError("sampling.min_tokens", "not supported with structured_outputs (it masks EOS, "
+                                  "which may be the grammar's only continuation)")
+    if constrained and len(wire.bad_words):
+        raise InvalidRequestError("sampling.bad_words", "not supported with structured_outputs (a banned token "
+                                  "may be the grammar's only continuation)")
+    constraint = wire.structured_outputs
+    if json_without_whitespace and constraint.WhichOneof("kind") in ("json", "json_object"):
+        constraint = generate_pb2.StructuredOutputs()
+        constraint.CopyFrom(wire.structured_outputs)
+        constraint.disable_any_whitespace = True
+    return structured_grammar(constraint, tokenizer)
 
 
 def _penalties_and_masks(

@@ -43,6 +43,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for prompt tokens; None = none
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Constrained decoding: the llguidance grammar built and validated at the edge from the request's
+    # structured_outputs (api/structured_outputs.py); "" = unconstrained. The workers keep the matcher state.
+    structured_grammar: str = ""
 
     @property
     def is_greedy(self) -> bool:

@@ -131,10 +131,11 @@ class Tokenizer:
         *,
         continue_final_message: bool = False,
         documents: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text for a conversation, rendered as transformers' `apply_chat_template(tokenize=False)`:
-        `template_kwargs` become extra template variables, `documents` the template's `documents`, and
+        `template_kwargs` become extra template variables, `documents` and `tools` the template's, and
         `continue_final_message` cuts the rendering right after the last message's content (no end-of-turn),
         so the model continues that message."""
         if self._chat_template is None:
@@ -150,17 +151,22 @@ class Tokenizer:
             **self._special_tokens,
             **(template_kwargs or {}),
             "messages": conversation,
-            "tools": None,
+            "tools": tools,
             "documents": documents,
             "add_generation_prompt": add_generation_prompt,
         })
         if continue_final_message:
-            return _cut_after_final_message(rendered, conversation[-1].get("content", ""))
+            return _cut_after_final_message(rendered, conversation[-1].get("content") or "")
         return rendered
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens, so none are added."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The backend serialized as `tokenizers` JSON, added special tokens included: the workers' grammar
+        matchers build their token table from it (WorkerSetup.structured_output_tokenizer)."""
+        return self._backend.to_str()
 
     # ---- special tokens ----
 

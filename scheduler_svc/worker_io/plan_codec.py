@@ -67,6 +67,7 @@ def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
         bad_words=[worker_pb2.BadWord(token_ids=ids) for ids in params.bad_words_token_ids],
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
         num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+        structured_grammar=params.structured_grammar,
     )
 
 

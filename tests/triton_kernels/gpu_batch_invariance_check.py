@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from kernels.batch_invariant_layer_ops import batch_invariant_triton_layer_ops
 from kernels.triton_backend import TritonAttentionBackend
-from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
+from kernels.triton_batch_invariant_attention import SEGMENT, BatchInvariantTritonBackend, segments_agree
 from kernels.triton_batch_invariant_norm import log_softmax
 from tests.triton_kernels.batch_invariance_cases import (
     PagedPool,
@@ -35,6 +35,9 @@ from tests.triton_kernels.batch_invariance_cases import (
 # (device, batch sizes, hidden, MoE intermediate, vocabulary, sequence, longest other, KV heads, head dim)
 GPU_SHAPES = ("cuda", (1, 3, 64, 257, 2048), 4096, 512, 151936, 700, 900, 8, 128)
 SMOKE_SHAPES = ("cpu", (1, 3, 64), 64, 24, 2500, 70, 90, 2, 64)
+# Attention's KV segment (keys): the served one on the GPU (the 700-token sequence spans 3); 64 for the smoke
+# run's 70 tokens (2 segments; a multiple of the 64-key bf16 tile).
+GPU_SEGMENT, SMOKE_SEGMENT = SEGMENT, 64
 
 
 def rows_invariant(fn, full, batch_sizes) -> str:
@@ -45,10 +48,12 @@ def rows_invariant(fn, full, batch_sizes) -> str:
         return f"NOT invariant ({error})"
 
 
-def serving_invariant(backend, options, shapes) -> str:
-    device, _, _, _, _, seq_len, longest, num_kv_heads, head_dim = shapes
-    pool = PagedPool({"ours": seq_len, **others_of_random_lengths(7, longest=longest)}, 4, torch.bfloat16, seed=3,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, device=device)
+def serving_invariant(backend, options, shapes, group_size=4, num_kv_heads=None) -> str:
+    """The sequence served every way of `ways_of_serving_one_sequence`; with the shapes' KV heads x 4 query
+    heads each unless told (Qwen2.5-1.5B: 2 x 6)."""
+    device, _, _, _, _, seq_len, longest, shape_kv_heads, head_dim = shapes
+    pool = PagedPool({"ours": seq_len, **others_of_random_lengths(7, longest=longest)}, group_size, torch.bfloat16,
+                     seed=3, num_kv_heads=num_kv_heads or shape_kv_heads, head_dim=head_dim, device=device)
     ways = ways_of_serving_one_sequence(pool, backend, options)
     differing = [way for way, output in ways.items() if not torch.equal(output, ways["whole prefill"])]
     return "invariant" if not differing else f"NOT invariant ({', '.join(differing)} differ from the whole prefill)"
@@ -58,7 +63,7 @@ def main(argv: list[str]) -> int:
     shapes = SMOKE_SHAPES if "--smoke" in argv else GPU_SHAPES
     device, batch_sizes, hidden_size, inter, vocab_size, _, _, _, _ = shapes
     rows = batch_sizes[-1]
-    ops = batch_invariant_triton_layer_ops()
+    ops = batch_invariant_triton_layer_ops(device)
     dtype = torch.bfloat16
     weight = random_tensor((hidden_size, hidden_size), dtype, 1, device) * 0.02
     hidden = random_tensor((rows, hidden_size), dtype, 2, device)
@@ -83,10 +88,22 @@ def main(argv: list[str]) -> int:
         "fused_moe (fixed tile)": (True, lambda: rows_invariant(
             moe, random_tensor((rows, hidden_size // 4 + 8), dtype, 6, device), batch_sizes)),
     }
+    segment = SMOKE_SEGMENT if "--smoke" in argv else GPU_SEGMENT
     for name, options in {"plain": {}, "window 256": {"sliding_window": 256},
                           "softcap 50": {"logit_softcap": 50.0}}.items():
-        checks[f"attention, {name}"] = (
-            True, lambda options=options: serving_invariant(BatchInvariantTritonBackend(), options, shapes))
+        checks[f"attention, {name}"] = (True, lambda options=options: serving_invariant(
+            BatchInvariantTritonBackend(segment=segment), options, shapes))
+    # Decodes forced through each way: (b) segments in programs of their own + merge kernel, (a) one program
+    # per decode merging in registers; both against the prefill variant's whole prefill. Qwen2.5-1.5B's heads.
+    for way, split in (("(b) split", True), ("(a) in registers", False)):
+        for name, options in {"plain": {}, "window 256": {"sliding_window": 256}}.items():
+            checks[f"attention, decodes {way}, 2 x 6 heads, {name}"] = (
+                True, lambda split=split, options=options: serving_invariant(
+                    BatchInvariantTritonBackend(segment=segment, split_decodes=split), options, shapes,
+                    group_size=6, num_kv_heads=2))
+    if device != "cpu":  # the start-up check, at the served shapes (too slow for the interpreter)
+        checks["segments_agree (split decodes = in-register merge)"] = (
+            True, lambda: "invariant" if segments_agree(device) else "NOT invariant (the two ways differ)")
     checks["TritonAttentionBackend (for information)"] = (
         False, lambda: serving_invariant(TritonAttentionBackend(), {}, shapes))
     failed = False

@@ -121,11 +121,13 @@ HEAD_DIM = 64
 SEQ_LEN = 70  # the sequence whose tokens are followed through every way of serving them
 
 
+# Segments of 32 to 64 keys, so that the 70-token sequence spans 2 or 3 of them (the default, 256, would be one).
 ATTENTION_CASES = {
-    "fp32-gqa4": (torch.float32, 4, {}, {}),
-    "fp32-mha-window20": (torch.float32, 1, {"sliding_window": 20}, {}),
-    "fp32-gqa6-softcap-tiles16": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16}),
-    "bf16-gqa4-window40-softcap": (torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {}),
+    "fp32-gqa4-segments32": (torch.float32, 4, {}, {"segment": 32}),
+    "fp32-mha-window20-segments32": (torch.float32, 1, {"sliding_window": 20}, {"block_n": 16, "segment": 32}),
+    "fp32-gqa6-softcap-tiles16-segments48": (torch.float32, 6, {"logit_softcap": 5.0}, {"block_n": 16, "segment": 48}),
+    "bf16-gqa4-window40-softcap-segments64": (
+        torch.bfloat16, 4, {"sliding_window": 40, "logit_softcap": 5.0}, {"segment": 64}),
 }
 
 
@@ -141,6 +143,46 @@ def test_attention_of_a_token_is_the_same_however_it_is_served(case):
     metadata = pool.metadata([("ours", SEQ_LEN, SEQ_LEN)])
     expected = paged_attention(pool.queries["ours"], pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
     torch.testing.assert_close(whole.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+SPLIT_CASES = {
+    "fp32": (torch.float32, {}),
+    "fp32-window40": (torch.float32, {"sliding_window": 40}),
+    "bf16-softcap": (torch.bfloat16, {"logit_softcap": 5.0}),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_attention_decodes_split_over_segments_give_the_bits_of_one_program_merging_them(case):
+    """Way (b) (each 32-key segment in programs of its own, a merge kernel) against way (a) (one program per
+    decode folding and merging the segments in registers), for contexts of 1 to 4 segments, partial and whole:
+    bitwise equal, and close to the torch reference."""
+    dtype, options = SPLIT_CASES[case]
+    seq_lens = {"one": 1, "under": 31, "exactly": 32, "over": 33, "two": 64, "three": 65, "four": 97}
+    pool = PagedPool(seq_lens, 4, dtype, seed=5)
+    steps = [(name, length, 1) for name, length in seq_lens.items()]
+    split, in_registers = (torch.cat(pool.run(BatchInvariantTritonBackend(block_n=16, segment=32, split_decodes=way),
+                                              steps, **options)) for way in (True, False))
+    assert torch.equal(split, in_registers)
+    metadata = pool.metadata(steps)
+    query = torch.cat([pool.queries[name][-1:] for name in seq_lens])
+    expected = paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
+    torch.testing.assert_close(split.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_attention_start_up_check_of_the_two_decode_ways(monkeypatch):
+    """`segments_agree` (the worker splits decodes only where it holds) finds (a) and (b) equal here, and
+    tells when they are not: (b) with other segments than (a)'s."""
+    from kernels import triton_batch_invariant_attention as attention
+
+    assert attention.segments_agree("cpu")
+
+    class OtherSegmentsWhenSplit(BatchInvariantTritonBackend):
+        def __init__(self, split_decodes):
+            super().__init__(segment=128 if split_decodes else 256, split_decodes=split_decodes)
+
+    monkeypatch.setattr(attention, "BatchInvariantTritonBackend", OtherSegmentsWhenSplit)
+    assert not attention.segments_agree("cpu")
 
 
 def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other_row():
@@ -192,10 +234,18 @@ def test_the_prefill_kernel_with_a_window_is_not_chunking_invariant():
 
 # --- the LayerOps set -----------------------------------------------------------------------------------
 
-def test_the_batch_invariant_layer_ops_set():
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_batch_invariant_layer_ops_set(monkeypatch, agree):
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    monkeypatch.setattr(matmul, "tiles_agree", lambda device: agree)
+    monkeypatch.setattr(matmul, "slices_agree", lambda device: agree)
     ops = batch_invariant_triton_layer_ops()
     assert ops.name == "triton-batch-invariant" and ops.batch_invariant
-    assert ops.linear is linear and ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
+    # The tile follows the row count only where the device gives every tile the same bits.
+    assert ops.linear.func is linear and ops.linear.keywords == {
+        "tile": matmul.tile_by_rows if agree else matmul.TILE, "split_rows": matmul.SPLIT_ROWS if agree else 0}
+    assert ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
     assert ops.rotary_embedding is triton_rotary.rotary_embedding
     assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
     assert ops.gelu_and_mul is triton_silu_and_mul.gelu_and_mul
@@ -232,3 +282,54 @@ def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
     output = assert_rows_batch_invariant(moe, rows)
     expected = moe(rows, fn=fused_moe_ref.fused_moe)
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_tiles_agree_compares_the_two_tiles_bits(monkeypatch):
+    """The start-up check: the same tile twice agrees; a tile that sums K in other groups does not under the
+    interpreter (numpy's matmul orders a tile's K its own way), which is why there it is TILE everywhere."""
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    monkeypatch.setattr(matmul, "SMALL_TILE", matmul.TILE)
+    assert matmul.tiles_agree("cpu")
+    monkeypatch.setattr(matmul, "SMALL_TILE", (64, 64, 32, 4, 3))
+    assert not matmul.tiles_agree("cpu")
+    assert matmul.tile_by_rows(matmul.SMALL_ROWS) == matmul.SMALL_TILE
+    assert matmul.tile_by_rows(matmul.SMALL_ROWS + 1) == matmul.TILE
+
+
+def test_k_slices_in_programs_of_their_own_give_the_in_program_sums_bits():
+    """Few rows: each K slice in its own programs and a second kernel adding them in slice order; the same
+    bits as one program adding its slices in that order (what every larger batch runs). K = 1000 makes the
+    last slice partial, with a bias."""
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    assert matmul.slices_agree("cpu")
+    hidden, weight = random_tensor((9, 1000), torch.bfloat16, 3), random_tensor((70, 1000), torch.bfloat16, 4)
+    split, whole = linear(hidden, weight, split_rows=9), linear(hidden, weight, split_rows=0)
+    assert torch.equal(split, whole)
+    torch.testing.assert_close(split.float(), F.linear(hidden.float(), weight.float()), atol=2e-2, rtol=2e-2)
+
+
+# --- sampling ---------------------------------------------------------------------------------------------
+
+def test_the_triton_sampling_passes_are_batch_invariant_without_the_row_by_row_wrapper():
+    """One program per row and a block fixed by the vocabulary: a row's token, max and normalizer (the
+    first pass with Gumbel noise, then the nucleus draw) are the same bits in any batch, so the mode keeps
+    the Triton set as it is instead of launching it once per row."""
+    from kernels import sample_ref
+    from kernels.sampling_ops import batch_invariant_sampling_ops, triton_sampling_ops
+
+    ops = triton_sampling_ops()
+    assert batch_invariant_sampling_ops(ops) is ops
+
+    def first_and_nucleus(rows):
+        n = rows.shape[0]
+        temperature, seed = torch.full((n,), 0.8), torch.full((n,), 7, dtype=torch.int64)
+        position, top_p, min_p = torch.full((n,), 5, dtype=torch.int64), torch.full((n,), 0.9), torch.zeros(n)
+        ids, max_scaled, normalizer = ops.first_pass(rows, None, temperature, seed, position, 1e-5, True)
+        threshold = sample_ref.kth_largest(rows, torch.full((n,), 50)).threshold
+        ids = ops.nucleus(rows, ids, max_scaled, temperature, seed, position, top_p, min_p, threshold, 1e-5, None)
+        return torch.stack([ids.double(), max_scaled.double(), normalizer.double()], dim=-1)
+
+    assert_rows_batch_invariant(first_and_nucleus, random_tensor((64, 3000), torch.float32, 9) * 3,
+                                batch_sizes=(1, 3, 64))

@@ -1,0 +1,173 @@
+"""Where `--batch-invariant` loses time on a GPU: the batch-invariant linear at candidate tile configurations
+against cuBLAS (F.linear), at a shape's layer sizes and token counts from a 1-row decode to a 16k prefill, each
+configuration checked for invariance. One command on a lent GPU:
+
+    python benchmarks/batch_invariant_kernel_bench.py --shape qwen2.5-1.5b [--json FILE]
+
+A configuration is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); serving uses one for every launch
+(kernels/triton_batch_invariant_matmul.py says why). "invariant" means row 0 of a 1-row product has the same
+bits as the same row at random positions among 3, 64, 257 and 2,048 rows (tests/triton_kernels' check).
+Printed per configuration: the time of each (layer, tokens) relative to cuBLAS, and the step-weighted total
+(decode rows at 256 tokens plus one 16k-token prefill, per layer's share of a forward pass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.model_shapes import SHAPES, head_dim  # noqa: E402
+from kernels.triton_batch_invariant_matmul import TILE, linear  # noqa: E402
+
+CANDIDATES = [TILE, (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
+              (128, 128, 64, 4, 3), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
+              (256, 128, 64, 8, 3), (64, 64, 128, 4, 3)]
+TOKENS = (1, 64, 256, 2048, 16384)
+
+
+def layer_sizes(shape: str) -> dict[str, tuple[int, int]]:
+    """(N, K) of each linear layer of one decoder layer, and the LM head."""
+    s = SHAPES[shape]
+    hidden, heads, kv_heads, d = s["hidden_size"], s["num_attention_heads"], s["num_key_value_heads"], head_dim(shape)
+    inter = s["intermediate_size"]
+    return {"qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d), "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter), "lm_head": (s["vocab_size"], hidden)}
+
+
+def rows_invariant(fn, full: torch.Tensor, batch_sizes=(1, 3, 64, 257, 2048)) -> bool | str:
+    """True when rows 0 and last of `full` have the same bits in fn(full) and placed at random positions among
+    random rows in batches of each size (tests/triton_kernels' check, which benchmarks may not import)."""
+    expected = fn(full)
+    generator = torch.Generator().manual_seed(0)
+    for batch_size in batch_sizes:
+        for row in (0, full.shape[0] - 1):
+            position = int(torch.randint(batch_size, (1,), generator=generator))
+            batch = torch.randn((batch_size,) + full.shape[1:], generator=generator).to(full.device, full.dtype)
+            batch[position] = full[row]
+            if not torch.equal(fn(batch)[position], expected[row]):
+                return f"row {row} differs at batch size {batch_size}"
+    return True
+
+
+def tokens_of(layer: str) -> tuple[int, ...]:
+    """The LM head sees only the sampled rows (at most a decode batch), the other layers every token."""
+    return tuple(t for t in TOKENS if t <= 256) if layer == "lm_head" else TOKENS
+
+
+def time_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def sweep(sizes: dict, weights: dict, layers: int) -> dict:
+    """Per token count, every tile of a grid: one forward pass's linear time (LM head aside); the best tile per
+    token count; and whether every tile that ran gave the same bits as the first on a probe."""
+    small = [(64, n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w in (4,) for st in (3, 4)]
+    large = [(m, n, 64, 8, st) for m in (128, 256) for n in (128, 256) for st in (3, 4)] + [(128, 128, 128, 8, 3)]
+    probe = torch.randn(257, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
+    reference, differing, best = None, [], {}
+    for tokens, tiles in ((1, small), (16, small), (64, small), (128, small), (256, small + large[:4]),
+                          (1024, large), (2048, large), (16384, large)):
+        timings = {}
+        for tile in tiles:
+            try:
+                total = 0.0
+                for name, weight in weights.items():
+                    if name == "lm_head":
+                        continue
+                    x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                    total += layers * time_ms(lambda: linear(x, weight, tile=tile), repeats=10)
+                timings[str(tile)] = total
+                bits = linear(probe, weights["gate_up"], tile=tile)
+                if reference is None:
+                    reference = bits
+                elif not torch.equal(bits, reference) and str(tile) not in differing:
+                    differing.append(str(tile))
+            except Exception as error:  # noqa: BLE001
+                timings[str(tile)] = repr(error)[:100]
+        numeric = {t: v for t, v in timings.items() if isinstance(v, float)}
+        cublas = 0.0
+        for name, weight in weights.items():
+            if name != "lm_head":
+                x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                cublas += layers * time_ms(lambda: F.linear(x, weight), repeats=10)
+        winner = min(numeric, key=numeric.get)
+        best[tokens] = {"tile": winner, "ms": numeric[winner], "cublas_ms": cublas, "over_cublas": numeric[winner] / cublas}
+        print("sweep", tokens, best[tokens], flush=True)
+    return {"best": best, "tiles_with_other_bits": differing}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
+    args = parser.parse_args()
+    sizes = layer_sizes(args.shape)
+    layers = SHAPES[args.shape]["num_hidden_layers"]
+    weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}
+    results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(0), "cublas_ms": {}, "configs": {}}
+    if args.sweep:
+        results["sweep"] = sweep(sizes, weights, layers)
+        print("tiles with other bits:", results["sweep"]["tiles_with_other_bits"])
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
+    for name, weight in weights.items():
+        for tokens in tokens_of(name):
+            x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+            results["cublas_ms"][f"{name}@{tokens}"] = time_ms(lambda: F.linear(x, weight))
+    probe = torch.randn(257, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
+    outputs = {}  # which configurations give the same bits (may the row tile change with the batch?)
+    for tile in CANDIDATES:
+        entry: dict = {"ms": {}}
+        try:
+            for name, weight in weights.items():
+                for tokens in tokens_of(name):
+                    x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                    entry["ms"][f"{name}@{tokens}"] = time_ms(lambda: linear(x, weight, tile=tile))
+            full = torch.randn(2048, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
+            entry["invariant"] = rows_invariant(lambda rows: linear(rows, weights["gate_up"], tile=tile), full)
+            outputs[str(tile)] = linear(probe, weights["gate_up"], tile=tile)
+        except Exception as error:  # noqa: BLE001 - a configuration that does not compile or fit is reported
+            entry["error"] = repr(error)[:300]
+            results["configs"][str(tile)] = entry
+            print(tile, entry["error"], flush=True)
+            continue
+        # One forward pass's linear time: every decoder layer's four plus the LM head (on the sampled rows).
+        for tokens in (256, 16384):
+            ours = layers * sum(entry["ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
+            cublas = layers * sum(results["cublas_ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
+            entry[f"forward_linear_ms@{tokens}"] = ours
+            entry[f"over_cublas@{tokens}"] = ours / cublas
+        results["configs"][str(tile)] = entry
+        print(tile, "invariant" if entry["invariant"] is True else entry["invariant"],
+              {k: round(v, 3) for k, v in entry.items() if k.startswith(("over", "forward"))}, flush=True)
+    print("cublas forward linear ms @256:", layers * sum(results["cublas_ms"][f"{n}@256"] for n in sizes if n != "lm_head"),
+          "@16384:", layers * sum(results["cublas_ms"][f"{n}@16384"] for n in sizes if n != "lm_head"))
+    names = list(outputs)
+    results["same_bits"] = [[a, b] for i, a in enumerate(names) for b in names[i + 1:]
+                            if torch.equal(outputs[a], outputs[b])]
+    print("configurations with the same bits:", results["same_bits"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

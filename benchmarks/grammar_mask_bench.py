@@ -1,0 +1,114 @@
+"""Host cost of constrained decoding per step, llguidance (what the workers run) against xgrammar (vLLM's
+default engine): the first use of a schema (grammar build and matchers) and the allowed-token bitmask of 8 rows
+per step, each row walking its own random valid path through one nested JSON schema, over SmolLM2's tokenizer
+(49152 tokens). CPU only; xgrammar is not a dependency (it imports torch, which the scheduler must not):
+
+    pip install --target /tmp/xgr --no-deps xgrammar==0.2.8 apache-tvm-ffi
+    PYTHONPATH=/tmp/xgr python -m benchmarks.grammar_mask_bench
+
+Why the per-step figure matters: the workers fill the masks on the host while the step's forward pass runs on
+the GPU, so a mask cheaper than the forward pass costs no throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                     "zip": {"type": "integer"}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+ROWS, STEPS, VOCAB, EOS = 8, 60, 49152, 2
+
+
+def walk(name: str, first_use_s: float, fill: Callable[[np.ndarray], None], consume: Callable[[list[int]], None]):
+    """Steps the rows along random allowed tokens (the same draws for both engines); prints the mask timings."""
+    rng = np.random.default_rng(0)
+    bitmask = np.zeros((ROWS, (VOCAB + 31) // 32), dtype=np.int32)
+    times = []
+    for _ in range(STEPS):
+        start = time.perf_counter()
+        fill(bitmask)
+        times.append((time.perf_counter() - start) * 1e3)
+        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :VOCAB]
+        consume([int(rng.choice(np.flatnonzero(row))) if row.any() else EOS for row in allowed])
+    times = np.array(times)
+    print(f"{name}: first use {first_use_s * 1e3:.1f} ms; mask of {ROWS} rows per step: mean {times.mean():.2f} ms, "
+          f"median {np.median(times):.2f} ms, p90 {np.percentile(times, 90):.2f} ms, max {times.max():.2f} ms")
+
+
+def bench_llguidance(tokenizer_json: str) -> None:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    tokenizer, executor = LLTokenizer(tokenizer_json, eos_token=[EOS]), LLExecutor()
+    start = time.perf_counter()
+    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, overrides={"whitespace_flexible": False})
+    matchers = [LLMatcher(tokenizer, grammar) for _ in range(ROWS)]
+    first_use = time.perf_counter() - start
+
+    def consume(tokens):
+        for matcher, token in zip(matchers, tokens):
+            if not matcher.is_stopped():
+                assert matcher.consume_token(token)
+
+    walk("llguidance", first_use, lambda bitmask: fill_next_token_bitmask_par(
+        executor, [(matcher, i) for i, matcher in enumerate(matchers)], bitmask), consume)
+
+
+def bench_xgrammar(tokenizer_json: str) -> None:
+    import torch
+    import xgrammar
+    from tokenizers import Tokenizer as BackendTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=BackendTokenizer.from_str(tokenizer_json), eos_token="<|im_end|>")
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=VOCAB,
+                                                                               stop_token_ids=[EOS]))
+    start = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(ROWS)]
+    first_use = time.perf_counter() - start
+    host = torch.zeros((ROWS, (VOCAB + 31) // 32), dtype=torch.int32)
+
+    def fill(bitmask):
+        for i, matcher in enumerate(matchers):
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(host, i)
+        bitmask[:] = host.numpy()
+
+    def consume(tokens):
+        for matcher, token in zip(matchers, tokens):
+            if not matcher.is_terminated():
+                assert matcher.accept_token(token)
+
+    walk("xgrammar", first_use, fill, consume)
+
+
+def main() -> None:
+    tokenizer_json = load_tokenizer(resolve_model(None).path).to_json()
+    bench_llguidance(tokenizer_json)
+    try:
+        bench_xgrammar(tokenizer_json)
+    except ImportError as error:
+        print(f"xgrammar not measured ({error}); see this module's docstring")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Issue 23's GPU figure: W1 with every request under a JSON schema against W1 without, in one engine, and the
+TPOT of a lone constrained request against a lone unconstrained one. One command on a lent GPU:
+
+    python benchmarks/structured_outputs_gpu.py --shape qwen2.5-1.5b --tokenizer DIR
+
+DIR holds a real tokenizer (llguidance reads token text; the random-weight shapes have none): e.g. the
+embedded SmolLM2 tokenizer written by `pagedserve.testing.tiny_models.add_embedded_tokenizer(DIR)`, whose
+49,152 tokens sit inside the shape's vocabulary (the rest is masked for constrained rows). W1 here: 256
+requests x 512 random prompt tokens x 256 output tokens (EOS ignored), all at once, greedy. The schema is an
+object holding an array of up to 1,000 short strings, so no output completes it within 256 tokens and every
+step of every row computes a mask; its whitespace is off (random weights would otherwise fill the output
+with it). Both runs go through the same engine, the unconstrained one first. Writes
+$OUT/structured_outputs_<shape>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.model_shapes import write_config_dir  # noqa: E402
+from client import AsyncClient, SamplingParams, StructuredOutputsParams  # noqa: E402
+from pagedserve.bench.offline_engine import start_engine  # noqa: E402
+from pagedserve.cli import parse_args  # noqa: E402
+
+PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS, TOKENIZER_VOCAB = 512, 256, 256, 49152
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 1000,
+                                                     "items": {"type": "string", "maxLength": 12}}},
+          "required": ["items"], "additionalProperties": False}
+
+
+def prompts(count: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TOKENIZER_VOCAB) for _ in range(length)] for _ in range(count)]
+
+
+def params(constrained: bool, output_len: int) -> SamplingParams:
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constrained else None
+    return SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, structured_outputs=constraint)
+
+
+def w1(llm, constrained: bool, seed: int, workload: argparse.Namespace) -> dict:
+    batch = prompts(workload.num_requests, seed, workload.prompt_len)
+    start = time.perf_counter()
+    results = llm.generate(batch, [params(constrained, workload.output_len)] * len(batch), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(result.outputs[0].token_ids) for result in results)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+
+
+async def lone_gaps(target: str, constrained: bool, output_len: int) -> list[float]:
+    stamps = []
+    sampling = {"structured_outputs": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)} \
+        if constrained else {}
+    async with AsyncClient(target) as client:
+        async for _ in client.generate_stream(prompts(1, 99)[0], max_tokens=output_len, temperature=0.0,
+                                              ignore_eos=True, **sampling):
+            stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen2.5-1.5b")
+    parser.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json (see the docstring)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
+    args = parser.parse_args()
+    model_dir = write_config_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
+    if args.num_layers is not None:
+        config = json.loads((model_dir / "config.json").read_text())
+        config["num_hidden_layers"] = args.num_layers
+        config.pop("layer_types", None)
+        (model_dir / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(args.tokenizer) / name, model_dir / name)
+    engine_args = parse_args(["bench", "throughput", "--model", str(model_dir), "--load-format", "dummy",
+                              "--device", args.device, "--dtype", "bfloat16", "--max-num-seqs", "256",
+                              "--max-num-batched-tokens", "16384", "--max-model-len", "1024", "--ready-timeout", "900"])
+    summary: dict = {"shape": args.shape, "schema": SCHEMA, "runs": {}}
+    with start_engine(engine_args) as llm:
+        w1(llm, False, 1, args)  # warm-up: batch shapes and kernels
+        w1(llm, True, 2, args)  # warm-up: the tokenizer's llguidance view, the mask kernel
+        for name, constrained, seed in (("unconstrained", False, 3), ("json_schema", True, 4),
+                                        ("unconstrained_again", False, 5)):
+            summary["runs"][name] = w1(llm, constrained, seed, args)
+            print(name, json.dumps(summary["runs"][name]), flush=True)
+        for name, constrained in (("lone_unconstrained", False), ("lone_json_schema", True)):
+            gaps = asyncio.run(lone_gaps(llm.target, constrained, args.output_len))
+            summary["runs"][name] = {"tpot_median_ms": 1e3 * statistics.median(gaps),
+                                     "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))]}
+            print(name, json.dumps(summary["runs"][name]), flush=True)
+    runs = summary["runs"]
+    unconstrained = (runs["unconstrained"]["output_tokens_per_s"] + runs["unconstrained_again"]["output_tokens_per_s"]) / 2
+    summary["ratios"] = {
+        "w1_json_schema_over_unconstrained": runs["json_schema"]["output_tokens_per_s"] / unconstrained,
+        "tpot_json_schema_over_unconstrained": runs["lone_json_schema"]["tpot_median_ms"]
+        / runs["lone_unconstrained"]["tpot_median_ms"]}
+    print(json.dumps(summary["ratios"]), flush=True)
+    out = Path(os.environ.get("OUT", ".")) / f"structured_outputs_{args.shape}.json"
+    out.write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""What a tool-call parser makes of a model's output so far: the content to show, and the tool calls begun.
+
+Why a parser returns a snapshot of the whole output, not deltas: streaming then needs no parser state. The
+gateway parses the text so far after every chunk and sends what the snapshot adds to the one before
+(chat_output.py), so a chunk boundary can fall anywhere (inside a tag, a key, an escape) without a parser
+seeing it. Parsers keep snapshots growing: content and each call's arguments only ever extend, and text that
+may still turn out to open a tool call (a partial `<tool_call>` tag) is held back until it is decided.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from gateway.tool_parsers.partial_json import MalformedJSON, PartialObject, read_object, skip_whitespace
+
+# Where a model names a call's arguments: Hermes, Qwen and Mistral say "arguments", Llama 3 "parameters".
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+@dataclass(frozen=True)
+class ToolCallDraft:
+    """A tool call as far as the model has written it."""
+
+    name: str | None  # None until the name's string is complete
+    arguments: str  # the arguments' JSON text so far (the model's own text)
+    complete: bool  # the call's JSON (and its closing tag, where the format has one) has ended
+
+    def is_valid(self) -> bool:
+        """Complete, named, and its arguments a JSON object."""
+        if not (self.complete and self.name):
+            return False
+        try:
+            return isinstance(json.loads(self.arguments), dict)
+        except ValueError:
+            return False
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str
+    tool_calls: tuple[ToolCallDraft, ...] = ()
+
+
+class ToolCallParser:
+    """One tool-call format (a model family's, or a forced tool choice's)."""
+
+    # Whether the format's markers are special tokens the detokenizer must keep (skip_special_tokens false).
+    keeps_special_tokens = False
+
+    def parse(self, text: str, final: bool) -> ParsedOutput:
+        """The output so far (`final`: all of it); raises MalformedJSON when it cannot be tool calls."""
+        raise NotImplementedError
+
+    @staticmethod
+    def new_call_id() -> str:
+        """A fresh id for a call (OpenAI's shape: call_ and 24 characters)."""
+        return f"call_{secrets.token_hex(12)}"
+
+
+def draft_from_object(text: str, call: PartialObject, name: str | None = None) -> ToolCallDraft:
+    """The call an object {"name": ..., "arguments": {...}} in `text` describes so far; `name` overrides."""
+    if name is None:
+        named = call.member("name")
+        if named is not None and named.value_end is not None:
+            value = json.loads(text[named.value_start:named.value_end])
+            name = value if isinstance(value, str) else None
+    arguments = call.member(*ARGUMENT_KEYS)
+    if arguments is None:
+        # No arguments member: none yet, or none at all ({} once the object has closed).
+        return ToolCallDraft(name, "{}" if call.end is not None else "", call.end is not None)
+    end = arguments.value_end if arguments.value_end is not None else len(text)
+    return ToolCallDraft(name, text[arguments.value_start:end], call.end is not None)
+
+
+def held_back(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker` (so are not yet content)."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def calls_in_array(text: str, position: int, final: bool) -> list[ToolCallDraft]:
+    """The calls of a JSON array of call objects whose '[' is at text[position], as far as the text goes."""
+    calls: list[ToolCallDraft] = []
+    position = skip_whitespace(text, position + 1)
+    while position < len(text) and text[position] != "]":
+        call = read_object(text, position, final)
+        calls.append(draft_from_object(text, call))
+        if call.end is None:
+            break
+        position = skip_whitespace(text, call.end)
+        if text.startswith(",", position):
+            position = skip_whitespace(text, position + 1)
+        elif position < len(text) and text[position] != "]":
+            raise MalformedJSON("',' or ']' follows a call in an array of calls")
+    return calls

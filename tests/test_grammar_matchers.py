@@ -1,0 +1,135 @@
+"""The worker's grammar matchers (worker_svc/grammar_matchers.py) inside the persistent batch: a row's bitmask
+allows exactly its grammar's next tokens and never an id past the tokenizer's vocabulary (a padded model vocab);
+a resumed row first replays its output; a complete grammar allows only the scheduler's EOS ids, and a stopped one
+takes the token of a step planned before the EOS was seen; a token the grammar rejects raises; a token of a row
+handed to another request is not fed to the new owner's matcher; a constrained row reads its history (no overlap);
+and masked logits sample only allowed tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from llguidance import LLMatcher
+
+from kernels.token_bitmask_ref import allowed_tokens, apply_token_bitmask
+from protos.pagedserve.v1 import worker_pb2
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
+from worker_svc.grammar_matchers import GrammarMatchers, GrammarViolation
+from worker_svc.persistent_batch import PersistentBatch
+
+MODEL_VOCAB = 49216  # SmolLM2's 49152 tokens, padded
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None).path)
+
+
+@pytest.fixture(scope="module")
+def source(tokenizer):
+    return worker_pb2.StructuredOutputTokenizer(tokenizer_json=tokenizer.to_json(), eos_token_ids=[EOS])
+
+
+@pytest.fixture
+def batch(source):
+    return PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4))
+
+
+GRAMMAR = LLMatcher.grammar_from_regex(r"(cat|dog)s? [0-9]{2}")
+
+
+def new_request(request_id: str, token_ids: list[int], num_prompt_tokens: int, grammar: str = GRAMMAR):
+    return worker_pb2.NewRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens,
+                                 sampling=worker_pb2.WorkerSamplingParams(temperature=1.0, structured_grammar=grammar),
+                                 num_scheduled_tokens=len(token_ids))
+
+
+def allowed(batch, row: int) -> list[int]:
+    indices, bitmask = batch.grammars.bitmask(np.array([row]))
+    assert indices.tolist() == [0]
+    return allowed_tokens(bitmask, MODEL_VOCAB)[0].nonzero().flatten().tolist()
+
+
+def decoded(tokenizer, ids: list[int]) -> set[str]:
+    return {tokenizer.decode([i]) for i in ids}
+
+
+def fill(batch, rows: list[int], tokens: list[int], generations=None) -> None:
+    from worker_svc.persistent_batch import PendingTokens
+
+    rows_array = np.array(rows)
+    generations = batch.generation[rows_array].copy() if generations is None else np.array(generations)
+    positions = batch.num_tokens[rows_array].copy()
+    batch.num_tokens[rows_array] += 1
+    batch.fill(PendingTokens(rows_array, generations, positions), np.array(tokens))
+
+
+def test_the_bitmask_allows_the_grammars_next_tokens_only_within_the_tokenizer(batch, tokenizer):
+    row = batch.add(new_request("a", [10, 11], 2))
+    first = allowed(batch, row)
+    assert first and max(first) < 49152
+    assert all(text and ("cats".startswith(text) or "dogs".startswith(text)) for text in decoded(tokenizer, first))
+    plain = batch.add(worker_pb2.NewRequest(request_id="b", token_ids=[5], num_prompt_tokens=1,
+                                            sampling=worker_pb2.WorkerSamplingParams(temperature=1.0)))
+    indices, _ = batch.grammars.bitmask(np.array([plain, row]))
+    assert indices.tolist() == [1]  # only the constrained row gets a mask
+    assert batch.grammars.bitmask(np.array([plain])) is None
+    # Its mask waits for the token in flight inside the worker (Worker.complete), not by refusing to overlap.
+    assert not batch.reads_history(row) and not batch.reads_history(plain)
+
+
+def test_a_resumed_row_replays_its_output_and_a_complete_grammar_allows_only_eos(batch, tokenizer):
+    output = tokenizer.encode("dogs 4", add_special_tokens=False)
+    row = batch.add(new_request("a", [10, 11, *output], 2))
+    assert decoded(tokenizer, allowed(batch, row)) <= {str(d) for d in range(10)}
+    fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))
+    assert allowed(batch, row) == [EOS]
+    fill(batch, [row], [EOS])
+    assert allowed(batch, row) == [EOS]  # stopped: the step planned before the scheduler saw EOS
+    fill(batch, [row], [EOS])
+
+
+def test_a_token_the_grammar_rejects_raises(batch, tokenizer):
+    row = batch.add(new_request("a", [10], 1))
+    with pytest.raises(GrammarViolation, match="rejects"):
+        fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))
+
+
+def test_a_resumed_output_the_grammar_rejects_raises_and_leaves_no_row(batch, tokenizer):
+    with pytest.raises(GrammarViolation):
+        batch.add(new_request("a", [10, *tokenizer.encode("7", add_special_tokens=False)], 1))
+    assert len(batch) == 0 and not batch.grammars.constrained.any()
+
+
+def test_a_late_token_of_a_rows_previous_owner_does_not_reach_the_new_owners_matcher(batch, tokenizer):
+    row = batch.add(new_request("old", [10], 1))
+    generation = batch.generation[row]
+    batch.remove("old")
+    assert batch.add(new_request("new", [10], 1)) == row
+    fill(batch, [row], tokenizer.encode("7", add_special_tokens=False), generations=[generation])  # no raise
+    texts = decoded(tokenizer, allowed(batch, row))  # the new owner's grammar is still at its start
+    assert texts and all("cats".startswith(text) or "dogs".startswith(text) for text in texts)
+
+
+def test_masked_logits_sample_only_allowed_tokens(batch):
+    from worker_svc.sampling.sampler import SamplingTensors, sample
+
+    row = batch.add(new_request("a", [10], 1))
+    indices, bitmask = batch.grammars.bitmask(np.array([row]))
+    logits = torch.randn(1, MODEL_VOCAB) * 5
+    apply_token_bitmask(logits, bitmask, torch.as_tensor(indices))
+    allowed_ids = set(allowed(batch, row))
+    for seed in range(5):
+        tensors = SamplingTensors.from_host(temperature=[1.0], top_p=[1.0], top_k=[-1], seed=[seed], position=[1],
+                                            device="cpu")
+        assert sample(logits, tensors).token_ids.item() in allowed_ids
+
+
+def test_a_worker_without_tokenizer_refuses_a_constrained_row():
+    batch = PersistentBatch(2, 64, 16, GrammarMatchers(None, MODEL_VOCAB, 2))
+    with pytest.raises(ValueError, match="no tokenizer"):
+        batch.add(new_request("a", [1], 1))
+    assert len(batch) == 0

@@ -1,0 +1,110 @@
+"""The llguidance matchers of a worker's constrained rows: the grammar state of each, the allowed-token bitmask
+of the rows that sample, and the advance by each sampled token.
+
+Who owns what: the scheduler builds and validates each request's grammar (WorkerSamplingParams.structured_grammar)
+and sends its tokenizer once, at setup (WorkerSetup.structured_output_tokenizer); the `PersistentBatch` owns one
+`GrammarMatchers` and calls `add` / `remove` with its rows and `advance` when the sampled tokens reach the host;
+the worker asks for the bitmask after the step's forward pass is queued (the GPU is busy meanwhile) and applies
+it to the logits before the logits processors and sampling (kernels/token_bitmask_ref.py). A row's matcher is a
+pure function of its grammar and its output tokens, so a resumed row (after preemption or a worker restart)
+replays its output into a new matcher, and every tensor-parallel rank, which sees the same plans and samples
+the same tokens, keeps identical matchers without talking to the others.
+
+Why the tokenizer is built lazily: llguidance's token table costs about half a second for a 50k vocabulary; a
+worker that never sees a constrained request never pays it. Its vocabulary is the model's (the logits' width)
+when that is at least the tokenizer's: ids past the tokenizer's are never allowed. Its EOS ids are the
+scheduler's (the model's and generation_config's): the ids a complete grammar allows, and the only ones a
+stopped matcher allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from protos.pagedserve.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the row's grammar rejects: the mask was not applied, or was applied to the wrong row."""
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer: worker_pb2.StructuredOutputTokenizer | None, vocab_size: int, max_num_seqs: int,
+                 pin_memory: bool = False):
+        self._tokenizer_source = tokenizer
+        self._vocab_size = vocab_size
+        self._pin_memory = pin_memory
+        self._tokenizer: LLTokenizer | None = None
+        self._executor: LLExecutor | None = None
+        self._matchers: list[LLMatcher | None] = [None] * max_num_seqs
+        self.constrained = np.zeros(max_num_seqs, dtype=bool)
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            source = self._tokenizer_source
+            if source is None or not source.tokenizer_json:
+                raise ValueError("a constrained request, but the scheduler sent no tokenizer at setup")
+            eos = list(source.eos_token_ids) or None
+            try:
+                self._tokenizer = LLTokenizer(source.tokenizer_json, n_vocab=self._vocab_size, eos_token=eos)
+            except ValueError:  # a tokenizer larger than the model's vocabulary: its own size
+                self._tokenizer = LLTokenizer(source.tokenizer_json, eos_token=eos)
+            self._executor = LLExecutor()
+        return self._tokenizer
+
+    def add(self, row: int, grammar: str, output_token_ids: Sequence[int]) -> None:
+        """Gives `row` a matcher of `grammar` that has consumed the row's output so far (a resumed row's)."""
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
+        if matcher.is_error():
+            raise ValueError(f"row {row}: the grammar does not compile: {matcher.get_error()}")
+        if len(output_token_ids) and not matcher.consume_tokens([int(t) for t in output_token_ids]):
+            raise GrammarViolation(f"row {row}: the grammar rejects the resumed output: {matcher.get_error()}")
+        self._matchers[row] = matcher
+        self.constrained[row] = True
+
+    def remove(self, row: int) -> None:
+        self._matchers[row] = None
+        self.constrained[row] = False
+
+    def bitmask(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
+        """(indices into `rows` of the constrained ones, their allowed-token bitmask int32 [M, ceil(V / 32)] on
+        the host, pinned on a GPU machine), or None when no row in `rows` is constrained. Filled by llguidance's
+        thread pool with the GIL released."""
+        indices = np.flatnonzero(self.constrained[rows])
+        if not len(indices):
+            return None
+        words = -(-self.tokenizer.vocab_size // 32)
+        bitmask = torch.empty((len(indices), words), dtype=torch.int32, pin_memory=self._pin_memory)
+        matchers = [(self._matchers[row], i) for i, row in enumerate(rows[indices].tolist())]
+        fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
+        return indices, bitmask
+
+    def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Each constrained row of `rows` consumes its sampled token. A stopped matcher (its grammar complete,
+        EOS consumed) takes nothing more: a token sampled after it, in a step planned before the scheduler saw
+        the EOS, is one the scheduler drops."""
+        constrained = self.constrained[rows]
+        advancing = []
+        for row, token_id in zip(rows[constrained].tolist(), token_ids[constrained].tolist()):
+            matcher = self._matchers[row]
+            if not matcher.is_stopped():
+                advancing.append((row, token_id))
+            elif matcher.is_error():  # e.g. a parser limit reached while computing a mask: it allowed EOS only
+                logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
+        if not advancing:
+            return
+        # In llguidance's thread pool, the GIL released.
+        accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
+        for (row, token_id), ok in zip(advancing, accepted):
+            if not ok:
+                raise GrammarViolation(f"row {row}: sampled token {token_id} that its grammar rejects: "
+                                       f"{self._matchers[row].get_error()}")
