@@ -86,11 +86,16 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         logger.warning("the worker link on %s is not authenticated: anyone who reaches it can act as a worker; set "
                        "%s in the scheduler's and the workers' environment", config.worker_address, WORKER_SECRET_ENV)
     structured_tokenizer = _structured_output_tokenizer(tokenizer, eos_token_ids)
+
+    def setup_for(hello: worker_pb2.WorkerHello) -> worker_pb2.WorkerSetup:
+        """Every worker's setup, the first set's and any replacement's alike."""
+        return _worker_setup(config, hello, structured_tokenizer)
+
     link = WorkerLink(config.worker_address, config.num_workers, config.heartbeat_interval, config.heartbeat_grace,
                       keys)
     try:
         connecting = asyncio.ensure_future(
-            link.connect_workers(lambda hello: _worker_setup(config, hello, structured_tokenizer),
+            link.connect_workers(setup_for,
                                  config.worker_ready_timeout))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -129,13 +134,13 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)
-        return await _serve_until_stopped(config, engine, servicer, health, link, stop)
+        return await _serve_until_stopped(config, engine, servicer, health, link, stop, setup_for)
     finally:
         await server.stop(grace=1.0)
         await link.close()
 
 
-async def _serve_until_stopped(config, engine: Engine, servicer, health, link: WorkerLink, stop) -> int:
+async def _serve_until_stopped(config, engine: Engine, servicer, health, link: WorkerLink, stop, setup_for) -> int:
     engine_task = asyncio.ensure_future(engine.run())
     stopping = asyncio.ensure_future(stop.wait())
     link_failed = asyncio.ensure_future(link.wait_failed())
@@ -148,7 +153,8 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
         while link_failed.done() and restarts_left > 0 and not stopping.done():
             restarts_left -= 1
-            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link, stopping):
+            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link, stopping,
+                                          setup_for):
                 break
             engine_task = asyncio.ensure_future(engine.run())
             link_failed = asyncio.ensure_future(link.wait_failed())
@@ -174,7 +180,8 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         link_failed.cancel()
 
 
-async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink, stopping) -> bool:
+async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink, stopping,
+                           setup_for) -> bool:
     """Worker crash recovery: health NOT_SERVING, the loop stopped, and once a new set of workers reported its
     pool every request in flight resumes by recompute (streams stay open; new requests queue meanwhile).
     False when no new workers came within --worker-ready-timeout, or a stop came first (then everything fails
@@ -188,7 +195,7 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, health,
     # as often as --max-worker-restarts allows: its supervisor starts another.
     for attempts_left in range(config.max_worker_restarts, -1, -1):
         replacing = asyncio.ensure_future(
-            link.replace_workers(lambda hello: _worker_setup(config, hello), config.worker_ready_timeout))
+            link.replace_workers(setup_for, config.worker_ready_timeout))
         await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
         if not replacing.done():
             replacing.cancel()
