@@ -48,7 +48,9 @@ def plan_log(tmp_path_factory):
 def server(model, plan_log, tmp_path_factory):
     # 24 blocks of 16 tokens: eight 40-token requests cannot all fit beside the probe.
     with running_server(tmp_path_factory.mktemp("logs"), "--model", str(model), "--max-model-len", "256",
-                        "--num-kv-blocks", "24", "--plan-log", str(plan_log)) as running:
+                        "--num-kv-blocks", "24", "--plan-log", str(plan_log),
+                        # A slowed prefill (hidden test flag): the crowd arrives together however fast steps are.
+                        "--prefill-seconds-per-token", "0.002") as running:
         yield running
 
 
