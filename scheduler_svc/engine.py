@@ -91,11 +91,10 @@ class Engine:
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
-        # Member request id -> (worker losses it is suspected of, its output length at the last one). A request
-        # that gets a token past that length on a new worker has run further than where the worker died, so
-        # it is not what killed it: under repeated unrelated losses it must not be taken for a poison request;
-        # one that crashes its worker at the same point (a token merely recomputed up to it) stays suspected.
-        self._worker_losses: dict[str, tuple[int, int]] = {}
+        # Client request id -> worker losses it is suspected of since it last got a token (a request that runs
+        # on a new worker is not what killed the old ones: under repeated unrelated losses it must not be
+        # taken for a poison request).
+        self._worker_losses: dict[str, int] = {}
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
@@ -264,11 +263,8 @@ class Engine:
         groups = {owners[request.request_id].request_id: owners[request.request_id]
                   for request in suspects if request.request_id in owners}
         failed = 0
-        for request in suspects:
-            losses = self._worker_losses.get(request.request_id, (0, 0))[0] + 1
-            self._worker_losses[request.request_id] = (losses, len(request.output_token_ids))
         for group in groups.values():
-            losses = max((self._worker_losses.get(member, (0, 0))[0] for member in group.members), default=0)
+            losses = self._worker_losses[group.request_id] = self._worker_losses.get(group.request_id, 0) + 1
             if losses >= MAX_WORKER_LOSSES_PER_REQUEST and not group.finished:
                 group.abort(notify=False)
                 group.queue.put_nowait(RequestFailedError(
@@ -327,10 +323,8 @@ class Engine:
             group = owners.get(request.request_id)
             if group is None:
                 continue
-            suspected = self._worker_losses.get(request.request_id) if self._worker_losses else None
-            if suspected is not None and (len(request.output_token_ids) > suspected[1]
-                                          or request.finish_reason is not None):
-                del self._worker_losses[request.request_id]  # it ran past where the worker died, or ended
+            if self._worker_losses:
+                self._worker_losses.pop(group.request_id, None)  # it ran on this worker: no longer suspected
             group.on_step(request, outcome)
             if group.finished:  # the request that ended it says why (a beam row may not: STOP)
                 self._forget(group, request.finish_reason or FinishReason.STOP)
@@ -348,8 +342,7 @@ class Engine:
     def _forget(self, group: RequestGroup, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
-            for member in (*group.members, group.request_id) if self._worker_losses else ():
-                self._worker_losses.pop(member, None)
+            self._worker_losses.pop(group.request_id, None)
             self._num_finished += 1
             self._metrics.on_request_end(group.request_id, finish_reason)  # metrics
 
