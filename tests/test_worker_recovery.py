@@ -76,7 +76,9 @@ def test_a_killed_tensor_parallel_rank_brings_a_new_rank_set_and_the_streams_fin
 
 
 def test_a_request_that_keeps_crashing_its_worker_is_failed_and_the_others_finish(model, tmp_path):
-    with launched_server(tmp_path, "--model", str(model), "--num-kv-blocks", "256",
+    # One step resumes every request after a loss (the CPU's default budget of 128 tokens would spread the three
+    # 85-token recomputes over steps that a loss can catch with the poison's, making them suspects too).
+    with launched_server(tmp_path, "--model", str(model), "--num-kv-blocks", "256", "--max-num-batched-tokens", "2048",
                          "--crash-on-token-id", str(POISON_TOKEN)) as server:
         streams = _streams(server.target, 3)
         poison = StreamWatch(server.target, [1, POISON_TOKEN, 2], max_tokens=8, temperature=0.0)
