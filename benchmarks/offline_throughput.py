@@ -116,7 +116,9 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
     vocab = SHAPES[shape]["vocab_size"]
     measured = [BenchRequest(prompt, OUTPUT_LEN) for prompt in requests]
     warmup = [BenchRequest(prompt, OUTPUT_LEN) for prompt in prompts(len(requests), vocab, seed=1)]
+    started = time.perf_counter()
     llm = start_engine(args)
+    ready_s = time.perf_counter() - started
     # The scheduler's and worker's step timers are logged at shutdown, and the LLM deletes the log of a server
     # that exits cleanly: a handle opened now still reads the whole file after.
     with open(llm.log_path, errors="replace") as log, llm:
@@ -131,13 +133,22 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
     step_timers = [line.split(" INFO ", 1)[-1] for line in server_log.splitlines()
                    if "step time over" in line or "slow step launch" in line or "warmed up" in line]
     return {
-        "step_timers": step_timers,
+        "step_timers": step_timers, "ready_s": ready_s,
+        "device_busy_steady_decode": _device_busy(step_timers),
         "elapsed_s": run.elapsed_time, "output_tokens": run.total_output_tokens,
         "output_tokens_per_s": run.output_tokens_per_second, "bench_throughput": run.to_json(),
         "first_run_elapsed_s": first_run.elapsed_time,
         "tpot_median_ms": 1e3 * statistics.median(gaps), "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))],
         "num_kv_blocks": stats.num_kv_blocks, "preemptions": stats.num_preemptions, "steps": stats.num_steps,
     }
+
+
+def _device_busy(step_timers: list[str]) -> float | None:
+    """The worker's steady-decode busy fraction from its shutdown line (worker_svc/device_busy.py), or None."""
+    for line in step_timers:
+        if "device busy in steady decode: " in line and "%" in line:
+            return float(line.split("device busy in steady decode: ", 1)[1].split("%", 1)[0]) / 100
+    return None
 
 
 async def _lone_request_gaps(target: str, prompt: list[int]) -> list[float]:

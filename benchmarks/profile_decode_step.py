@@ -113,6 +113,7 @@ def collective_share(profiler, steps: int, wall_s: float) -> dict:
         kernel_s += seconds
         collective_s += seconds if _is_collective(event.name) else 0.0
     return {"gpu_kernel_ms_per_step": 1e3 * kernel_s / steps, "collective_ms_per_step": 1e3 * collective_s / steps,
+            "gpu_busy_fraction": kernel_s / wall_s if wall_s else None,  # kernels on one stream: no overlap
             "collective_share_of_gpu_time": collective_s / kernel_s if kernel_s else None,
             "collective_share_of_wall_time": collective_s / wall_s if wall_s else None}
 

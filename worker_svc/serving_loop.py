@@ -82,8 +82,9 @@ def run_worker(config: WorkerConfig) -> int:
                 worker.complete(launched)  # a grammar row's draw, once the token it follows is known
                 in_flight = launched
             elif kind == "shutdown":
-                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s", config.rank,
-                            worker.step_timer.summary(), waited, worker.gpu_clock.summary())
+                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s; %s", config.rank,
+                            worker.step_timer.summary(), waited, worker.gpu_clock.summary(),
+                            worker.device_busy.summary())
                 return 0
     except SchedulerLost as lost:
         logger.error("rank %d: %s; exiting", config.rank, lost)

@@ -38,6 +38,7 @@ from worker_svc.attention_choice import kernel_set, make_attention_backend, make
 from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.device_busy import DeviceBusyClock
 from worker_svc.grammar_matchers import GrammarMatchers
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
@@ -90,6 +91,7 @@ class Worker:
         self.decode_graphs: DecodeGraphs | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
         self.gpu_clock = BackToBackClock()
+        self.device_busy = DeviceBusyClock(enabled=self.device.type == "cuda")
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
         # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
         self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
@@ -183,7 +185,8 @@ class Worker:
             os._exit(70)  # a hard crash tied to one request (a poison request), for the recovery tests
         rows = [batch.add(new) for new in plan.new_requests]
         rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
-        step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None)
+        step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None,
+                            started=self.device_busy.step_started())
         if not rows:
             return step
         num_scheduled = [n.num_scheduled_tokens for n in plan.new_requests]
@@ -242,9 +245,10 @@ class Worker:
         self.complete(step)
         timer = self.step_timer
         timer.resume()
+        if step.copied is not None:  # set where rows sampled on a GPU
+            step.copied.synchronize()
+        self.device_busy.on_finished(step.kind, step.started, step.copied)
         if step.pending is not None:
-            if step.copied is not None:
-                step.copied.synchronize()
             self.gpu_clock.on_finished(step.kind, step.behind_another)
             sampled = step.host_sampled.numpy()
             self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
@@ -307,7 +311,7 @@ class Worker:
         if self.device.type == "cuda":
             step.host_sampled = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             step.host_sampled.copy_(packed, non_blocking=True)
-            step.copied = torch.cuda.Event()
+            step.copied = self.device_busy.step_ended() or torch.cuda.Event()
             step.copied.record()
         else:
             step.host_sampled = packed
@@ -388,5 +392,6 @@ class LaunchedStep:
     sampled_ids: torch.Tensor | None = None
     host_sampled: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    started: torch.cuda.Event | None = None  # before the step's first device work, when timed (device_busy.py)
     # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
     deferred_sample: Callable[[], None] | None = None
