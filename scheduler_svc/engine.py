@@ -96,6 +96,7 @@ class Engine:
         # taken for a poison request).
         self._worker_losses: dict[str, int] = {}
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
+        self._applied: tuple[list[Request], object] | None = None  # a result applied, not yet published (`run`)
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
         self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
@@ -179,26 +180,40 @@ class Engine:
 
         Async scheduling: with `max_steps_in_flight` 2 the loop plans and sends step N+1 before it waits for
         step N's result, so the worker finds its next plan waiting when it finishes a step, and the
-        scheduler's own work (applying results, streaming, planning) runs while the GPU computes.
+        scheduler's own work (applying results, streaming, planning) runs while the GPU computes. Step N's
+        result is applied to the requests at once but published to the streams (detokenizing, stop strings,
+        beam rounds, forks) only after the next plan is sent: the plan after a result is what the GPU waits
+        for, the streams are not (vLLM's engine core likewise leaves detokenization to another process). A
+        stop string found then ends its request one plan later: one more token computed and dropped.
         """
         sent = self._sent = deque()  # plans sent, results not received, oldest first
         depth = self._scheduler.max_steps_in_flight
+        timer = self.step_timer
         try:
             while True:
                 self._drain_inbox()
                 await self._send_worker_cancels()
                 if len(sent) < depth:
+                    timer.resume()
                     output = self._scheduler.schedule()
+                    timer.mark("schedule")
                     if output.total_num_scheduled_tokens or _carries_block_work(output):
                         await self._send(output)
                         sent.append(output)
+                        self._publish_applied()
                         if len(sent) < depth:
                             continue  # fill the pipeline before waiting
+                    elif self._publish_applied():
+                        continue  # publishing may fork or end requests: plan again
                     elif not sent:
                         await self._idle(self._scheduler.has_unfinished_requests())
                         continue
+                self._publish_applied()
                 await self._apply_result(sent.popleft())
+                if depth == 1:  # nothing planned ahead: stream before planning, as without async scheduling
+                    self._publish_applied()
         except (asyncio.CancelledError, WorkerFailure):
+            self._publish_applied()  # requests that ended in the last result end their streams
             raise  # a lost worker: the service decides between recovery and `fail_all`
         except BaseException as failure:
             self.fail_all(failure)
@@ -237,15 +252,26 @@ class Engine:
                                    output.total_num_scheduled_tokens, self._context.owners)
 
     async def _apply_result(self, output: SchedulerOutput) -> None:
+        """Waits for `output`'s result and applies it to the requests; its publishing waits (see `run`)."""
         timer = self.step_timer
         timer.resume()
         result = await self._link.receive_result(output.step_id)
         timer.mark("wait_for_result")
         outcome = decode_step_result(result)
         updated = self._scheduler.update_from_output(output, outcome.sampled)
+        self._applied = (updated, outcome)
         timer.mark("update")
-        self._publish(output, updated, outcome)
+
+    def _publish_applied(self) -> bool:
+        """Publishes the applied result not yet published, if any; returns whether there was one."""
+        if self._applied is None:
+            return False
+        (updated, outcome), self._applied = self._applied, None
+        timer = self.step_timer
+        timer.resume()
+        self._publish(updated, outcome)
         timer.mark("publish")
+        return True
 
     def recover_from_worker_loss(self, block_manager, failure: BaseException) -> int:
         """New workers replace lost ones (the loop is stopped): every request in flight stays open and is
@@ -312,7 +338,7 @@ class Engine:
                 command.queue.put_nowait(InvalidRequestError("request", str(refusal)))
                 self._forget(command)
 
-    def _publish(self, output: SchedulerOutput, updated: list[Request], outcome) -> None:
+    def _publish(self, updated: list[Request], outcome) -> None:
         owners = self._context.owners
         self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
         for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`

@@ -10,30 +10,57 @@ import time
 
 
 class StepTimer:
+    """Also per kind of step when the owner says which (`kind`): the worker's decode-only steps and steps with
+    prefill cost very different host time, and a mean over both says little about either."""
+
     def __init__(self, name: str):
         self.name = name
         self._totals: dict[str, float] = {}
         self._steps = 0
         self._last = 0.0
+        self._kind: str | None = None
+        self._before_kind: dict[str, float] = {}  # the current step's phases before its kind was known
+        self._by_kind: dict[str, dict[str, float]] = {}
+        self._steps_by_kind: dict[str, int] = {}
 
     def start_step(self) -> None:
         self._steps += 1
+        self._kind = None
+        self._before_kind = {}
         self._last = time.perf_counter()
 
-    def resume(self) -> None:
-        """Restarts the clock without counting a new step (a step's phases split across the loop)."""
+    def resume(self, kind: str | None = None) -> None:
+        """Restarts the clock without counting a new step (a step's phases split across the loop); `kind`:
+        the step's, whose phases follow."""
+        self._kind = kind
         self._last = time.perf_counter()
+
+    def set_kind(self, kind: str) -> None:
+        """The current step's kind, once known: its phases so far and from now on count under it too."""
+        self._kind = kind
+        self._steps_by_kind[kind] = self._steps_by_kind.get(kind, 0) + 1
+        totals = self._by_kind.setdefault(kind, {})
+        for phase, seconds in self._before_kind.items():
+            totals[phase] = totals.get(phase, 0.0) + seconds
+        self._before_kind = {}
 
     def mark(self, phase: str) -> None:
         """Charges the time since the previous mark (or the step's start) to `phase`."""
         now = time.perf_counter()
-        self._totals[phase] = self._totals.get(phase, 0.0) + now - self._last
+        elapsed = now - self._last
+        self._totals[phase] = self._totals.get(phase, 0.0) + elapsed
+        totals = self._before_kind if self._kind is None else self._by_kind.setdefault(self._kind, {})
+        totals[phase] = totals.get(phase, 0.0) + elapsed
         self._last = now
 
     def summary(self) -> str:
         steps = max(self._steps, 1)
         phases = " ".join(f"{phase}={1e3 * total / steps:.3f}ms" for phase, total in self._totals.items())
-        return f"{self.name} step time over {self._steps} steps (mean per step): {phases}"
+        kinds = "".join(
+            f"; {kind} x {self._steps_by_kind[kind]}: "
+            + " ".join(f"{phase}={1e3 * total / self._steps_by_kind[kind]:.3f}ms" for phase, total in totals.items())
+            for kind, totals in self._by_kind.items() if self._steps_by_kind.get(kind))
+        return f"{self.name} step time over {self._steps} steps (mean per step): {phases}{kinds}"
 
 
 class BackToBackClock:

@@ -196,6 +196,7 @@ class Worker:
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
+        timer.set_kind(step.kind)
         if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
             time.sleep(self.config.prefill_seconds_per_token * (len(inputs.input_ids) - inputs.num_decode_seqs))
         timer.mark("prepare")
@@ -244,7 +245,7 @@ class Worker:
         """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
         self.complete(step)
         timer = self.step_timer
-        timer.resume()
+        timer.resume(step.kind)
         if step.copied is not None:  # set where rows sampled on a GPU
             step.copied.synchronize()
         self.device_busy.on_finished(step.kind, step.started, step.copied)
