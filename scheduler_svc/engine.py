@@ -257,6 +257,7 @@ class Engine:
         timer.resume()
         result = await self._link.receive_result(output.step_id)
         timer.mark("wait_for_result")
+        timer.add("of_which_read_not_taken", self._link.last_result_wait_s)
         outcome = decode_step_result(result)
         updated = self._scheduler.update_from_output(output, outcome.sampled)
         self._applied = (updated, outcome)

@@ -53,6 +53,10 @@ class StepTimer:
         totals[phase] = totals.get(phase, 0.0) + elapsed
         self._last = now
 
+    def add(self, phase: str, seconds: float) -> None:
+        """Charges `seconds` measured elsewhere to `phase` (a part of another phase: the clock is not moved)."""
+        self._totals[phase] = self._totals.get(phase, 0.0) + seconds
+
     def summary(self) -> str:
         steps = max(self._steps, 1)
         phases = " ".join(f"{phase}={1e3 * total / steps:.3f}ms" for phase, total in self._totals.items())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,12 +59,14 @@ class _Arrival:
     identity: bytes
     connection_fd: int
     message: worker_pb2.WorkerToScheduler
+    read_at: float = 0.0  # time.perf_counter() when the pump read it off the socket
 
 
 class WorkerLink:
     def __init__(self, address: str, num_workers: int, heartbeat_interval: float = 2.0, heartbeat_grace: float = 0.0,
                  keys: LinkKeys | None = None):
         self._context = zmq.asyncio.Context()
+        self.last_result_wait_s = 0.0  # see receive_result
         self._authenticator = None
         if keys is not None:  # only workers holding the shared secret get through (worker_link_auth.py)
             self._authenticator = AsyncioAuthenticator(self._context)
@@ -158,6 +161,8 @@ class WorkerLink:
             raise WorkerFailure(f"worker rank {rank} sent a step result; only rank 0 answers steps")
         if arrival.message.result.step_id != step_id:
             raise WorkerFailure(f"expected the result of step {step_id}, got step {arrival.message.result.step_id}")
+        # How long the result sat read but untaken: the event loop's other work (stream writers) in the way.
+        self.last_result_wait_s = time.perf_counter() - arrival.read_at
         return arrival.message.result
 
     async def replace_workers(
@@ -282,7 +287,7 @@ class WorkerLink:
         if rank is None:
             if kind == "hello" and len(self._identities) < self._num_workers:
                 self._greeted.add(identity)
-                self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message))
+                self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message, time.perf_counter()))
             elif kind == "heartbeat" and identity in self._greeted:
                 logger.debug("a heartbeat from %r before its hello was taken (health starts at the hello)", identity)
             else:
@@ -298,7 +303,7 @@ class WorkerLink:
         elif kind is None:
             logger.warning("dropped a message of no known kind from worker rank %d", rank)
         elif kind != "heartbeat":
-            self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message))
+            self._arrivals.put_nowait(_Arrival(identity, frames[1].get(zmq.SRCFD), message, time.perf_counter()))
 
     def _fail(self, reason: str) -> None:
         if self._failure is None:
