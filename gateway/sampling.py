@@ -34,7 +34,7 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
                 "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
     if body.prompt_logprobs is not None:
         keywords["prompt_logprobs"] = body.prompt_logprobs
-    echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+    echo = EchoPlan.of(body.echo, body.logprobs)
     if echo is not None:
         keywords |= echo.keywords(body.logprobs, body.prompt_logprobs)
     return keywords

@@ -42,8 +42,8 @@ def complete(gateway_url: str, **body) -> dict:
 def test_max_tokens_0_returns_the_prompt_tokens_and_logprobs_alone(fake, gateway_url):
     reply = complete(gateway_url, echo=True, logprobs=1, max_tokens=0, temperature=0)
     sent = fake.requests[0]
-    assert sent.sampling.prompt_logprobs == 1 and sent.sampling.max_tokens == 1 and sent.return_prompt
-    assert not sent.sampling.HasField("logprobs")
+    # max_tokens 0 reaches the scheduler as is: it samples nothing (no token to drop here).
+    assert sent.sampling.prompt_logprobs == 1 and sent.sampling.max_tokens == 0 and sent.return_prompt
     choice = reply["choices"][0]
     assert choice["text"] == "one two" and choice["finish_reason"] == "length"
     logprobs = choice["logprobs"]
@@ -82,10 +82,10 @@ def test_echo_without_logprobs_asks_for_no_prompt_logprobs(fake, gateway_url):
     assert reply["choices"][0]["text"] == "one two" and reply["choices"][0]["logprobs"] is None
 
 
-def test_max_tokens_0_without_echo_is_refused_by_the_scheduler_rule(fake, gateway_url):
-    # Only echo turns max_tokens 0 into "the prompt alone"; otherwise it reaches the scheduler as is.
-    complete(gateway_url, max_tokens=0)
+def test_max_tokens_0_without_echo_returns_an_empty_choice(fake, gateway_url):
+    reply = complete(gateway_url, max_tokens=0)
     assert fake.requests[0].sampling.max_tokens == 0
+    assert reply["choices"][0]["text"] == "" and reply["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_logprobs_field_returns_vllms_shape_per_choice(fake, gateway_url):

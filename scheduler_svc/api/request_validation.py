@@ -87,8 +87,9 @@ def _sampling_params(
     temperature = wire.temperature if wire.HasField("temperature") else defaults.temperature
     top_p = wire.top_p if wire.HasField("top_p") else defaults.top_p
     top_k = wire.top_k if wire.HasField("top_k") else defaults.top_k
-    if max_tokens < 1:
-        raise InvalidRequestError("sampling.max_tokens", "must be at least 1")
+    if max_tokens < 0:
+        # 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py).
+        raise InvalidRequestError("sampling.max_tokens", "must be at least 0")
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequestError("sampling.temperature", "must be a finite number >= 0")
     if not (0.0 < top_p <= 1.0):
