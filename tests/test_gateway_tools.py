@@ -146,12 +146,19 @@ def test_a_named_function_sends_its_parameters_schema_and_reads_its_arguments(fa
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
 
 
-def test_a_forced_choices_output_is_not_read_as_thought(fake, gateway_url):
-    # Its constraint holds from the first token: no thought precedes the JSON (README "Reasoning outputs").
-    fake.script = ['[{"name": "get_time", "parameters": {}}]']
+def test_a_forced_choices_constraint_starts_after_the_thought_which_is_read_as_reasoning(fake, gateway_url):
+    # With --reasoning-parser, the constraint applies after </think> (the scheduler's reasoning_end).
+    fake.script = ["<think>pick one</think>", '[{"name": "get_time", "parameters": {}}]']
     status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required")
-    assert status == 200 and reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
-    assert "reasoning_content" not in reply["choices"][0]["message"]
+    assert fake.requests[0].sampling.structured_outputs.reasoning_end == "</think>"
+    message = reply["choices"][0]["message"]
+    assert status == 200 and message["tool_calls"][0]["function"]["name"] == "get_time"
+    assert message["reasoning_content"] == "pick one"
+
+
+def test_a_constraint_without_a_reasoning_parser_starts_at_the_first_token(fake, plain_gateway_url):
+    status, _ = chat(plain_gateway_url, tools=TOOLS, tool_choice="required")
+    assert status == 200 and fake.requests[0].sampling.structured_outputs.reasoning_end == ""
 
 
 def test_include_reasoning_false_leaves_the_thought_out(fake, gateway_url):

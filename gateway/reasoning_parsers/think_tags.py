@@ -26,6 +26,11 @@ class ThinkTagReasoningParser:
     # opened it, so the output is thought until </think>, with or without its own <think>.
     opening_required: bool
 
+    @property
+    def end_marker(self) -> str:
+        """The text that ends the thought: a structured-output constraint applies after it."""
+        return CLOSE
+
     def split(self, text: str, final: bool) -> ReasoningSplit:
         start = len(text) - len(text.lstrip())
         opened = text.startswith(OPEN, start)

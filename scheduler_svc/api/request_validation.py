@@ -6,13 +6,14 @@ else anything. Every refusal names the offending field and the allowed range, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
-from scheduler_svc.api.structured_outputs import structured_grammar
+from scheduler_svc.api.structured_outputs import grammar_start_token_id, structured_grammar
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.text.bad_words import bad_words_token_ids
@@ -42,6 +43,9 @@ def validate_request(
     check_wire_limits(request, limits.request_limits)
     prompt_token_ids = _prompt_token_ids(request, tokenizer, limits)
     sampling = _sampling_params(request.sampling, tokenizer, limits)
+    if sampling.structured_grammar and tokenizer is not None:
+        start = grammar_start_token_id(request.sampling.structured_outputs, tokenizer, prompt_token_ids)
+        sampling = dataclasses.replace(sampling, structured_grammar_after_token_id=start)
     prompt_len = len(prompt_token_ids)
     check_prompt_tokens(prompt_len, limits.request_limits)
     if request.strict_context_length and prompt_len + sampling.max_tokens > limits.max_model_len:
