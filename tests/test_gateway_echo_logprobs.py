@@ -10,27 +10,14 @@ import openai
 import pytest
 
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 PROMPT_TOKENS = ["t0", "t1", "t2", "t3", "t4", "t5", "t6"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target) as url:
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 def complete(gateway_url: str, **body) -> dict:

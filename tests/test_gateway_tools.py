@@ -13,7 +13,6 @@ import pytest
 
 from pagedserve.cli import parse_args
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
@@ -24,28 +23,16 @@ HERMES_CALL = ["<think>", "Need the", " weather.", "</think>", "Checking.", "<to
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--enable-auto-tool-choice",
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target, "--enable-auto-tool-choice",
                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def plain_gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target) as url:
+def plain_gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 @pytest.fixture
