@@ -2,9 +2,9 @@
 
 What lm-evaluation-harness's log-likelihoods ask for (`/v1/completions` with `echo`, `logprobs` and
 `max_tokens: 0`), and what vLLM answers: the prompt alone, its prompt logprobs, finish reason "length" and no
-completion token. Why a group of its own and not a SingleSequence with a token dropped: sampling one token
-costs a decode-sized step per request (and counts a generation token the client never sees), and a dropped
-token is still drawn from the row's seed.
+completion token. Why a group of its own and not a SingleSequence whose one token is dropped (what the gateway
+did before, and vLLM's server does): that token's logits and draw are work for nothing, and it is counted as a
+generated token (metrics, the engine's token counters) that no client ever sees.
 
 How: the root is a prefill-only request (request.py), computing the prompt but its last token, so the worker
 never samples it (it samples a row only when its computed tokens reach its known tokens). Those positions'
