@@ -2,7 +2,8 @@
 
 Why a class: it is what vLLM code passes as `SamplingParams(structured_outputs=...)`, so offline code and SDK
 calls move over unchanged. Exactly one of json (a JSON schema, as a dict or JSON text), regex, choice, grammar
-(Lark or GBNF) or json_object; disable_any_whitespace applies to the JSON kinds. The server builds and checks
+(Lark or GBNF) or json_object; disable_any_whitespace applies to the JSON kinds; reasoning_end starts the
+constraint after a reasoning model's thought. The server builds and checks
 the grammar and refuses a bad one with INVALID_ARGUMENT naming the field (sampling.structured_outputs.<kind>).
 """
 
@@ -26,6 +27,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # A reasoning model's end-of-thought token text (`</think>`): the constraint applies after it (not vLLM's
+    # per-request field: vLLM's engine takes it from its --reasoning-parser; here the gateway sends its own).
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         # Kept as JSON text and a tuple, so the object (and a SamplingParams holding it) stays hashable.
@@ -45,13 +49,14 @@ class StructuredOutputsParams:
         if not isinstance(value, Mapping):
             raise TypeError("structured_outputs must be a StructuredOutputsParams or a dict, "
                             f"got {type(value).__name__}")
-        unknown = sorted(set(value) - {*KINDS, "disable_any_whitespace"})
+        unknown = sorted(set(value) - {*KINDS, "disable_any_whitespace", "reasoning_end"})
         if unknown:
             raise TypeError(f"structured_outputs: unknown field(s) {', '.join(unknown)}")
         return cls(**value)
 
     def to_wire(self) -> generate_pb2.StructuredOutputs:
-        wire = generate_pb2.StructuredOutputs(disable_any_whitespace=self.disable_any_whitespace)
+        wire = generate_pb2.StructuredOutputs(disable_any_whitespace=self.disable_any_whitespace,
+                                              reasoning_end=self.reasoning_end or "")
         if self.json is not None:
             wire.json = self.json
         elif self.regex is not None:

@@ -35,7 +35,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                  config: GatewayConfig) -> Response:
     model_name, info = await backend.model_for(body.model)
     tools = plan_tools(body, config)
-    keywords = chat_keywords(body, info, tools)
+    reasoning = REASONING_PARSERS.get(config.reasoning_parser) if config.reasoning_parser else None
+    keywords = chat_keywords(body, info, tools, reasoning.end_marker if reasoning is not None else None)
     messages = chat_messages(body.messages)
     completion_id = f"chatcmpl-{base_request_id(request, body.request_id)}"
     try:
@@ -66,10 +67,9 @@ class _ChatRelay:
         self._choices: dict[int, ChoiceLog] = {}
         self._prompt_tokens = 0
         self._tool_plan = tools
-        # A forced tool choice's constraint holds from the first token, so its output has no thought to split
-        # off (deepseek_r1's would take the whole JSON for one); see README "Reasoning outputs".
-        reads_thought = config.reasoning_parser is not None and tools.json_schema is None
-        self._reasoning = REASONING_PARSERS[config.reasoning_parser] if reads_thought else None
+        # A constraint (a forced tool choice's too) holds after the thought (chat_keywords' reasoning_end), so
+        # every output is split; see README "Reasoning outputs".
+        self._reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
         self._include_reasoning = body.include_reasoning
         self._outputs: dict[int, ChatOutput] = {}
 

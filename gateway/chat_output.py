@@ -2,7 +2,8 @@
 (OpenAI's chat.completion.chunk `delta`) and, at the end, the message.
 
 Who does what: the reasoning parser splits the thought from the answer, the tool-call parser reads the answer
-(both parse the whole text so far; tool_parsers/tool_calls.py says why), and this class sends what each new
+(both parse the whole text so far; tool_parsers/tool_calls.py says why, and each is given a ScanMemo of its
+text, so that a chunk costs its own length: tool_parsers/scan_memo.py), and this class sends what each new
 snapshot adds to what was sent: content text, a call's opening (index, id, type, name) once its name is
 complete, then its arguments' new text. The `openai` package's stream helpers reassemble exactly that.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.reasoning_parsers.think_tags import ThinkTagReasoningParser
-from gateway.tool_parsers.partial_json import MalformedJSON
+from gateway.tool_parsers.partial_json import MalformedJSON, ScanMemo
 from gateway.tool_parsers.tool_calls import ParsedOutput, ToolCallParser
 
 
@@ -35,6 +36,9 @@ class ChatOutput:
         self._content = ""
         self._calls: list[_SentCall] = []
         self._final: ParsedOutput | None = None  # the parse of the whole output, once finished
+        self._text_memo = ScanMemo()  # the reasoning parser's scans of `text`
+        self._answer_memo = ScanMemo()  # the tool parser's scans of the answer (which only grows too)
+        self._answer_length = 0
 
     def add(self, text: str) -> dict:
         """Records the choice's next text; returns the delta fields it makes (empty when none)."""
@@ -44,6 +48,11 @@ class ChatOutput:
     def finish(self) -> dict:
         """The delta fields the end of the output releases (held-back text, the last call's tail)."""
         return self._advance(final=True)
+
+    @property
+    def chars_scanned(self) -> int:
+        """Characters the parsers' scans have examined so far (the tests' measure of the work per chunk)."""
+        return self._text_memo.total_scanned + self._answer_memo.total_scanned
 
     @property
     def calls_tools(self) -> bool:
@@ -68,14 +77,17 @@ class ChatOutput:
     def _split(self, final: bool) -> tuple[str, str | None]:
         if self.reasoning_parser is None:
             return "", self.text
-        split = self.reasoning_parser.split(self.text, final)
+        split = self.reasoning_parser.split(self.text, final, self._text_memo)
         return split.reasoning, split.content
 
     def _parse(self, answer: str, final: bool) -> ParsedOutput:
         if self.tool_parser is None:
             return ParsedOutput(answer)
+        if len(answer) < self._answer_length:  # never, as the parsers work: the memo needs a growing text
+            self._answer_memo = ScanMemo()
+        self._answer_length = len(answer)
         try:
-            parsed = self.tool_parser.parse(answer, final)
+            parsed = self.tool_parser.parse(answer, final, self._answer_memo)
         except MalformedJSON:
             return ParsedOutput(answer)
         if final and not all(call.is_valid() for call in parsed.tool_calls):

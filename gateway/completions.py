@@ -53,7 +53,7 @@ class _CompletionRelay:
                  echoes: list[str] | None, detokenize: Callable[[list[int]], Awaitable[str]]) -> None:
         self._id = completion_id
         self._echoes = echoes  # echo: each prompt's text, which opens each of its choices
-        self._echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+        self._echo = EchoPlan.of(body.echo, body.logprobs)
         self._detokenize = detokenize
         self._first_token_texts: dict[int, str] = {}  # echo with logprobs: per prompt, its first token's text
         self._with_prompt_logprobs = body.prompt_logprobs is not None
@@ -79,7 +79,6 @@ class _CompletionRelay:
             if opening:
                 echoed = self._echoes[prompt_index]
                 choice.add_prompt(echoed, await self._echoed_tokens(prompt_index, chunk))
-            chunk = self._echo.generated(chunk)
         choice.add(chunk)
         span = choice.span_from(first)
         prompt_logprobs = None

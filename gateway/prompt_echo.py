@@ -3,10 +3,9 @@ and their logprobs; with `max_tokens: 0`, with nothing else. And vLLM's `prompt_
 carries the prompt's logprobs in vLLM's shape. vLLM's behaviour, and what lm-evaluation-harness's
 `local-completions` model scores log-likelihoods from (it sums `token_logprobs` past the context).
 
-Why the gateway asks for one token when the client asked for none: the scheduler samples at least one token
-per request (a request is a generation), and prompt logprobs come out of the prefill that samples it. vLLM's
-OpenAI server does the same (max_tokens 0 with echo becomes 1) and drops the token; here it is dropped too,
-so the choice holds the prompt alone, `completion_tokens` is 0 and the finish reason is "length".
+`max_tokens: 0` goes to the scheduler as is: it computes the prompt for its logprobs and samples nothing
+(scheduler_svc/groups/prompt_only.py), so the choice holds the prompt alone, `completion_tokens` is 0 and the
+finish reason is "length", as vLLM's.
 
 Where the numbers come from: the scheduler's prompt_logprobs (one entry per prompt token from the second on:
 the token's logprob under log_softmax of the raw logits, its rank and the top alternatives, each decoded
@@ -16,10 +15,10 @@ and its text is the model's tokenizer's decoding of it alone (a Detokenize call,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-from client.types import GenerateChunk, TokenLogprobs
+from client.types import TokenLogprobs
 from gateway.choices import TokenSpan
 
 # JSON has no -Infinity: a logprob of a token the model rules out is sent as this (vLLM's floor).
@@ -32,32 +31,18 @@ class EchoPlan:
 
     # The prompt's tokens and logprobs open each choice (echo with logprobs).
     with_prompt_logprobs: bool
-    # max_tokens 0: the one token generated is dropped; the choice is the prompt alone.
-    prompt_only: bool
 
     @classmethod
-    def of(cls, echo: bool, logprobs: int | None, max_tokens: int | None) -> EchoPlan | None:
+    def of(cls, echo: bool, logprobs: int | None) -> EchoPlan | None:
         if not echo:
             return None
-        return cls(with_prompt_logprobs=logprobs is not None, prompt_only=max_tokens == 0)
+        return cls(with_prompt_logprobs=logprobs is not None)
 
     def keywords(self, logprobs: int | None, prompt_logprobs: int | None) -> dict[str, Any]:
-        """The SDK keywords this echo changes: prompt logprobs (and the prompt's ids, whose first has none),
-        and max_tokens 1 for the token that prompt_only drops."""
-        changed: dict[str, Any] = {}
-        if self.with_prompt_logprobs:
-            changed |= {"prompt_logprobs": max(logprobs, prompt_logprobs or 0), "return_prompt": True}
-        if self.prompt_only:
-            changed |= {"max_tokens": 1, "logprobs": None}
-        return changed
-
-    def generated(self, chunk: GenerateChunk) -> GenerateChunk:
-        """The chunk as the choice records it: with prompt_only, its generated text and tokens dropped."""
-        if not self.prompt_only:
-            return chunk
-        ended = chunk.finish_reason is not None
-        return replace(chunk, text="", token_ids=(), logprobs=(), token_logprobs=(),
-                       finish_reason="length" if ended else None, completion_tokens=0 if ended else None)
+        """The SDK keywords this echo changes: prompt logprobs (and the prompt's ids, whose first has none)."""
+        if not self.with_prompt_logprobs:
+            return {}
+        return {"prompt_logprobs": max(logprobs, prompt_logprobs or 0), "return_prompt": True}
 
 
 def prompt_token_span(first_token_text: str, prompt_logprobs: tuple[TokenLogprobs, ...]) -> TokenSpan:

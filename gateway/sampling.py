@@ -34,15 +34,17 @@ def completion_keywords(body: CompletionRequest) -> dict[str, Any]:
                 "logprobs": body.logprobs, "strict_context_length": body.max_tokens is not None}
     if body.prompt_logprobs is not None:
         keywords["prompt_logprobs"] = body.prompt_logprobs
-    echo = EchoPlan.of(body.echo, body.logprobs, body.max_tokens)
+    echo = EchoPlan.of(body.echo, body.logprobs)
     if echo is not None:
         keywords |= echo.keywords(body.logprobs, body.prompt_logprobs)
     return keywords
 
 
-def chat_keywords(body: ChatCompletionRequest, model: ModelInfo, tools: ToolPlan) -> dict[str, Any]:
+def chat_keywords(body: ChatCompletionRequest, model: ModelInfo, tools: ToolPlan,
+                  reasoning_end: str | None = None) -> dict[str, Any]:
     """`tools`: the request's tool plan (tool_choice.py): a forced choice's constraint, and special tokens kept
-    where the parser's markers are special tokens (as vLLM's parsers ask)."""
+    where the parser's markers are special tokens (as vLLM's parsers ask). `reasoning_end`: the reasoning
+    parser's end of thought (`</think>`), after which a constraint applies (the thought is not constrained)."""
     refuse_unserved(body)
     if body.top_logprobs and not body.logprobs:
         raise invalid_request("top_logprobs: needs logprobs=true", "top_logprobs")
@@ -65,6 +67,8 @@ def chat_keywords(body: ChatCompletionRequest, model: ModelInfo, tools: ToolPlan
                                   "response_format / structured_outputs / guided_* or set tool_choice to auto",
                                   "tool_choice")
         keywords["structured_outputs"] = {"json": schema_text(tools.json_schema)}
+    if reasoning_end is not None and keywords["structured_outputs"] is not None:
+        keywords["structured_outputs"] = {**keywords["structured_outputs"], "reasoning_end": reasoning_end}
     if tools.parser is not None and tools.parser.keeps_special_tokens and body.skip_special_tokens is None:
         keywords["skip_special_tokens"] = False
     return keywords

@@ -20,6 +20,7 @@ from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerOutput
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.groups.beam_search import BeamSearch
+from scheduler_svc.groups.prompt_only import PromptOnly
 from scheduler_svc.groups.request_group import GroupContext, ParallelSampling, RequestGroup, SingleSequence
 from scheduler_svc.groups.stream_pacing import streams_to_flush
 from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
@@ -121,7 +122,9 @@ class Engine:
             eos_token_ids=self._eos_token_ids,
             priority=priority,
         )
-        if sampling.use_beam_search:
+        if sampling.max_tokens == 0:
+            group_class = PromptOnly
+        elif sampling.use_beam_search:
             group_class = BeamSearch
         elif sampling.num_sequences > 1:
             group_class = ParallelSampling
@@ -338,6 +341,9 @@ class Engine:
                 command.abort(notify=False)
                 command.queue.put_nowait(InvalidRequestError("request", str(refusal)))
                 self._forget(command)
+                continue
+            if command.finished:  # a group with nothing to compute (prompt_only.py: a one-token prompt)
+                self._forget(command, FinishReason.LENGTH)
 
     def _publish(self, updated: list[Request], outcome) -> None:
         owners = self._context.owners

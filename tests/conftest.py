@@ -24,6 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
+from tests.fake_generation_server import FakeServer  # noqa: E402
+
 
 @pytest.fixture
 def no_block_leaks(server):
@@ -32,3 +34,18 @@ def no_block_leaks(server):
     yield
     stats = server.wait_all_blocks_free()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, "a test leaked KV blocks"
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """The in-process stand-in for the scheduler (fake_generation_server.py), one per test module: the gateway
+    tests start their gateways against its `target`."""
+    server = FakeServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fake(fake_server):
+    """The stand-in with its recorded requests and scripts reset for this test."""
+    return fake_server.reset()

@@ -69,6 +69,9 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                 self.cancelled.set()
                 raise
         chunks = NORMAL_CHUNKS
+        prompt_only = request.sampling.HasField("max_tokens") and request.sampling.max_tokens == 0
+        if prompt_only:  # the scheduler's max_tokens 0: one message, no token, finish reason "length"
+            chunks = [("", [])]
         if self.script is not None and request.HasField("chat"):
             chunks = [(piece, [index + 10]) for index, piece in enumerate(self.script)]
         if request.text == "gated":
@@ -82,9 +85,10 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             if index == 0 and request.sampling.HasField("prompt_logprobs"):  # ids 1..6: "t<id>", logprob -id
                 response.prompt_logprobs.extend(_prompt_logprobs(request.sampling.prompt_logprobs))
             if index == len(chunks) - 1:
-                response.finish_reason = generate_pb2.FINISH_REASON_STOP
+                response.finish_reason = (generate_pb2.FINISH_REASON_LENGTH if prompt_only
+                                          else generate_pb2.FINISH_REASON_STOP)
                 response.usage.prompt_tokens = 7
-                response.usage.completion_tokens = 5
+                response.usage.completion_tokens = 0 if prompt_only else 5
             yield response
 
     async def ModelInfo(self, request, context):

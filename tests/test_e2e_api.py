@@ -41,7 +41,7 @@ def test_model_info_reports_the_pool_and_limits(server):
 BAD_REQUESTS = [
     (dict(prompt=[]), "prompt"),
     (dict(prompt=[1] * MAX_MODEL_LEN), "prompt"),
-    (dict(prompt=[1, 2], max_tokens=0), "max_tokens"),
+    (dict(prompt=[1, 2], max_tokens=-1), "max_tokens"),
     (dict(prompt=[1, 2], temperature=-0.5), "temperature"),
     (dict(prompt=[1, 2], top_p=0.0), "top_p"),
     (dict(prompt=[1, 2], top_p=1.5), "top_p"),

@@ -48,13 +48,18 @@ def post(server, path: str, body: dict) -> dict:
 
 
 def test_echo_logprobs_with_max_tokens_0_equal_transformers_and_the_grpc_prompt_logprobs(server, model_dir):
-    reply = post(server, "/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0,
-                                              "temperature": 0})
-    choice = reply["choices"][0]
-    assert choice["text"] == PROMPT and reply["usage"]["completion_tokens"] == 0
-    logprobs = choice["logprobs"]
     with server.client() as client:
-        grpc = client.generate(PROMPT, max_tokens=1, temperature=0.0, prompt_logprobs=2, return_prompt=True)
+        generated_before = client.stats().num_generation_tokens
+        reply = post(server, "/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0,
+                                                  "temperature": 0})
+        grpc = client.generate(PROMPT, max_tokens=0, temperature=0.0, prompt_logprobs=2, return_prompt=True)
+        # Nothing was sampled, not even a token dropped afterwards: the engine counted no generated token.
+        assert client.stats().num_generation_tokens == generated_before
+    choice = reply["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 0
+    assert grpc.outputs[0].token_ids == () and grpc.outputs[0].finish_reason == "length"
+    logprobs = choice["logprobs"]
     ids = list(grpc.prompt_token_ids)
     assert len(logprobs["tokens"]) == len(ids) == reply["usage"]["prompt_tokens"]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
@@ -67,6 +72,16 @@ def test_echo_logprobs_with_max_tokens_0_equal_transformers_and_the_grpc_prompt_
         top = logprobs["top_logprobs"][position]
         assert max(top.values()) == pytest.approx(reference[position - 1].max().item(), abs=2e-3)
     assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(ids))]
+
+
+def test_max_tokens_0_serves_n_choices_and_a_one_token_prompt(server):
+    reply = post(server, "/v1/completions", {"prompt": [[5], [5, 6, 7]], "echo": True, "logprobs": 1,
+                                              "max_tokens": 0, "n": 2})
+    choices = sorted(reply["choices"], key=lambda choice: choice["index"])
+    assert [choice["finish_reason"] for choice in choices] == ["length"] * 4
+    assert [len(choice["logprobs"]["token_logprobs"]) for choice in choices] == [1, 1, 3, 3]
+    assert choices[2]["logprobs"]["token_logprobs"] == choices[3]["logprobs"]["token_logprobs"]
+    assert reply["usage"]["completion_tokens"] == 0
 
 
 def test_lm_eval_harness_request_shape_token_ids_and_max_tokens_1(server):

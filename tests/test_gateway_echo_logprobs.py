@@ -10,27 +10,14 @@ import openai
 import pytest
 
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 PROMPT_TOKENS = ["t0", "t1", "t2", "t3", "t4", "t5", "t6"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target) as url:
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 def complete(gateway_url: str, **body) -> dict:
@@ -42,8 +29,8 @@ def complete(gateway_url: str, **body) -> dict:
 def test_max_tokens_0_returns_the_prompt_tokens_and_logprobs_alone(fake, gateway_url):
     reply = complete(gateway_url, echo=True, logprobs=1, max_tokens=0, temperature=0)
     sent = fake.requests[0]
-    assert sent.sampling.prompt_logprobs == 1 and sent.sampling.max_tokens == 1 and sent.return_prompt
-    assert not sent.sampling.HasField("logprobs")
+    # max_tokens 0 reaches the scheduler as is: it samples nothing (no token to drop here).
+    assert sent.sampling.prompt_logprobs == 1 and sent.sampling.max_tokens == 0 and sent.return_prompt
     choice = reply["choices"][0]
     assert choice["text"] == "one two" and choice["finish_reason"] == "length"
     logprobs = choice["logprobs"]
@@ -82,10 +69,10 @@ def test_echo_without_logprobs_asks_for_no_prompt_logprobs(fake, gateway_url):
     assert reply["choices"][0]["text"] == "one two" and reply["choices"][0]["logprobs"] is None
 
 
-def test_max_tokens_0_without_echo_is_refused_by_the_scheduler_rule(fake, gateway_url):
-    # Only echo turns max_tokens 0 into "the prompt alone"; otherwise it reaches the scheduler as is.
-    complete(gateway_url, max_tokens=0)
+def test_max_tokens_0_without_echo_returns_an_empty_choice(fake, gateway_url):
+    reply = complete(gateway_url, max_tokens=0)
     assert fake.requests[0].sampling.max_tokens == 0
+    assert reply["choices"][0]["text"] == "" and reply["choices"][0]["finish_reason"] == "length"
 
 
 def test_prompt_logprobs_field_returns_vllms_shape_per_choice(fake, gateway_url):

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.testing.server_harness import free_port, http_json, running_gateway
-from tests.fake_generation_server import STATS, FakeServer
+from tests.fake_generation_server import STATS
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -26,22 +26,10 @@ BODY_LIMIT = 100_000
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--api-key", API_KEY,
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target, "--api-key", API_KEY,
                          "--retry-after", "3", "--max-request-body-bytes", str(BODY_LIMIT)) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 @pytest.fixture
@@ -165,11 +153,11 @@ def test_a_missing_or_wrong_key_is_a_401_but_probes_need_none(fake, gateway_url)
             client.models.list()
 
 
-def test_health_follows_the_scheduler_health(server, fake, gateway_url):
-    server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+def test_health_follows_the_scheduler_health(fake_server, fake, gateway_url):
+    fake_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     status, headers, reply = http_json(f"{gateway_url}/health")
     assert status == 503 and headers["Retry-After"] == "3"
-    server.set_health(health_pb2.HealthCheckResponse.SERVING)
+    fake_server.set_health(health_pb2.HealthCheckResponse.SERVING)
     assert http_json(f"{gateway_url}/health")[0] == 200
 
 

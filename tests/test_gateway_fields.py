@@ -13,7 +13,6 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -21,21 +20,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--api-key", API_KEY) as url:
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target, "--api-key", API_KEY) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 def post(gateway_url: str, path: str, body, headers=AUTH):
@@ -177,7 +164,7 @@ def test_the_request_id_comes_from_the_header_or_the_body_and_is_echoed(fake, ga
     assert reply["id"] == f"cmpl-{headers['X-Request-Id']}"  # a fresh id, still echoed
 
 
-def test_model_card_version_and_ping(server, fake, gateway_url):
+def test_model_card_version_and_ping(fake_server, fake, gateway_url):
     status, _, listing = http_json(f"{gateway_url}/v1/models", None, AUTH)
     [card] = listing["data"]
     status, _, retrieved = http_json(f"{gateway_url}/v1/models/fake-model", None, AUTH)
@@ -189,11 +176,11 @@ def test_model_card_version_and_ping(server, fake, gateway_url):
     status, _, version = http_json(f"{gateway_url}/version")
     assert status == 200 and version["version"] and version["version"] != "unknown"
     assert http_json(f"{gateway_url}/ping")[0] == 200
-    server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+    fake_server.set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
         assert http_json(f"{gateway_url}/ping")[0] == 503  # the readiness probe, as /health
     finally:
-        server.set_health(health_pb2.HealthCheckResponse.SERVING)
+        fake_server.set_health(health_pb2.HealthCheckResponse.SERVING)
 
 
 def test_tokenize_and_detokenize_relay_vllms_shapes(fake, gateway_url):

@@ -13,7 +13,6 @@ import pytest
 from google.protobuf import json_format
 
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -22,21 +21,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--api-key", API_KEY) as url:
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target, "--api-key", API_KEY) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 def post(gateway_url: str, path: str, body):

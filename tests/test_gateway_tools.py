@@ -13,7 +13,6 @@ import pytest
 
 from pagedserve.cli import parse_args
 from pagedserve.testing.server_harness import http_json, running_gateway
-from tests.fake_generation_server import FakeServer
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
@@ -24,28 +23,16 @@ HERMES_CALL = ["<think>", "Need the", " weather.", "</think>", "Checking.", "<to
 
 
 @pytest.fixture(scope="module")
-def server():
-    fake = FakeServer()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target, "--enable-auto-tool-choice",
+def gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target, "--enable-auto-tool-choice",
                          "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
-def plain_gateway_url(server, tmp_path_factory):
-    with running_gateway(tmp_path_factory.mktemp("logs"), server.target) as url:
+def plain_gateway_url(fake_server, tmp_path_factory):
+    with running_gateway(tmp_path_factory.mktemp("logs"), fake_server.target) as url:
         yield url
-
-
-@pytest.fixture
-def fake(server):
-    return server.reset()
 
 
 @pytest.fixture
@@ -146,12 +133,19 @@ def test_a_named_function_sends_its_parameters_schema_and_reads_its_arguments(fa
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Rome"}
 
 
-def test_a_forced_choices_output_is_not_read_as_thought(fake, gateway_url):
-    # Its constraint holds from the first token: no thought precedes the JSON (README "Reasoning outputs").
-    fake.script = ['[{"name": "get_time", "parameters": {}}]']
+def test_a_forced_choices_constraint_starts_after_the_thought_which_is_read_as_reasoning(fake, gateway_url):
+    # With --reasoning-parser, the constraint applies after </think> (the scheduler's reasoning_end).
+    fake.script = ["<think>pick one</think>", '[{"name": "get_time", "parameters": {}}]']
     status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required")
-    assert status == 200 and reply["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
-    assert "reasoning_content" not in reply["choices"][0]["message"]
+    assert fake.requests[0].sampling.structured_outputs.reasoning_end == "</think>"
+    message = reply["choices"][0]["message"]
+    assert status == 200 and message["tool_calls"][0]["function"]["name"] == "get_time"
+    assert message["reasoning_content"] == "pick one"
+
+
+def test_a_constraint_without_a_reasoning_parser_starts_at_the_first_token(fake, plain_gateway_url):
+    status, _ = chat(plain_gateway_url, tools=TOOLS, tool_choice="required")
+    assert status == 200 and fake.requests[0].sampling.structured_outputs.reasoning_end == ""
 
 
 def test_include_reasoning_false_leaves_the_thought_out(fake, gateway_url):

@@ -3,7 +3,9 @@ allows exactly its grammar's next tokens and never an id past the tokenizer's vo
 a resumed row first replays its output; a complete grammar allows only the scheduler's EOS ids, and a stopped one
 takes the token of a step planned before the EOS was seen; a token the grammar rejects raises; a token of a row
 handed to another request is not fed to the new owner's matcher; a constrained row reads its history (no overlap);
-and masked logits sample only allowed tokens."""
+masked logits sample only allowed tokens; and a grammar that starts after a token (a reasoning model's end of
+thought) is neither applied nor advanced before it, constrains from the token after it, and a resumed row
+whose output holds it starts constrained, its matcher advanced over the tokens after it."""
 
 from __future__ import annotations
 
@@ -41,10 +43,12 @@ def batch(source):
 GRAMMAR = LLMatcher.grammar_from_regex(r"(cat|dog)s? [0-9]{2}")
 
 
-def new_request(request_id: str, token_ids: list[int], num_prompt_tokens: int, grammar: str = GRAMMAR):
+def new_request(request_id: str, token_ids: list[int], num_prompt_tokens: int, grammar: str = GRAMMAR,
+                after_token_id: int | None = None):
+    sampling = worker_pb2.WorkerSamplingParams(temperature=1.0, structured_grammar=grammar,
+                                               structured_grammar_after_token_id=after_token_id)
     return worker_pb2.NewRequest(request_id=request_id, token_ids=token_ids, num_prompt_tokens=num_prompt_tokens,
-                                 sampling=worker_pb2.WorkerSamplingParams(temperature=1.0, structured_grammar=grammar),
-                                 num_scheduled_tokens=len(token_ids))
+                                 sampling=sampling, num_scheduled_tokens=len(token_ids))
 
 
 def allowed(batch, row: int) -> list[int]:
@@ -133,3 +137,28 @@ def test_a_worker_without_tokenizer_refuses_a_constrained_row():
     with pytest.raises(ValueError, match="no tokenizer"):
         batch.add(new_request("a", [1], 1))
     assert len(batch) == 0
+
+
+THINK_END = 11  # any id: the token that ends the thought
+
+
+def test_a_grammar_after_a_token_waits_for_it_then_constrains_from_the_next(batch, tokenizer):
+    row = batch.add(new_request("a", [10], 1, after_token_id=THINK_END))
+    assert batch.grammars.bitmask(np.array([row])) is None  # not applied while thinking
+    assert batch.grammars.follows_sampled_tokens(np.array([row]))  # a draw behind another step waits
+    for token in tokenizer.encode("7 7", add_special_tokens=False):  # not advanced: "7" would be rejected
+        fill(batch, [row], [token])
+    fill(batch, [row], [THINK_END])  # the end token itself is not the grammar's
+    texts = decoded(tokenizer, allowed(batch, row))
+    assert texts and all("cats".startswith(text) or "dogs".startswith(text) for text in texts)
+    with pytest.raises(GrammarViolation):
+        fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))
+
+
+def test_a_resumed_row_past_its_start_token_replays_only_the_tokens_after_it(batch, tokenizer):
+    thought = tokenizer.encode("7 x", add_special_tokens=False)
+    answer = tokenizer.encode("dogs 4", add_special_tokens=False)
+    row = batch.add(new_request("a", [10, *thought, THINK_END, *answer], 1, after_token_id=THINK_END))
+    assert decoded(tokenizer, allowed(batch, row)) <= {str(d) for d in range(10)}
+    waiting = batch.add(new_request("b", [10, *thought], 1, after_token_id=THINK_END))
+    assert batch.grammars.bitmask(np.array([waiting])) is None

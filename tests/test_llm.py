@@ -1,6 +1,7 @@
 """The offline `LLM` class: it starts its own server, generates for every prompt at once, and returns
 results in prompt order equal to what a separately started server answers for the same greedy requests;
-`chat` renders conversations with the model's template; server options are checked against the real CLI."""
+`chat` renders conversations with the model's template; max_tokens 0 scores the prompt and samples nothing;
+server options are checked against the real CLI."""
 
 from __future__ import annotations
 
@@ -159,6 +160,14 @@ def test_each_output_carries_its_tokens_logprobs_streamed_or_ranked(llm):
         assert len(output.logprobs) == len(output.token_ids) == 6
         assert all(logprob <= 0 for logprob in output.logprobs)
         assert sum(output.logprobs) == pytest.approx(output.cumulative_logprob, abs=1e-4)
+
+
+def test_max_tokens_0_returns_the_prompt_logprobs_and_no_token(llm):
+    [scored] = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=0, prompt_logprobs=1), use_tqdm=False)
+    [output] = scored.outputs
+    assert output.token_ids == () and output.finish_reason == "length" and scored.completion_tokens == 0
+    assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == 4
+    assert all(entry.token.logprob <= 0 for entry in output.prompt_logprobs[1:])
 
 
 def test_tensor_parallel_size_shards_the_offline_engine_with_the_same_greedy_tokens(llm, model_dir):

@@ -10,6 +10,12 @@ pure function of its grammar and its output tokens, so a resumed row (after pree
 replays its output into a new matcher, and every tensor-parallel rank, which sees the same plans and samples
 the same tokens, keeps identical matchers without talking to the others.
 
+A row may start inactive (WorkerSamplingParams.structured_grammar_after_token_id: a reasoning model's end of
+thought, vLLM's structured outputs with a reasoning parser): its matcher exists but is neither applied nor
+advanced until the row samples that token; from the next token on the row is constrained. `waiting` marks
+such rows: a step launched behind another defers their draw as it does a constrained row's, since the token
+in flight may be the one that activates the grammar.
+
 Why the tokenizer is built lazily: llguidance's token table costs about half a second for a 50k vocabulary; a
 worker that never sees a constrained request never pays it. Its vocabulary is the model's (the logits' width)
 when that is at least the tokenizer's: ids past the tokenizer's are never allowed. Its EOS ids are the
@@ -46,6 +52,9 @@ class GrammarMatchers:
         self._executor: LLExecutor | None = None
         self._matchers: list[LLMatcher | None] = [None] * max_num_seqs
         self.constrained = np.zeros(max_num_seqs, dtype=bool)
+        # Rows whose grammar starts after `start_token_id[row]`, not sampled yet (see the module docstring).
+        self.waiting = np.zeros(max_num_seqs, dtype=bool)
+        self.start_token_id = np.full(max_num_seqs, -1, dtype=np.int64)
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -61,19 +70,34 @@ class GrammarMatchers:
             self._executor = LLExecutor()
         return self._tokenizer
 
-    def add(self, row: int, grammar: str, output_token_ids: Sequence[int]) -> None:
-        """Gives `row` a matcher of `grammar` that has consumed the row's output so far (a resumed row's)."""
+    def add(self, row: int, grammar: str, output_token_ids: Sequence[int], after_token_id: int | None = None) -> None:
+        """Gives `row` a matcher of `grammar` that has consumed the row's output so far (a resumed row's); with
+        `after_token_id`, only the output after that token's first occurrence, and none (the row waits) until
+        the output holds it."""
         matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
         if matcher.is_error():
             raise ValueError(f"row {row}: the grammar does not compile: {matcher.get_error()}")
-        if len(output_token_ids) and not matcher.consume_tokens([int(t) for t in output_token_ids]):
+        output = [int(t) for t in output_token_ids]
+        waiting = False
+        if after_token_id is not None:
+            waiting = after_token_id not in output
+            output = [] if waiting else output[output.index(after_token_id) + 1 :]
+        if output and not matcher.consume_tokens(output):
             raise GrammarViolation(f"row {row}: the grammar rejects the resumed output: {matcher.get_error()}")
         self._matchers[row] = matcher
-        self.constrained[row] = True
+        self.constrained[row] = not waiting
+        self.waiting[row] = waiting
+        self.start_token_id[row] = -1 if after_token_id is None else after_token_id
 
     def remove(self, row: int) -> None:
         self._matchers[row] = None
         self.constrained[row] = False
+        self.waiting[row] = False
+
+    def follows_sampled_tokens(self, rows: np.ndarray) -> bool:
+        """Whether a row of `rows` needs the token sampled before its own to be masked: a constrained row, or
+        one waiting for the token that starts its grammar."""
+        return bool(self.constrained[rows].any() or self.waiting[rows].any())
 
     def bitmask(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor] | None:
         """(indices into `rows` of the constrained ones, their allowed-token bitmask int32 [M, ceil(V / 32)] on
@@ -89,10 +113,16 @@ class GrammarMatchers:
         return indices, bitmask
 
     def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
-        """Each constrained row of `rows` consumes its sampled token. A stopped matcher (its grammar complete,
+        """Each constrained row of `rows` consumes its sampled token; a waiting row that sampled its start token
+        is constrained from its next token. A stopped matcher (its grammar complete,
         EOS consumed) takes nothing more: a token sampled after it, in a step planned before the scheduler saw
         the EOS, is one the scheduler drops."""
-        constrained = self.constrained[rows]
+        constrained = self.constrained[rows]  # before any row starts: its start token is not the grammar's
+        starting = self.waiting[rows] & (token_ids == self.start_token_id[rows])
+        if starting.any():
+            started = rows[starting]
+            self.waiting[started] = False
+            self.constrained[started] = True
         advancing = []
         for row, token_id in zip(rows[constrained].tolist(), token_ids[constrained].tolist()):
             matcher = self._matchers[row]

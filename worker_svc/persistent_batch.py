@@ -166,14 +166,17 @@ class PersistentBatch:
         self.has_sparse[row] = bool(self.logit_bias.length[row] or self.min_tokens_masked.length[row]
                                     or self.has_bad_words[row])
         if sampling.structured_grammar:
-            self._add_grammar(row, sampling.structured_grammar)
+            after = (sampling.structured_grammar_after_token_id
+                     if sampling.HasField("structured_grammar_after_token_id") else None)
+            self._add_grammar(row, sampling.structured_grammar, after)
         return row
 
-    def _add_grammar(self, row: int, grammar: str) -> None:
+    def _add_grammar(self, row: int, grammar: str, after_token_id: int | None) -> None:
         if self.grammars is None:
             raise ValueError("a constrained request, but this worker has no grammar matchers (no tokenizer)")
         try:
-            self.grammars.add(row, grammar, self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]])
+            self.grammars.add(row, grammar, self.token_ids[row, self.num_prompt_tokens[row] : self.num_tokens[row]],
+                              after_token_id)
         except Exception:
             self.remove(self._request_of_row[row])  # the row is not half-made
             raise

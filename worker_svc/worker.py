@@ -213,9 +213,11 @@ class Worker:
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
             # The sampling inputs as of now (a row's seed position is its token count before begin_step).
             tensors = build_sampling_tensors(batch, step.sampled_rows, self.device)
-            if previous is not None and batch.grammars is not None and batch.grammars.constrained[step.sampled_rows].any():
-                # A grammar's mask needs the token `previous` samples: queued forward first, the mask and the
-                # draw once `previous` is finished (`complete`), still while this step's forward runs.
+            if previous is not None and batch.grammars is not None and batch.grammars.follows_sampled_tokens(
+                    step.sampled_rows):
+                # A grammar's mask needs the token `previous` samples (a waiting grammar: whether it starts):
+                # queued forward first, the mask and the draw once `previous` is finished (`complete`), still
+                # while this step's forward runs.
                 step.deferred_sample = partial(self._sample, logits, np.flatnonzero(~is_beam), step, tensors)
             else:
                 self._sample(logits, np.flatnonzero(~is_beam), step, tensors)

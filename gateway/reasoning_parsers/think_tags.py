@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.tool_parsers.scan_memo import ScanMemo
 from gateway.tool_parsers.tool_calls import held_back
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -26,8 +27,16 @@ class ThinkTagReasoningParser:
     # opened it, so the output is thought until </think>, with or without its own <think>.
     opening_required: bool
 
-    def split(self, text: str, final: bool) -> ReasoningSplit:
-        start = len(text) - len(text.lstrip())
+    @property
+    def end_marker(self) -> str:
+        """The text that ends the thought: a structured-output constraint applies after it."""
+        return CLOSE
+
+    def split(self, text: str, final: bool, memo: ScanMemo | None = None) -> ReasoningSplit:
+        """`memo`: the searches of this text's shorter versions (a long thought is searched for its end once)."""
+        start = 0
+        while start < len(text) and text[start].isspace():  # str.lstrip's whitespace, without copying the text
+            start += 1
         opened = text.startswith(OPEN, start)
         if not opened:
             if not final and OPEN.startswith(text[start:]):
@@ -35,7 +44,7 @@ class ThinkTagReasoningParser:
             if self.opening_required:
                 return ReasoningSplit("", text)
         thought_start = start + len(OPEN) if opened else 0
-        close = text.find(CLOSE, thought_start)
+        close = (ScanMemo() if memo is None else memo).find(text, CLOSE, thought_start)
         if close < 0:
             end = len(text) if final else len(text) - held_back(text, CLOSE)
             return ReasoningSplit(text[thought_start:max(end, thought_start)], None)

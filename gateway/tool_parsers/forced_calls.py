@@ -9,7 +9,7 @@ Any model family's output reads the same here, so these need no --tool-call-pars
 
 from __future__ import annotations
 
-from gateway.tool_parsers.partial_json import MalformedJSON, skip_whitespace, value_end
+from gateway.tool_parsers.partial_json import MalformedJSON, ScanMemo, skip_whitespace, value_end
 from gateway.tool_parsers.tool_calls import ToolCallParser, ParsedOutput, ToolCallDraft, calls_in_array
 
 
@@ -17,20 +17,20 @@ class NamedFunctionOutput(ToolCallParser):
     def __init__(self, name: str) -> None:
         self._name = name
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
         start = skip_whitespace(text, 0)
         if start >= len(text):
             return ParsedOutput("", (ToolCallDraft(self._name, "", False),))
-        end = value_end(text, start, final)
+        end = value_end(text, start, final, memo)
         arguments = text[start:] if end is None else text[start:end]
         return ParsedOutput("", (ToolCallDraft(self._name, arguments, end is not None),))
 
 
 class RequiredToolsOutput(ToolCallParser):
-    def parse(self, text: str, final: bool) -> ParsedOutput:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
         position = skip_whitespace(text, 0)
         if position >= len(text):
             return ParsedOutput("")
         if text[position] != "[":
             raise MalformedJSON("tool_choice required: the output is a JSON array of calls")
-        return ParsedOutput("", tuple(calls_in_array(text, position, final)))
+        return ParsedOutput("", tuple(calls_in_array(text, position, final, memo)))

@@ -9,8 +9,8 @@ or answers.
 
 from __future__ import annotations
 
-from gateway.tool_parsers.partial_json import MalformedJSON, read_object, skip_whitespace
-from gateway.tool_parsers.tool_calls import ToolCallParser, ParsedOutput, ToolCallDraft, draft_from_object
+from gateway.tool_parsers.partial_json import ScanMemo, skip_whitespace
+from gateway.tool_parsers.tool_calls import ParsedOutput, ToolCallParser, read_calls
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -19,23 +19,11 @@ class Llama3JsonToolParser(ToolCallParser):
     # The calls are JSON whether or not the tag is kept: the tag only marks them.
     keeps_special_tokens = False
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
         start = skip_whitespace(text, 0)
         if text.startswith(PYTHON_TAG, start):
             start = skip_whitespace(text, start + len(PYTHON_TAG))
         elif not text.startswith("{", start):
             undecided = not final and PYTHON_TAG.startswith(text[start:])
             return ParsedOutput("" if undecided else text)
-        calls: list[ToolCallDraft] = []
-        position = start
-        while position < len(text):
-            call = read_object(text, position, final)
-            calls.append(draft_from_object(text, call))
-            if call.end is None:
-                break
-            position = skip_whitespace(text, call.end)
-            if text.startswith(";", position):
-                position = skip_whitespace(text, position + 1)
-            if position < len(text) and text[position] != "{":
-                raise MalformedJSON("only tool calls may follow a tool call")
-        return ParsedOutput("", tuple(calls))
+        return ParsedOutput("", tuple(read_calls(text, start, final, ";", None, memo)))

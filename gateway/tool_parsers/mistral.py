@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import string
 
-from gateway.tool_parsers.partial_json import skip_whitespace, value_end
+from gateway.tool_parsers.partial_json import ScanMemo, skip_whitespace, value_end
 from gateway.tool_parsers.tool_calls import ToolCallParser, ParsedOutput, ToolCallDraft, calls_in_array, held_back
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -27,8 +27,9 @@ class MistralToolParser(ToolCallParser):
     def new_call_id() -> str:
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        first = text.find(MARKER)
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
+        memo = ScanMemo() if memo is None else memo
+        first = memo.find(text, MARKER, 0)
         if first < 0:
             return ParsedOutput(text if final else text[:len(text) - held_back(text, MARKER)])
         calls: list[ToolCallDraft] = []
@@ -36,24 +37,24 @@ class MistralToolParser(ToolCallParser):
         while text.startswith(MARKER, position):
             position = skip_whitespace(text, position + len(MARKER))
             if text.startswith("[", position):
-                calls += calls_in_array(text, position, final)
+                calls += calls_in_array(text, position, final, memo)
                 break
             if position >= len(text):
                 break
-            calls.append(_named_call(text, position, final))
+            calls.append(_named_call(text, position, final, memo))
             if not calls[-1].complete:
                 break
-            position = skip_whitespace(text, text.index(ARGS, position) + len(ARGS))
-            position = skip_whitespace(text, value_end(text, position, final))
+            position = skip_whitespace(text, memo.find(text, ARGS, position) + len(ARGS))
+            position = skip_whitespace(text, value_end(text, position, final, memo))
         return ParsedOutput(text[:first], tuple(calls))
 
 
-def _named_call(text: str, position: int, final: bool) -> ToolCallDraft:
+def _named_call(text: str, position: int, final: bool, memo: ScanMemo) -> ToolCallDraft:
     """`name[ARGS]{...}` from `position` on."""
-    args_at = text.find(ARGS, position)
+    args_at = memo.find(text, ARGS, position)
     if args_at < 0:
         return ToolCallDraft(None, "", False)
     name = text[position:args_at].strip()
     start = skip_whitespace(text, args_at + len(ARGS))
-    end = value_end(text, start, final)
+    end = value_end(text, start, final, memo)
     return ToolCallDraft(name, text[start:len(text) if end is None else end], end is not None)

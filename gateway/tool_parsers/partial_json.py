@@ -5,26 +5,22 @@ Why not parse and re-serialize: a streamed tool call sends its arguments as frag
 concatenates, so every fragment must extend what was sent before. Slicing the model's own text keeps that
 true by construction (a value's text only ever grows); parsing partial JSON into objects and dumping them again
 would not (key order, spacing and escapes could change between two looks).
+
+The scans themselves (strings, containers) are scan_memo.py's: regular expressions, in C, resumed where an
+earlier look at the same growing text stopped.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
+from gateway.tool_parsers.scan_memo import MalformedJSON, ScanMemo
+
+__all__ = ["MalformedJSON", "Member", "PartialObject", "ScanMemo", "read_object", "skip_whitespace", "value_end"]
+
 _WHITESPACE = " \t\n\r"
-# Scans run as regular expressions, in C: the output is re-read after every chunk, so a long string argument
-# (a file's content: 12 kB of code as 8,000 four-character chunks is parsed in 0.8 s in all) must not cost a
-# Python step per character. A whole string is runs of plain characters and escapes (possessive: an open
-# string fails without backtracking); a container scan stops only at quotes and brackets.
-_STRING = re.compile(r'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
-_STRUCTURAL = re.compile(r'["{}\[\]]')
 _SCALAR_CHARS = frozenset("0123456789+-.eEtruefalsn")
-
-
-class MalformedJSON(ValueError):
-    """The text cannot become JSON whatever follows it."""
 
 
 def skip_whitespace(text: str, position: int) -> int:
@@ -33,48 +29,24 @@ def skip_whitespace(text: str, position: int) -> int:
     return position
 
 
-def value_end(text: str, start: int, final: bool) -> int | None:
+def value_end(text: str, start: int, final: bool, memo: ScanMemo | None = None) -> int | None:
     """The index just past the JSON value that starts at text[start], or None when the text ends first.
-    `final`: no more text will come, so a number running to the end is complete."""
+    `final`: no more text will come, so a number running to the end is complete. `memo`: what earlier scans
+    of this growing text found (scan_memo.py); strings and containers are scanned past it only."""
     if start >= len(text):
         return None
+    memo = ScanMemo() if memo is None else memo
     first = text[start]
     if first == '"':
-        return _string_end(text, start)
+        return memo.string_end(text, start)
     if first in "{[":
-        return _container_end(text, start)
+        return memo.container_end(text, start)
     position = start
     while position < len(text) and text[position] in _SCALAR_CHARS:
         position += 1
     if position == start:
         raise MalformedJSON(f"unexpected {first!r} where a JSON value starts")
     return position if position < len(text) or final else None
-
-
-def _string_end(text: str, start: int) -> int | None:
-    whole = _STRING.match(text, start)
-    return None if whole is None else whole.end()
-
-
-def _container_end(text: str, start: int) -> int | None:
-    closers = []
-    position = start
-    while (special := _STRUCTURAL.search(text, position)) is not None:
-        char, position = special.group(), special.start()
-        if char == '"':
-            end = _string_end(text, position)
-            if end is None:
-                return None
-            position = end
-            continue
-        if char in "{[":
-            closers.append("}" if char == "{" else "]")
-        elif not closers or closers.pop() != char:
-            raise MalformedJSON(f"unbalanced {char!r}")
-        elif not closers:
-            return position + 1
-        position += 1
-    return None
 
 
 @dataclass(frozen=True)
@@ -98,8 +70,9 @@ class PartialObject:
         return next((member for member in self.members if member.key in keys), None)
 
 
-def read_object(text: str, start: int, final: bool) -> PartialObject:
+def read_object(text: str, start: int, final: bool, memo: ScanMemo | None = None) -> PartialObject:
     """The object whose '{' is at text[start], as far as the text goes; MalformedJSON if it cannot be one."""
+    memo = ScanMemo() if memo is None else memo
     if start >= len(text):
         return PartialObject((), None)
     if text[start] != "{":
@@ -113,7 +86,7 @@ def read_object(text: str, start: int, final: bool) -> PartialObject:
             return PartialObject(tuple(members), None)
         if text[position] != '"':
             raise MalformedJSON("an object's key is a string")
-        key_end = _string_end(text, position)
+        key_end = memo.string_end(text, position)
         if key_end is None:
             return PartialObject(tuple(members), None)
         key = json.loads(text[position:key_end])
@@ -123,7 +96,7 @@ def read_object(text: str, start: int, final: bool) -> PartialObject:
         if text[position] != ":":
             raise MalformedJSON("':' follows an object's key")
         value_start = skip_whitespace(text, position + 1)
-        end = value_end(text, value_start, final)
+        end = value_end(text, value_start, final, memo)
         members.append(Member(key, value_start, end))
         if end is None:
             return PartialObject(tuple(members), None)

@@ -3,7 +3,8 @@
 Why a parser returns a snapshot of the whole output, not deltas: streaming then needs no parser state. The
 gateway parses the text so far after every chunk and sends what the snapshot adds to the one before
 (chat_output.py), so a chunk boundary can fall anywhere (inside a tag, a key, an escape) without a parser
-seeing it. Parsers keep snapshots growing: content and each call's arguments only ever extend, and text that
+seeing it. What makes that cheap is the `ScanMemo` the gateway passes with each choice's text (scan_memo.py):
+every scan resumes where the last look stopped, so a chunk costs its own length, not the output's. Parsers keep snapshots growing: content and each call's arguments only ever extend, and text that
 may still turn out to open a tool call (a partial `<tool_call>` tag) is held back until it is decided.
 """
 
@@ -13,7 +14,7 @@ import json
 import secrets
 from dataclasses import dataclass
 
-from gateway.tool_parsers.partial_json import MalformedJSON, PartialObject, read_object, skip_whitespace
+from gateway.tool_parsers.partial_json import MalformedJSON, PartialObject, ScanMemo, read_object, skip_whitespace
 
 # Where a model names a call's arguments: Hermes, Qwen and Mistral say "arguments", Llama 3 "parameters".
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -49,8 +50,9 @@ class ToolCallParser:
     # Whether the format's markers are special tokens the detokenizer must keep (skip_special_tokens false).
     keeps_special_tokens = False
 
-    def parse(self, text: str, final: bool) -> ParsedOutput:
-        """The output so far (`final`: all of it); raises MalformedJSON when it cannot be tool calls."""
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
+        """The output so far (`final`: all of it); raises MalformedJSON when it cannot be tool calls. `memo`:
+        the scans of this text's shorter versions (scan_memo.py); None: a fresh one."""
         raise NotImplementedError
 
     @staticmethod
@@ -82,18 +84,28 @@ def held_back(text: str, marker: str) -> int:
     return 0
 
 
-def calls_in_array(text: str, position: int, final: bool) -> list[ToolCallDraft]:
-    """The calls of a JSON array of call objects whose '[' is at text[position], as far as the text goes."""
+def read_calls(text: str, position: int, final: bool, separator: str, closer: str | None,
+               memo: ScanMemo | None = None) -> list[ToolCallDraft]:
+    """The call objects from text[position] on, as far as the text goes: each followed by `separator` or
+    whitespace, up to `closer` (a JSON array's ']', whose '[' is before `position`), or, with no closer, to the
+    end of the text, where only another call may follow one (Llama 3's ';'-separated calls)."""
+    memo = ScanMemo() if memo is None else memo
     calls: list[ToolCallDraft] = []
-    position = skip_whitespace(text, position + 1)
-    while position < len(text) and text[position] != "]":
-        call = read_object(text, position, final)
+    while position < len(text) and text[position] != closer:
+        call = read_object(text, position, final, memo)
         calls.append(draft_from_object(text, call))
         if call.end is None:
             break
         position = skip_whitespace(text, call.end)
-        if text.startswith(",", position):
+        if text.startswith(separator, position):
             position = skip_whitespace(text, position + 1)
-        elif position < len(text) and text[position] != "]":
-            raise MalformedJSON("',' or ']' follows a call in an array of calls")
+        elif closer is not None and position < len(text) and text[position] != closer:
+            raise MalformedJSON(f"'{separator}' or '{closer}' follows a call in a list of calls")
+        if closer is None and position < len(text) and text[position] != "{":
+            raise MalformedJSON("only tool calls may follow a tool call")
     return calls
+
+
+def calls_in_array(text: str, position: int, final: bool, memo: ScanMemo | None = None) -> list[ToolCallDraft]:
+    """The calls of a JSON array of call objects whose '[' is at text[position], as far as the text goes."""
+    return read_calls(text, skip_whitespace(text, position + 1), final, ",", "]", memo)

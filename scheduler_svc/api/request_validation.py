@@ -6,13 +6,14 @@ else anything. Every refusal names the offending field and the allowed range, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
-from scheduler_svc.api.structured_outputs import structured_grammar
+from scheduler_svc.api.structured_outputs import grammar_start_token_id, structured_grammar
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.text.bad_words import bad_words_token_ids
@@ -42,6 +43,9 @@ def validate_request(
     check_wire_limits(request, limits.request_limits)
     prompt_token_ids = _prompt_token_ids(request, tokenizer, limits)
     sampling = _sampling_params(request.sampling, tokenizer, limits)
+    if sampling.structured_grammar and tokenizer is not None:
+        start = grammar_start_token_id(request.sampling.structured_outputs, tokenizer, prompt_token_ids)
+        sampling = dataclasses.replace(sampling, structured_grammar_after_token_id=start)
     prompt_len = len(prompt_token_ids)
     check_prompt_tokens(prompt_len, limits.request_limits)
     if request.strict_context_length and prompt_len + sampling.max_tokens > limits.max_model_len:
@@ -87,8 +91,9 @@ def _sampling_params(
     temperature = wire.temperature if wire.HasField("temperature") else defaults.temperature
     top_p = wire.top_p if wire.HasField("top_p") else defaults.top_p
     top_k = wire.top_k if wire.HasField("top_k") else defaults.top_k
-    if max_tokens < 1:
-        raise InvalidRequestError("sampling.max_tokens", "must be at least 1")
+    if max_tokens < 0:
+        # 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py).
+        raise InvalidRequestError("sampling.max_tokens", "must be at least 0")
     if not math.isfinite(temperature) or temperature < 0:
         raise InvalidRequestError("sampling.temperature", "must be a finite number >= 0")
     if not (0.0 < top_p <= 1.0):

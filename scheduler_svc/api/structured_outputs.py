@@ -45,6 +45,21 @@ def structured_grammar(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenize
     return _cached_grammar(wire.SerializeToString(deterministic=True), tokenizer)
 
 
+def grammar_start_token_id(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenizer,
+                           prompt_token_ids: list[int]) -> int | None:
+    """The token after which the constraint applies (reasoning_end, a reasoning model's `</think>`), or None
+    when it applies from the first token: none given, or the prompt already holds it (the thought ended there:
+    Qwen3's template with thinking off writes `<think></think>`; vLLM's reasoning parsers read it the same way).
+    Raises InvalidRequestError when the marker is not exactly one token."""
+    if not wire.reasoning_end:
+        return None
+    ids = tokenizer.encode(wire.reasoning_end, add_special_tokens=False)
+    if len(ids) != 1:
+        raise InvalidRequestError(f"{FIELD}.reasoning_end", f"must be one token of the model's tokenizer "
+                                  f"(it encodes to {len(ids)})")
+    return None if ids[0] in prompt_token_ids else ids[0]
+
+
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _cached_grammar(key: bytes, tokenizer: Tokenizer) -> str:
     """Built once per distinct constraint; refusals are not cached (they raise) and cost a rebuild."""

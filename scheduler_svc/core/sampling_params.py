@@ -46,6 +46,9 @@ class SamplingParams:
     # Constrained decoding: the llguidance grammar built and validated at the edge from the request's
     # structured_outputs (api/structured_outputs.py); "" = unconstrained. The workers keep the matcher state.
     structured_grammar: str = ""
+    # The grammar applies from the token after the first output token equal to this id (a reasoning model's
+    # end of thought, structured_outputs.reasoning_end); None: from the first token.
+    structured_grammar_after_token_id: int | None = None
 
     @property
     def is_greedy(self) -> bool:

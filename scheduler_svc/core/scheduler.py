@@ -186,7 +186,8 @@ class Scheduler:
             raise ValueError(
                 f"request {request_id}: {request.num_tokens} tokens exceed max_model_len {self.limits.max_model_len}"
             )
-        if request.sampling_params.max_tokens < 1:
+        if request.sampling_params.max_tokens < (0 if request.prefill_only else 1):
+            # max_tokens 0 (prompt_only.py) samples nothing: only a prefill-only request may ask for it.
             raise ValueError(f"request {request_id}: max_tokens must be >= 1")
         if request.prefill_only and request.num_beam_candidates:
             raise ValueError(f"request {request_id}: a fan-out root cannot be a beam row")

@@ -10,7 +10,7 @@ its members and decides what the client sees.
   group then forks best_of children that share the root's blocks (copy-on-write for the partial last block),
   each computing the last prompt token and sampling with its own seed. Streams when best_of == n; otherwise
   the n children with the highest cumulative logprob are sent when all have finished.
-- `BeamSearch` lives in beam_search.py.
+- `BeamSearch` lives in beam_search.py; `PromptOnly` (max_tokens 0) in prompt_only.py.
 """
 
 from __future__ import annotations

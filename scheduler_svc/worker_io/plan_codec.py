@@ -68,6 +68,7 @@ def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
         num_logprobs=-1 if params.logprobs is None else params.logprobs,
         num_prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
         structured_grammar=params.structured_grammar,
+        structured_grammar_after_token_id=params.structured_grammar_after_token_id,
     )
 
 
