@@ -17,7 +17,7 @@ import logging
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from worker_svc.host_to_device import copy_into, to_device
+from worker_svc.host_to_device import to_device
 from worker_svc.persistent_batch import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -36,12 +36,16 @@ class DecodeGraphs:
         self._block_size = block_size
         self.buckets = bucket_sizes(max_num_seqs)
         size = self.buckets[-1]
-        self._input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self._positions = torch.zeros(size, dtype=torch.long, device=device)
-        self._slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        # Rows of one int64 buffer, so that a step's token-axis inputs travel in one copy (see `run`).
+        self._longs = torch.zeros(_NUM_LONG_ROWS, size, dtype=torch.long, device=device)
+        self._input_ids, self._positions, self._slot_mapping = self._longs[0], self._longs[1], self._longs[2]
+        self._slot_mapping.fill_(-1)
+        self._pending_indices, self._pending_sources = self._longs[3], self._longs[4]
         self._seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self._staging = [_HostStaging(size, max_blocks_per_seq) for _ in range(2)]
+        self._num_runs = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -86,20 +90,64 @@ class DecodeGraphs:
     def run(self, inputs: StepInputs, size: int, previous_sampled: torch.Tensor | None = None) -> torch.Tensor:
         """Replays the bucket's graph over this step's inputs; returns the hidden states of its real rows.
         Input tokens still pending from the step in flight are taken from its sampled ids on the device
-        (`previous_sampled`). No copy here waits for the GPU (pinned staging buffers)."""
-        n = len(inputs.rows)
-        copy_into(self._input_ids[:n], inputs.input_ids)
-        if len(inputs.pending_input_indices):
-            take_pending_tokens(self._input_ids, inputs, previous_sampled)
-        copy_into(self._positions[:n], inputs.positions)
-        copy_into(self._slot_mapping[:n], inputs.slot_mapping)
-        self._slot_mapping[n:size].fill_(-1)
-        copy_into(self._seq_lens[:n], inputs.seq_lens)
-        self._seq_lens[n:size].zero_()
+        (`previous_sampled`). The inputs go through pinned host buffers kept for the purpose, two sets used in
+        turn: three copies a step, none waiting for the GPU, no pinned allocation."""
+        n, num_pending = len(inputs.rows), len(inputs.pending_input_indices)
+        staging = self._staging[self._num_runs % 2]
+        self._num_runs += 1
+        staging.wait_until_copied()  # copied two steps ago: long done unless the GPU is far behind
+        longs = staging.longs_array
+        longs[0, :n], longs[1, :n], longs[2, :n] = inputs.input_ids, inputs.positions, inputs.slot_mapping
+        longs[0:2, n:size] = 0
+        longs[2, n:size] = -1  # padded rows write no K/V
+        longs[3, :num_pending], longs[4, :num_pending] = inputs.pending_input_indices, inputs.pending_sources
+        seq_lens = staging.seq_lens_array
+        seq_lens[:n], seq_lens[n:size] = inputs.seq_lens, 0  # context 0: the kernels skip padded rows
         width = inputs.block_tables.shape[1]
-        copy_into(self._block_tables[:n, :width], inputs.block_tables)
+        tables = staging.block_tables_array(n, width)
+        tables[:] = inputs.block_tables
+        self._longs.copy_(staging.longs, non_blocking=True)
+        self._seq_lens[:size].copy_(staging.seq_lens[:size], non_blocking=True)
+        self._block_tables[:n, :width].copy_(staging.block_tables(n, width), non_blocking=True)
+        staging.mark_copied()
+        if num_pending:
+            if previous_sampled is None:
+                raise RuntimeError("a step has pending input tokens but no step is in flight")
+            sources = previous_sampled[self._pending_sources[:num_pending]]
+            self._input_ids[self._pending_indices[:num_pending]] = sources.to(torch.long)
         self._graphs[size].replay()
         return self._outputs[size][:n]
+
+
+# Rows of the graphs' int64 input buffer: input ids, positions, slots, pending token indices and sources.
+_NUM_LONG_ROWS = 5
+
+
+class _HostStaging:
+    """Pinned host mirrors of the graphs' inputs for one step, and the event after their copies: refilled
+    only once those copies ran (a pinned buffer handed to a non-blocking copy must not change before)."""
+
+    def __init__(self, size: int, max_blocks_per_seq: int):
+        self.longs = torch.zeros(_NUM_LONG_ROWS, size, dtype=torch.long, pin_memory=True)
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self._tables = torch.zeros(size * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        self.longs_array, self.seq_lens_array = self.longs.numpy(), self.seq_lens.numpy()
+        self._tables_array = self._tables.numpy()
+        self._copied: torch.cuda.Event | None = None
+
+    def block_tables(self, rows: int, width: int) -> torch.Tensor:
+        return self._tables[: rows * width].view(rows, width)
+
+    def block_tables_array(self, rows: int, width: int):
+        return self._tables_array[: rows * width].reshape(rows, width)
+
+    def wait_until_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+    def mark_copied(self) -> None:
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
 
 def take_pending_tokens(input_ids: torch.Tensor, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> None:

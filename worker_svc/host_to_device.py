@@ -29,11 +29,3 @@ def host_buffer(size: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     """An empty host tensor to pack a copy bound for `device` into: pinned when that is a GPU, so that
     `to_device` sends it as it is instead of staging it through another pinned copy."""
     return torch.empty(size, dtype=dtype, pin_memory=device.type == "cuda")
-
-
-def copy_into(target: torch.Tensor, array: np.ndarray) -> None:
-    """target[...] = array, asynchronously on a GPU (target's dtype; shapes must match)."""
-    host = torch.from_numpy(np.ascontiguousarray(array)).to(target.dtype)
-    if target.device.type == "cuda":
-        host = host.pin_memory()
-    target.copy_(host, non_blocking=True)
