@@ -153,12 +153,14 @@ class StepPlanner:
     def _schedule_running(self, draft: _StepDraft) -> None:
         state = self._state
         running = state.running
+        # Each request's tokens to compute, once: nothing in this pass changes another request's count.
+        to_compute = {request.request_id: state.num_tokens_to_compute(request) for request in running}
         # One token of budget held back for each decode not yet scheduled in this pass.
-        num_decodes_after = sum(1 for request in running if state.num_tokens_to_compute(request) == 1)
+        num_decodes_after = sum(1 for num in to_compute.values() if num == 1)
         index = 0
         while index < len(running) and draft.token_budget > 0:
             request = running[index]
-            num_to_compute = state.num_tokens_to_compute(request)
+            num_to_compute = to_compute[request.request_id]
             if num_to_compute == 1:
                 num_decodes_after -= 1
             reserved = num_decodes_after if num_to_compute > 1 else 0
