@@ -54,9 +54,27 @@ def our_frame(stack: list[traceback.FrameSummary]) -> str:
     return f"{Path(frame.filename).relative_to(root) if frame.filename.startswith(root) else frame.filename}:{frame.lineno} {frame.line}"
 
 
+def profile_launch(worker, decode_step, decoding: list[str], step_ids) -> None:
+    """cProfile of one warm launch of a step with 4 prompts beside the decodes (host time by function)."""
+    import cProfile
+    import pstats
+
+    decode_step()
+    plan = mixed_plan(next(step_ids), decoding, 4, "profiled_")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    launched = worker.launch(plan)
+    profiler.disable()
+    worker.finish(launched)
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(40)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
+    parser.add_argument("--cprofile", action="store_true", help="also print where a warm launch's host time goes")
     args = parser.parse_args()
     worker = decode_worker(args.shape, DECODES + 64)  # 48 blocks per request: prompts use those past the decodes'
     decode_step, decoding = prefill(worker, DECODES, PROMPT)
@@ -96,6 +114,8 @@ def main() -> int:
                "warm": round_index >= 3}
         results.append(row)
         print(json.dumps(row), flush=True)
+    if args.cprofile:
+        profile_launch(worker, decode_step, decoding, step_ids)
     out = Path(os.environ.get("OUT", ".")) / "mixed_step_launch.json"
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "shape": args.shape, "rows": results}, indent=2))
     return 0
