@@ -40,10 +40,12 @@ from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
 from worker_svc.device_busy import DeviceBusyClock
 from worker_svc.grammar_matchers import GrammarMatchers
+from worker_svc.layers.attention import Attention
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
@@ -89,6 +91,7 @@ class Worker:
         self.kv_cache: KVCache | None = None
         self.batch: PersistentBatch | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
         self.gpu_clock = BackToBackClock()
         self.device_busy = DeviceBusyClock(enabled=self.device.type == "cuda")
@@ -124,6 +127,11 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)
             self.decode_graphs.capture()
+            if not self.config.batch_invariant and supports_mixed_graphs(self.model, self.config.world_size):
+                attention = [module for module in self.model.modules() if isinstance(module, Attention)]
+                self.mixed_graphs = MixedGraphs(self.model, self.kv_cache.layers, attention, attention[0].backend,
+                                                setup.block_size, self.device)
+                self.mixed_graphs.capture()
         if self.device.type == "cuda":
             warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
@@ -292,6 +300,9 @@ class Worker:
             input_ids = _to_device(inputs.input_ids, torch.long, device)
             if len(inputs.pending_input_indices):
                 take_pending_tokens(input_ids, inputs, previous_sampled)
+            size = self.mixed_graphs.bucket_for(len(inputs.input_ids)) if self.mixed_graphs is not None else None
+            if size is not None:
+                return self.mixed_graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, size)
             hidden = self.model(input_ids, _to_device(inputs.positions, torch.long, device), self.kv_cache.layers,
                                 metadata)
         return hidden
