@@ -76,12 +76,16 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros.
         A `sliding_window` or `logit_softcap` selects the kernels' HAS_WINDOW / HAS_SOFTCAP variants (each
-        combination a compile of its own: worker_svc/kernel_warmup.py warms the model's)."""
+        combination a compile of its own: worker_svc/kernel_warmup.py warms the model's). With `output` (like
+        `query`), the result goes there and rows of tokens outside every sequence keep what they held (a CUDA
+        graph's buffer whose padding rows nobody reads: worker_svc/mixed_graphs.py)."""
         assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
-        output = torch.zeros_like(query)
+        if output is None:
+            output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
         num_decodes = metadata.num_decode_seqs
         if num_decodes is None:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.triton_backend import TritonAttentionBackend
 from worker_svc.host_to_device import to_device
 from worker_svc.layers.fused_moe import FusedMoE
 
@@ -33,8 +34,11 @@ BUCKET = 128  # token counts are padded up to a multiple of this
 MAX_TOKENS = 2048  # larger steps run eagerly: their device time dwarfs the launch
 
 
-def supports_mixed_graphs(model: torch.nn.Module, world_size: int) -> bool:
-    """Whether `model`'s forward outside attention depends only on the token count (see the module docstring)."""
+def supports_mixed_graphs(model: torch.nn.Module, world_size: int, backend) -> bool:
+    """Whether `model`'s forward outside attention depends only on the token count (see the module docstring),
+    on the Triton kernel set (its attention writes into a given buffer)."""
+    if not isinstance(backend, TritonAttentionBackend):
+        return False
     if world_size != 1 or any(isinstance(module, FusedMoE) for module in model.modules()):
         return False
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
@@ -178,6 +182,6 @@ class MixedGraphs:
             if index < len(bucket.calls):
                 call = bucket.calls[index]
                 backend.write_kv_cache(call.key, call.value, call.kv_cache, slots)
-                call.output.copy_(backend.paged_attention(call.query, call.kv_cache, metadata, call.scale,
-                                                          call.sliding_window, call.logit_softcap))
+                backend.paged_attention(call.query, call.kv_cache, metadata, call.scale, call.sliding_window,
+                                        call.logit_softcap, output=call.output)
         return bucket.output[:num_tokens]

@@ -127,8 +127,8 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)
             self.decode_graphs.capture()
-            if not self.config.batch_invariant and supports_mixed_graphs(self.model, self.config.world_size):
-                attention = [module for module in self.model.modules() if isinstance(module, Attention)]
+            attention = [module for module in self.model.modules() if isinstance(module, Attention)]
+            if attention and supports_mixed_graphs(self.model, self.config.world_size, attention[0].backend):
                 self.mixed_graphs = MixedGraphs(self.model, self.kv_cache.layers, attention, attention[0].backend,
                                                 setup.block_size, self.device)
                 self.mixed_graphs.capture()
