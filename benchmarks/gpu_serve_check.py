@@ -5,6 +5,8 @@ Builds a small random Qwen2/Llama checkpoint, serves it through the real process
   - float32: 16 concurrent greedy requests equal transformers' greedy output on the same GPU, token for token
     (also once with a pool small enough to preempt, in swap mode: pinned host swap pool);
   - bfloat16: the same requests run to completion, every block is free afterwards.
+Steps with prefill replay piecewise CUDA graphs at -tp 1 (reported as mixed_step_graphs), so float32 checks
+them against transformers too.
 Writes a JSON summary to $OUT (or ./gpu_serve_check.json).
 
 With `-tp N` every run is served by N workers, one per GPU (the tiny model's 8 heads and 2 KV heads split).
@@ -89,6 +91,8 @@ def main() -> int:
             stats = server.wait_all_blocks_free()
             with server.client() as client:
                 info = client.model_info()
+            # Steps with prefill ran as piecewise CUDA graphs (worker_svc/mixed_graphs.py) where the model allows.
+            mixed_graphs = "captured CUDA graphs for steps with prefill" in server.log()
         matches = sum(list(r.token_ids) == e for r, e in zip(results, expected))
         all_free = stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_swap_blocks == stats.num_swap_blocks
         passed = all_free and all(len(r.token_ids) == MAX_TOKENS for r in results) and (matches == len(prompts) or not exact)
@@ -97,7 +101,7 @@ def main() -> int:
             "passed": passed, "exact_matches": f"{matches}/{len(prompts)}", "num_kv_blocks": info.num_kv_blocks,
             "num_swap_blocks": info.num_swap_blocks, "preemptions": stats.num_preemptions,
             "swapped_out_blocks": stats.num_swapped_out_blocks, "all_blocks_free": all_free,
-            "startup_s": round(ready, 1), "generate_s": round(elapsed, 2),
+            "startup_s": round(ready, 1), "generate_s": round(elapsed, 2), "mixed_step_graphs": mixed_graphs,
         }
         print(name, json.dumps(summary["checks"][name]), flush=True)
     (out_dir / f"gpu_serve_check{f'_tp{tp}' if tp > 1 else ''}.json").write_text(json.dumps(summary, indent=2))
