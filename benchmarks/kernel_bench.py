@@ -13,6 +13,8 @@
 4. Prefill/extend attention: fresh prefill and chunked extend, TFLOP/s (causal pairs only), against the
    reference and (fresh prefill) torch SDPA on the same shapes, dense.
 5. Cache write, RMSNorm + residual, rotary, SiLU-and-mul at Llama-3.1-8B sizes: bytes moved / time.
+6. The models' GEMMs (cuBLAS) at decode and prefill token counts against max(FLOPs, bytes) floors
+   (benchmarks/gemm_floors.py).
 `--sweep` (last, within --time-budget) times decode tile sizes, warps, stages, split counts, grid order.
 Prints tables; writes kernel_bench.json to $OUT (or ./).
 """
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.gemm_floors import bench_gemms  # noqa: E402
 from kernels import paged_attention_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref  # noqa: E402
 from kernels import triton_rmsnorm, triton_rotary, triton_silu_and_mul  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
@@ -416,6 +419,7 @@ def main() -> int:
     print_decode_table(summary["decode"], copy_bw)
     save("prefill", bench_prefill())
     save("elementwise", bench_elementwise(copy_bw))
+    save("gemm", bench_gemms(copy_bw, time_eager))
     if args.sweep:
         save("decode_sweep", sweep_decode(kv_cache, started + args.time_budget))
         del kv_cache
