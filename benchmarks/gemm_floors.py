@@ -35,6 +35,20 @@ def matmul_rate(time_eager: Callable) -> float:
     return 2 * 8192**3 / time_eager(lambda: a @ b, iters=20)
 
 
+def _time_in_graph(fn: Callable, time_eager: Callable, calls: int = 20) -> float:
+    """Seconds per call of `fn`, from replays of one CUDA graph of `calls` calls (warmed up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_eager(graph.replay, iters=5) / calls
+
+
 def bench_gemms(copy_bw: float, time_eager: Callable) -> list[dict]:
     peak = matmul_rate(time_eager)
     rows = []
@@ -43,7 +57,7 @@ def bench_gemms(copy_bw: float, time_eager: Callable) -> list[dict]:
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for m in TOKEN_COUNTS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                seconds = time_eager(lambda: F.linear(x, weight), iters=20)
+                seconds = _time_in_graph(lambda: F.linear(x, weight), time_eager)
                 flops, moved = 2 * m * n * k, 2 * (m * k + n * k + m * n)
                 floor = max(flops / peak, moved / copy_bw)
                 rows.append({"shape": shape, "gemm": name, "tokens": m, "us": 1e6 * seconds,
