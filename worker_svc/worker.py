@@ -40,11 +40,11 @@ from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
 from worker_svc.device_busy import DeviceBusyClock
 from worker_svc.grammar_matchers import GrammarMatchers
-from worker_svc.layers.attention import Attention
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.layers.attention import Attention
 from worker_svc.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
@@ -127,15 +127,29 @@ class Worker:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_cache.layers, setup.max_num_seqs,
                                               self.batch.block_table.shape[1], setup.block_size, self.device)
             self.decode_graphs.capture()
-            attention = [module for module in self.model.modules() if isinstance(module, Attention)]
-            if attention and supports_mixed_graphs(self.model, self.config.world_size, attention[0].backend):
-                self.mixed_graphs = MixedGraphs(self.model, self.kv_cache.layers, attention, attention[0].backend,
-                                                setup.block_size, self.device)
-                self.mixed_graphs.capture()
+            self.mixed_graphs = self._capture_mixed_graphs(setup.block_size)
         if self.device.type == "cuda":
             warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", self.config.rank, blocks, swap_blocks)
         return worker_pb2.WorkerReady(rank=self.config.rank, num_kv_blocks=blocks, num_swap_blocks=swap_blocks)
+
+    def _capture_mixed_graphs(self, block_size: int) -> MixedGraphs | None:
+        """Piecewise graphs for steps with prefill where the model allows (worker_svc/mixed_graphs.py); None
+        there, and where their memory pool does not fit beside the KV pool (then those steps run eagerly)."""
+        attention = [module for module in self.model.modules() if isinstance(module, Attention)]
+        if not attention or not supports_mixed_graphs(self.model, self.config.world_size, attention[0].backend):
+            return None
+        graphs = MixedGraphs(self.model, self.kv_cache.layers, attention, attention[0].backend, block_size,
+                             self.device)
+        torch.cuda.empty_cache()  # the memory profile's activations: the graphs' pool is allocated apart
+        try:
+            graphs.capture()
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("rank %d: no memory left for CUDA graphs of steps with prefill; they run eagerly "
+                           "(a lower --gpu-memory-utilization leaves room)", self.config.rank)
+            torch.cuda.empty_cache()
+            return None
+        return graphs
 
     @torch.inference_mode()
     def _warm_up_sampler(self) -> None:
