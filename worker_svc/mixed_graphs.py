@@ -138,9 +138,11 @@ class MixedGraphs:
             with torch.cuda.stream(stream):
                 split.capturing = True
                 split.begin()
-                output = self._run_model(size, split)
-                split.pieces[-1].capture_end()
-                split.capturing = False
+                try:
+                    output = self._run_model(size, split)
+                finally:  # also on a failure (out of memory): a capture left open breaks every later CUDA call
+                    split.pieces[-1].capture_end()
+                    split.capturing = False
             self._buckets[size] = _Bucket(split.pieces, split.calls, output)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
