@@ -17,6 +17,7 @@ kernels size work by the routed tokens) or tensor parallel: those run eagerly (`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -140,9 +141,12 @@ class MixedGraphs:
                 split.begin()
                 try:
                     output = self._run_model(size, split)
-                finally:  # also on a failure (out of memory): a capture left open breaks every later CUDA call
-                    split.pieces[-1].capture_end()
-                    split.capturing = False
+                except BaseException:  # out of memory: a capture left open would break every later CUDA call
+                    with contextlib.suppress(RuntimeError):  # (unless it failed between two pieces)
+                        split.pieces[-1].capture_end()
+                    raise
+                split.pieces[-1].capture_end()
+                split.capturing = False
             self._buckets[size] = _Bucket(split.pieces, split.calls, output)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
