@@ -268,7 +268,7 @@ class Engine:
                 "retried"))
             self._forget(group)
             failed += 1
-        self._scheduler.hold(self._suspects.held())
+        self._scheduler.hold(self._suspects.held(self._group_of))
         return failed
 
     def abort_all(self) -> None:
@@ -327,7 +327,7 @@ class Engine:
             if group.finished:  # the request that ended it says why (a beam row may not: STOP)
                 self._forget(group, request.finish_reason or FinishReason.STOP)
         if suspects_changed or (self._suspects and self._suspects.drop_gone(self._is_gone)):
-            self._scheduler.hold(self._suspects.held())  # the next wave of suspects, once one is cleared
+            self._scheduler.hold(self._suspects.held(self._group_of))  # the next wave of suspects, once one is cleared
         self._flush_streams()
 
     def _flush_streams(self) -> None:
@@ -343,9 +343,13 @@ class Engine:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
             if self._suspects and self._suspects.drop_gone(self._is_gone):
-                self._scheduler.hold(self._suspects.held())
+                self._scheduler.hold(self._suspects.held(self._group_of))
             self._num_finished += 1
             self._metrics.on_request_end(group.request_id, finish_reason)  # metrics
+
+    def _group_of(self, member_id: str) -> str:
+        group = self._context.owners.get(member_id)
+        return group.request_id if group is not None else member_id
 
     def _is_gone(self, request_id: str) -> bool:
         return self._scheduler.get_request(request_id) is None

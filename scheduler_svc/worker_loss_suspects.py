@@ -98,9 +98,16 @@ class WorkerLossSuspects:
             del self._suspects[request_id]
         return bool(gone)
 
-    def held(self) -> set[str]:
-        """The suspects to keep out of the steps for now: every wave but the first (module docstring)."""
+    def held(self, group_of: Callable[[str], str] = lambda request_id: request_id) -> set[str]:
+        """The suspects to keep out of the steps for now: every wave but the first (module docstring). A client
+        request's members (`group_of`: member id -> client request id) wait and go together, in the wave of its
+        earliest member: a beam search's rows wait for one another, so one row held while its siblings are
+        released would hold them all forever."""
         if not self._suspects:
             return set()
-        first = min(suspicion.wave() for suspicion in self._suspects.values())
-        return {request_id for request_id, suspicion in self._suspects.items() if suspicion.wave() != first}
+        waves: dict[str, tuple[int, int, int]] = {}
+        for request_id, suspicion in self._suspects.items():
+            group = group_of(request_id)
+            waves[group] = min(waves.get(group, suspicion.wave()), suspicion.wave())
+        first = min(waves.values())
+        return {request_id for request_id in self._suspects if waves[group_of(request_id)] != first}

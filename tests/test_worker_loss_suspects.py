@@ -103,6 +103,19 @@ def test_a_lone_request_lost_twice_before_its_crash_point_is_failed_and_an_ended
     assert suspects.on_worker_loss([]) == {} and not suspects
 
 
+def test_the_members_of_one_client_request_wait_and_go_together():
+    suspects = WorkerLossSuspects(MAX_LOSSES)
+    # A beam search's rows: one was forked in the lost steps (joined), its siblings were running.
+    suspects.on_worker_loss([*_decoding({"other": 7}), *_decoding({"beam-0": 3, "beam-1": 3}),
+                             *_recomputed({"beam-2": 3})])
+    group_of = {"other": "other", "beam-0": "beam", "beam-1": "beam", "beam-2": "beam"}.get
+    assert suspects.held(group_of) == set()  # all in the first wave, with the earliest of its rows
+    suspects.on_worker_loss(_decoding({"other": 7, "beam-0": 3, "beam-1": 3, "beam-2": 3}))
+    assert suspects.held(group_of) == {"beam-0", "beam-1", "beam-2"}  # one client request at a time
+    suspects.on_token("other", 10)
+    assert suspects.held(group_of) == set()
+
+
 def test_the_scheduler_reports_each_lost_requests_samples_and_keeps_held_requests_out_of_steps():
     scheduler, worker = make_scheduler(max_steps_in_flight=2, max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", prompt_len=4))
