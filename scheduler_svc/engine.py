@@ -247,18 +247,21 @@ class Engine:
         self._publish(output, updated, outcome)
         timer.mark("publish")
 
-    def recover_from_worker_loss(self, block_manager, failure: BaseException) -> int:
+    def recover_from_worker_loss(self, block_manager, failure: BaseException, restarts_left: int = 0) -> int:
         """New workers replace lost ones (the loop is stopped): every request in flight stays open and is
         recomputed from its known tokens on `block_manager`, the new workers' empty pool. The loss is blamed on
         the requests in the steps it lost; the one blamed for MAX_WORKER_LOSSES_PER_REQUEST losses or more, with
         no other sharing that evidence, ends with RequestFailedError instead (a request that crashes its worker
         would otherwise crash every new one), and the other suspects are recomputed in turns
-        (worker_loss_suspects.py says why). Returns how many requests were failed."""
+        (worker_loss_suspects.py says why; `restarts_left`: how many more losses can be recovered, which decides
+        how much evidence is asked of a request that shared its losses with others). Returns how many requests
+        were failed."""
         lost = self._scheduler.recover_from_worker_loss(block_manager)
         self._sent = deque()
         owners = self._context.owners
         failed = 0
-        for member_id, losses in self._suspects.on_worker_loss(w for w in lost if w.request_id in owners).items():
+        for member_id, losses in self._suspects.on_worker_loss((w for w in lost if w.request_id in owners),
+                                                                  restarts_left).items():
             group = owners[member_id]
             if group.finished:
                 continue

@@ -13,8 +13,11 @@ losses (a killed process, the chaos run) must not fail the requests that merely 
 - Conviction. After a loss, the request blamed with the highest count is failed when that count reaches
   `max_losses` and no other request blamed for the loss shares it. Requests that shared every step (a batch
   decoding together, then recomputed together) carry the same evidence: none is failed, they are recomputed
-  one at a time (below) and the next loss singles one out. A poison request decoding among others is thus
-  failed at its third loss, one that crashes at its admission at its second.
+  one at a time (below) and the next loss singles one out. A random loss can land while one of them is
+  recomputed alone, though (a chaos run killing the worker every 10 s failed several in a few minutes), so
+  while a restart is left, a request's first loss alone after a tie earns it one more try, first and alone.
+  A poison request decoding among others is thus failed at its third loss when that used the last restart
+  (the default --max-worker-restarts 3), else at its fourth; one that crashes at its admission at its second.
 - Order. After a loss the requests not suspected run at once; the suspects wait in waves, each released once
   every request of the waves before it is cleared (or gone): first those with one loss that were running before
   the lost steps, together; then those with one loss that joined the worker in them, together (a crash at
@@ -58,9 +61,10 @@ class WorkerLossSuspects:
         suspicion = self._suspects.get(request_id)
         return suspicion.losses if suspicion is not None else 0
 
-    def on_worker_loss(self, lost: Iterable[LostWork]) -> dict[str, int]:
-        """Blames a loss on the requests scheduled in its lost steps. Returns the one to fail (request id ->
-        losses blamed on it), if any; it is no longer tracked."""
+    def on_worker_loss(self, lost: Iterable[LostWork], restarts_left: int = 0) -> dict[str, int]:
+        """Blames a loss on the requests scheduled in its lost steps; `restarts_left`: how many more losses can be
+        recovered. Returns the one to fail (request id -> losses blamed on it), if any; it is no longer
+        tracked."""
         blamed: dict[str, int] = {}
         for work in lost:
             previous = self._suspects.get(work.request_id)
@@ -80,6 +84,8 @@ class WorkerLossSuspects:
         culprits = [request_id for request_id, losses in blamed.items() if losses == most]
         if most < self._max_losses or len(culprits) > 1:
             return {}
+        if most == self._max_losses + 1 and restarts_left:
+            return {}  # its first loss alone after a tie: once more alone while a restart is left (docstring)
         del self._suspects[culprits[0]]
         return {culprits[0]: most}
 

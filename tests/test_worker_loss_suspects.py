@@ -70,6 +70,19 @@ def test_a_request_crashing_mid_decode_among_others_is_singled_out_and_failed_at
     assert _clear_released(suspects, outputs) == ["c"] and not suspects
 
 
+def test_while_restarts_are_left_a_request_first_lost_alone_after_a_tie_is_tried_alone_once_more():
+    suspects = WorkerLossSuspects(MAX_LOSSES)
+    outputs = {"a": 10, "b": 12}
+    suspects.on_worker_loss(_decoding(outputs), restarts_left=999)
+    assert suspects.on_worker_loss(_recomputed(outputs), restarts_left=998) == {}  # a tie
+    assert suspects.held() == {"b"}
+    # A random kill while `a` is recomputed alone: not failed, and alone again first.
+    assert suspects.on_worker_loss(_recomputed({"a": 10}), restarts_left=997) == {}
+    assert suspects.held() == {"b"} and suspects.losses("a") == 3
+    assert suspects.on_worker_loss(_recomputed({"a": 10}), restarts_left=996) == {"a": 4}
+    assert _clear_released(suspects, outputs) == ["b"] and not suspects
+
+
 def test_a_request_joining_while_another_crashes_mid_decode_is_not_failed():
     suspects = WorkerLossSuspects(MAX_LOSSES)
     outputs = {"a": 40, "poison": 19, "new": 0}
