@@ -14,17 +14,18 @@ losses (a killed process, the chaos run) must not fail the requests that merely 
   `max_losses` and no other request blamed for the loss shares it. Requests that shared every step (a batch
   decoding together, then recomputed together) carry the same evidence: none is failed, they are recomputed
   one at a time (below) and the next loss singles one out. A random loss can land while one of them is
-  recomputed alone, though (a chaos run killing the worker every 10 s failed several in a few minutes), so
-  while a restart is left, a request's first loss alone after a tie earns it one more try, first and alone.
+  recomputed alone, though (without the next rule a chaos run killing the worker every 10 s on a loaded
+  machine failed 17 requests in 50 kills so), so while a restart is left, a request's first loss alone after
+  a tie earns it one more try, first and alone.
   A poison request decoding among others is thus failed at its third loss when that used the last restart
   (the default --max-worker-restarts 3), else at its fourth; one that crashes at its admission at its second.
 - Order. After a loss the requests not suspected run at once; the suspects wait in waves, each released once
   every request of the waves before it is cleared (or gone): first those with one loss that were running before
   the lost steps, together; then those with one loss that joined the worker in them, together (a crash at
   admission is likelier theirs; recomputed apart from the rest, a repeat is theirs alone); then each request
-  with two losses or more, alone. A request is failed for a random loss only when that loss lands while it is
+  with two losses or more, alone. A request is failed for random losses only when one lands while it is
   recomputed up to its crash point a second time with no other suspect sharing the steps (a few steps after a
-  restart), or a third time.
+  restart), or (after a tie) twice in a row while it is recomputed alone.
 """
 
 from __future__ import annotations
