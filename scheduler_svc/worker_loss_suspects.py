@@ -53,6 +53,7 @@ class WorkerLossSuspects:
     def __init__(self, max_losses: int):
         self._max_losses = max_losses
         self._suspects: dict[str, _Suspicion] = {}  # scheduler request id -> its suspicion
+        self._released: set[str] = set()  # client requests whose wave came since the last loss
         self._num_suspected = 0
 
     def __bool__(self) -> bool:
@@ -67,6 +68,7 @@ class WorkerLossSuspects:
         recovered. Returns the one to fail (request id -> losses blamed on it), if any; it is no longer
         tracked."""
         blamed: dict[str, int] = {}
+        self._released = set()  # every request waits again (the scheduler sent them all back to waiting)
         for work in lost:
             previous = self._suspects.get(work.request_id)
             repeat = previous is not None and work.num_output_tokens < previous.crash_point
@@ -106,15 +108,19 @@ class WorkerLossSuspects:
         return bool(gone)
 
     def held(self, group_of: Callable[[str], str] = lambda request_id: request_id) -> set[str]:
-        """The suspects to keep out of the steps for now: every wave but the first (module docstring). A client
+        """The suspects to keep out of the steps for now: all but the wave released last, and the next wave goes
+        only once every request of that one is cleared or gone (module docstring). A client
         request's members (`group_of`: member id -> client request id) wait and go together, in the wave of its
         earliest member: a beam search's rows wait for one another, so one row held while its siblings are
-        released would hold them all forever."""
+        released would hold them all forever. Once released, a client request stays so until the next loss
+        (its members may be running: the scheduler holds only waiting requests)."""
         if not self._suspects:
             return set()
-        waves: dict[str, tuple[int, int, int]] = {}
-        for request_id, suspicion in self._suspects.items():
-            group = group_of(request_id)
-            waves[group] = min(waves.get(group, suspicion.wave()), suspicion.wave())
-        first = min(waves.values())
-        return {request_id for request_id in self._suspects if waves[group_of(request_id)] != first}
+        if not any(group_of(request_id) in self._released for request_id in self._suspects):
+            waves: dict[str, tuple[int, int, int]] = {}
+            for request_id, suspicion in self._suspects.items():
+                group = group_of(request_id)
+                waves[group] = min(waves.get(group, suspicion.wave()), suspicion.wave())
+            first = min(waves.values())
+            self._released.update(group for group, wave in waves.items() if wave == first)
+        return {request_id for request_id in self._suspects if group_of(request_id) not in self._released}

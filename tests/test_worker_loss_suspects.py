@@ -129,6 +129,19 @@ def test_the_members_of_one_client_request_wait_and_go_together():
     assert suspects.held(group_of) == set()
 
 
+def test_a_released_client_request_stays_released_and_the_next_wave_waits_for_all_of_it():
+    suspects = WorkerLossSuspects(MAX_LOSSES)
+    group_of = {"s": "s", "g-0": "g", "g-1": "g"}.get
+    suspects.on_worker_loss(_decoding({"s": 4, "g-0": 4, "g-1": 4}))
+    suspects.held(group_of)
+    suspects.on_worker_loss(_recomputed({"s": 4, "g-1": 4}))  # g-0 was held back by nothing: not in the steps
+    assert suspects.held(group_of) == {"s"}  # g goes with g-0 (one loss), before s (two)
+    assert suspects.on_token("g-0", 7)
+    assert suspects.held(group_of) == {"s"}  # g-1 (two losses, first suspected after s) stays released
+    assert suspects.on_token("g-1", 7)
+    assert suspects.held(group_of) == set()
+
+
 def test_the_scheduler_reports_each_lost_requests_samples_and_keeps_held_requests_out_of_steps():
     scheduler, worker = make_scheduler(max_steps_in_flight=2, max_num_batched_tokens=8)
     scheduler.add_request(make_request("a", prompt_len=4))
