@@ -340,6 +340,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
         argv += ["--fail-at-step", str(args.fail_at_step)]
     if args.crash_on_token_id is not None and injects_fault:
         argv += ["--crash-on-token-id", str(args.crash_on_token_id)]
+        if args.crash_at_output_token is not None:
+            argv += ["--crash-at-output-token", str(args.crash_at_output_token)]
     if args.prefill_seconds_per_token:
         argv += ["--prefill-seconds-per-token", str(args.prefill_seconds_per_token)]
     return argv

@@ -27,6 +27,7 @@ from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.worker_io.plan_codec import decode_step_result, encode_step_plan
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
+from scheduler_svc.worker_loss_suspects import WorkerLossSuspects
 from service_runtime.step_timer import StepTimer
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class EngineStats:
     prefix_cache_query_tokens: int
 
 
-# A request suspected of this many worker losses is failed instead of recomputed again (a poison request).
+# A request blamed for this many worker losses (no other sharing the blame) is failed instead of recomputed
+# again: a poison request (worker_loss_suspects.py).
 MAX_WORKER_LOSSES_PER_REQUEST = 2
 
 
@@ -92,10 +94,8 @@ class Engine:
         self._num_finished = 0
         self._num_swapped_out_blocks = 0
         self._failure: BaseException | None = None
-        # Client request id -> worker losses it is suspected of since it last got a token (a request that runs
-        # on a new worker is not what killed the old ones: under repeated unrelated losses it must not be
-        # taken for a poison request).
-        self._worker_losses: dict[str, int] = {}
+        # Poison requests: which requests worker losses are blamed on, and which of them wait for their turn.
+        self._suspects = WorkerLossSuspects(MAX_WORKER_LOSSES_PER_REQUEST)
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
         self._applied: tuple[list[Request], object] | None = None  # a result applied, not yet published (`run`)
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
@@ -277,31 +277,31 @@ class Engine:
         timer.mark("publish")
         return True
 
-    def recover_from_worker_loss(self, block_manager, failure: BaseException) -> int:
+    def recover_from_worker_loss(self, block_manager, failure: BaseException, restarts_left: int = 0) -> int:
         """New workers replace lost ones (the loop is stopped): every request in flight stays open and is
-        recomputed from its known tokens on `block_manager`, the new workers' empty pool. A request suspected
-        of MAX_WORKER_LOSSES_PER_REQUEST losses with no token of its own in between ends with RequestFailedError
-        instead: a request that crashes its worker would otherwise crash every new one. Returns how many requests
+        recomputed from its known tokens on `block_manager`, the new workers' empty pool. The loss is blamed on
+        the requests in the steps it lost; the one blamed for MAX_WORKER_LOSSES_PER_REQUEST losses or more, with
+        no other sharing that evidence, ends with RequestFailedError instead (a request that crashes its worker
+        would otherwise crash every new one), and the other suspects are recomputed in turns
+        (worker_loss_suspects.py says why; `restarts_left`: how many more losses can be recovered, which decides
+        how much evidence is asked of a request that shared its losses with others). Returns how many requests
         were failed."""
-        # Suspects: the requests that joined the worker in the steps it lost (a crash at admission is theirs),
-        # else, when it crashed in the middle of decoding, every request it held.
-        joined = {data.request_id for output in self._sent for data in output.new_requests}
-        in_batch = self._scheduler.recover_from_worker_loss(block_manager)
-        suspects = [request for request in in_batch if request.request_id in joined] or in_batch
+        lost = self._scheduler.recover_from_worker_loss(block_manager)
         self._sent = deque()
         owners = self._context.owners
-        groups = {owners[request.request_id].request_id: owners[request.request_id]
-                  for request in suspects if request.request_id in owners}
         failed = 0
-        for group in groups.values():
-            losses = self._worker_losses[group.request_id] = self._worker_losses.get(group.request_id, 0) + 1
-            if losses >= MAX_WORKER_LOSSES_PER_REQUEST and not group.finished:
-                group.abort(notify=False)
-                group.queue.put_nowait(RequestFailedError(
-                    f"the worker failed {losses} times while running this request (last: {failure}); it is not "
-                    "retried"))
-                self._forget(group)
-                failed += 1
+        for member_id, losses in self._suspects.on_worker_loss((w for w in lost if w.request_id in owners),
+                                                                  restarts_left).items():
+            group = owners[member_id]
+            if group.finished:
+                continue
+            group.abort(notify=False)
+            group.queue.put_nowait(RequestFailedError(
+                f"the worker failed {losses} times while running this request (last: {failure}); it is not "
+                "retried"))
+            self._forget(group)
+            failed += 1
+        self._scheduler.hold(self._suspects.held(self._group_of))
         return failed
 
     def abort_all(self) -> None:
@@ -347,6 +347,7 @@ class Engine:
 
     def _publish(self, updated: list[Request], outcome) -> None:
         owners = self._context.owners
+        suspects_changed = False
         self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
         for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`
             group = owners.get(member_id)
@@ -356,11 +357,13 @@ class Engine:
             group = owners.get(request.request_id)
             if group is None:
                 continue
-            if self._worker_losses:
-                self._worker_losses.pop(group.request_id, None)  # it ran on this worker: no longer suspected
+            if self._suspects and self._suspects.on_token(request.request_id, len(request.output_token_ids)):
+                suspects_changed = True  # past where the lost worker may have died: not what killed it
             group.on_step(request, outcome)
             if group.finished:  # the request that ended it says why (a beam row may not: STOP)
                 self._forget(group, request.finish_reason or FinishReason.STOP)
+        if suspects_changed or (self._suspects and self._suspects.drop_gone(self._is_gone)):
+            self._scheduler.hold(self._suspects.held(self._group_of))  # the next wave of suspects, once one is cleared
         self._flush_streams()
 
     def _flush_streams(self) -> None:
@@ -375,9 +378,17 @@ class Engine:
     def _forget(self, group: RequestGroup, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         if self._groups.get(group.request_id) is group:
             del self._groups[group.request_id]
-            self._worker_losses.pop(group.request_id, None)
+            if self._suspects and self._suspects.drop_gone(self._is_gone):
+                self._scheduler.hold(self._suspects.held(self._group_of))
             self._num_finished += 1
             self._metrics.on_request_end(group.request_id, finish_reason)  # metrics
+
+    def _group_of(self, member_id: str) -> str:
+        group = self._context.owners.get(member_id)
+        return group.request_id if group is not None else member_id
+
+    def _is_gone(self, request_id: str) -> bool:
+        return self._scheduler.get_request(request_id) is None
 
     def fail_all(self, failure: BaseException) -> None:
         """Ends every request in flight with `failure` (gRPC: UNAVAILABLE) and refuses new ones."""

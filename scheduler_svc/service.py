@@ -153,8 +153,8 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         await asyncio.wait([engine_task, stopping, link_failed], return_when=asyncio.FIRST_COMPLETED)
         while link_failed.done() and restarts_left > 0 and not stopping.done():
             restarts_left -= 1
-            if not await _replace_workers(config, engine, engine_task, link_failed.result(), health, link, stopping,
-                                          setup_for):
+            if not await _replace_workers(config, engine, engine_task, link_failed.result(), restarts_left, health,
+                                          link, stopping, setup_for):
                 break
             engine_task = asyncio.ensure_future(engine.run())
             link_failed = asyncio.ensure_future(link.wait_failed())
@@ -180,10 +180,11 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         link_failed.cancel()
 
 
-async def _replace_workers(config, engine: Engine, engine_task, failure, health, link: WorkerLink, stopping,
-                           setup_for) -> bool:
+async def _replace_workers(config, engine: Engine, engine_task, failure, restarts_left: int, health, link: WorkerLink,
+                           stopping, setup_for) -> bool:
     """Worker crash recovery: health NOT_SERVING, the loop stopped, and once a new set of workers reported its
     pool every request in flight resumes by recompute (streams stay open; new requests queue meanwhile).
+    `restarts_left`: how many more losses may be recovered after this one (poison requests: see the engine).
     False when no new workers came within --worker-ready-timeout, or a stop came first (then everything fails
     as without recovery)."""
     logger.error("worker lost (%s); waiting up to %g s for its replacement", failure, config.worker_ready_timeout)
@@ -214,7 +215,7 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, health,
         except TimeoutError:
             logger.error("no replacement workers: not ready in %g s", config.worker_ready_timeout)
             return False
-    failed = engine.recover_from_worker_loss(_block_manager(config, pool), failure)
+    failed = engine.recover_from_worker_loss(_block_manager(config, pool), failure, restarts_left)
     logger.warning("workers replaced (%d KV blocks): requests in flight resume by recompute%s", pool.num_kv_blocks,
                    f"; {failed} failed after repeated losses" if failed else "")
     await _set_health(health, health_pb2.HealthCheckResponse.SERVING)

@@ -47,6 +47,9 @@ class WorkerConfig:
     fail_at_step: int | None = None
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).
     crash_on_token_id: int | None = None
+    # With crash_on_token_id: exit instead when a row whose prompt holds that id is about to sample its N-th
+    # output token (a poison request that crashes mid-decode, again at the same point after a recompute).
+    crash_at_output_token: int | None = None
     # Test only: each step takes at least this many seconds per prompt token it computes (a slow CPU's
     # prefill, at a tiny model's cost: the abort-latency tests).
     prefill_seconds_per_token: float = 0.0
@@ -86,6 +89,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     # Hidden: fault injection for the reliability tests, never for serving.
     parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--crash-on-token-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--crash-at-output-token", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0, help=argparse.SUPPRESS)
 
 
@@ -96,6 +100,8 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
     if args.swap_space < 0 or args.cpu_kv_cache_space <= 0:
         raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
+    if args.crash_at_output_token is not None and (args.crash_on_token_id is None or args.crash_at_output_token < 1):
+        raise SystemExit("--crash-at-output-token needs --crash-on-token-id and must be at least 1")
     if args.heartbeat_interval <= 0:
         raise SystemExit("--heartbeat-interval must be > 0")
     rank, world_size = getattr(args, "rank", 0), getattr(args, "world_size", 1)
@@ -124,5 +130,6 @@ def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
         heartbeat_interval=args.heartbeat_interval,
         fail_at_step=args.fail_at_step,
         crash_on_token_id=args.crash_on_token_id,
+        crash_at_output_token=args.crash_at_output_token,
         prefill_seconds_per_token=args.prefill_seconds_per_token,
     )

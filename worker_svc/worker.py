@@ -202,7 +202,7 @@ class Worker:
         kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
         kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         kv_cache.copy([(m.src, m.dst) for m in plan.copy])
-        if self.config.crash_on_token_id is not None and any(
+        if self.config.crash_on_token_id is not None and self.config.crash_at_output_token is None and any(
                 self.config.crash_on_token_id in new.token_ids for new in plan.new_requests):
             os._exit(70)  # a hard crash tied to one request (a poison request), for the recovery tests
         rows = [batch.add(new) for new in plan.new_requests]
@@ -219,6 +219,8 @@ class Worker:
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
         timer.set_kind(step.kind)
+        if self.config.crash_at_output_token is not None and self._samples_poisoned_output(inputs.sample_rows):
+            os._exit(70)  # a poison request that crashes mid-decode, at the same point after every recompute
         if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
             time.sleep(self.config.prefill_seconds_per_token * (len(inputs.input_ids) - inputs.num_decode_seqs))
         timer.mark("prepare")
@@ -256,6 +258,17 @@ class Worker:
             logger.info("slow step launch: %.2f s for %d tokens, %d decodes, %d chunks", elapsed,
                         len(inputs.input_ids), inputs.num_decode_seqs, len(inputs.rows) - inputs.num_decode_seqs)
         return step
+
+    def _samples_poisoned_output(self, sample_rows: np.ndarray) -> bool:
+        """Whether a row about to sample holds the crash token in its prompt and would sample its
+        `crash_at_output_token`-th output token (its known tokens, pending ones included, count one less)."""
+        batch, config = self.batch, self.config
+        for row in sample_rows.tolist():
+            num_prompt = int(batch.num_prompt_tokens[row])
+            if (batch.num_tokens[row] - num_prompt + 1 == config.crash_at_output_token
+                    and config.crash_on_token_id in batch.token_ids[row, :num_prompt]):
+                return True
+        return False
 
     @torch.inference_mode()
     def complete(self, step: LaunchedStep) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.lost_work import LostWork
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
 from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequestData, SchedulerOutput
@@ -214,6 +215,11 @@ class Scheduler:
         if request_id in self._state.worker_rows:
             self._state.unsent_token_ids.setdefault(request_id, []).append(token_id)
 
+    def hold(self, request_ids: set[str]) -> None:
+        """Keeps these waiting requests out of every step until a later `hold` leaves them out (the engine's
+        poison-request isolation after a worker loss: worker_loss_suspects.py). Replaces the previous set."""
+        self._state.held = set(request_ids)
+
     def abort_request(self, request_id: str) -> bool:
         """Remove an unfinished request from whichever queue holds it and free (or drop its share of) its
         blocks, GPU and swap. Returns False if it is unknown or already finished.
@@ -298,14 +304,21 @@ class Scheduler:
             self._unapplied.append((output, {rid: requests[rid] for rid in output.completing_request_ids}))
         return output
 
-    def recover_from_worker_loss(self, block_manager: BlockManager) -> list[Request]:
+    def recover_from_worker_loss(self, block_manager: BlockManager) -> list[LostWork]:
         """The workers were replaced (worker crash recovery): every KV and swap block they held is gone, and
         so is every step in flight. Each unfinished request goes back to waiting, to be recomputed from the
         tokens it knows (prompt and the outputs whose results came back; tokens of lost steps are dropped),
-        on the new workers' empty pool `block_manager`. Returns the requests the lost batch held rows for."""
+        on the new workers' empty pool `block_manager`. Returns, for each unfinished request scheduled in the
+        lost steps (planned, results not applied), what it had in them."""
         state = self._state
-        in_batch = [state.requests[request_id] for request_id in sorted(state.worker_rows)
-                    if request_id in state.requests]
+        samples: dict[str, int] = {}
+        joined: set[str] = set()
+        for output, completing in self._unapplied:
+            for request_id in output.num_scheduled_tokens():
+                samples[request_id] = samples.get(request_id, 0) + (request_id in completing)
+            joined.update(data.request_id for data in output.new_requests)
+        lost_work = [LostWork(request_id, state.requests[request_id].num_output_tokens, count, request_id in joined)
+                     for request_id, count in samples.items() if request_id in state.requests]
         for request in [*state.running, *state.swapped]:
             state.queue_of(request).remove(request)
             request.status = RequestStatus.WAITING
@@ -321,7 +334,7 @@ class Scheduler:
         self._worker_cancels = []
         self.block_manager = state.block_manager = block_manager
         self._planner = StepPlanner(state)
-        return in_batch
+        return lost_work
 
     @property
     def num_steps_in_flight(self) -> int:

@@ -15,6 +15,8 @@ theirs to keep together.
 - `awaiting_engine`: requests reported to the engine that cannot go on until it acts (a fan-out root to be
   forked and released, a beam row until its next token is appended). They are idle: no tokens to compute, even
   after a recompute preemption.
+- `held`: requests the engine keeps out of every step for now (suspects of a worker loss waiting for their
+  turn to be recomputed). Idle as well; set only after a worker loss, when every request is waiting.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class SchedulerState:
     worker_rows: set[str] = field(default_factory=set)
     unsent_token_ids: dict[str, list[int]] = field(default_factory=dict)
     awaiting_engine: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
     # Fan-out roots and beam rows whose completing step is planned but not applied: never preempted until
     # their result is reported (the engine forks from what they computed).
     reporting_in_flight: set[str] = field(default_factory=set)
@@ -57,7 +60,7 @@ class SchedulerState:
         compute while its previous step runs; but it is idle while that token may be its last (max_tokens
         or max_model_len), and while preempted until the token is back (a resumed row carries every token).
         """
-        if request.request_id in self.awaiting_engine:
+        if request.request_id in self.awaiting_engine or request.request_id in self.held:
             return 0
         if request.prefill_only:
             return max(0, request.num_prompt_tokens - 1 - request.num_computed_tokens)
