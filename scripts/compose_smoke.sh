@@ -54,7 +54,8 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 
 step "tools"
 missing=()
-command -v docker >/dev/null || missing+=(docker.io)
+# A docker client alone (no daemon binary) is not enough: dockerd comes with docker.io.
+{ command -v docker >/dev/null && command -v dockerd >/dev/null; } || docker info >/dev/null 2>&1 || missing+=(docker.io)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v debootstrap >/dev/null || missing+=(debootstrap)
 # Exit 77 (CANNOT_RUN) says this machine cannot run Docker at all (not root, no packages, no daemon comes
