@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.triton_backend import TritonAttentionBackend
 from worker_svc.host_to_device import to_device
 from worker_svc.layers.fused_moe import FusedMoE
 
@@ -38,6 +37,8 @@ MAX_TOKENS = 2048  # larger steps run eagerly: their device time dwarfs the laun
 def supports_mixed_graphs(model: torch.nn.Module, world_size: int, backend) -> bool:
     """Whether `model`'s forward outside attention depends only on the token count (see the module docstring),
     on the Triton kernel set (its attention writes into a given buffer)."""
+    from kernels.triton_backend import TritonAttentionBackend  # Triton: on a GPU only (the CPU image has none)
+
     if not isinstance(backend, TritonAttentionBackend):
         return False
     if world_size != 1 or any(isinstance(module, FusedMoE) for module in model.modules()):
