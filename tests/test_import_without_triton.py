@@ -19,7 +19,7 @@ class NoTriton(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError("No module named 'triton'", name=name)
         return None
 sys.meta_path.insert(0, NoTriton())
-import worker_svc.main, scheduler_svc.main, gateway.main, pagedserve.cli
+import worker_svc.main, worker_svc.serving_loop, worker_svc.worker, scheduler_svc.main, gateway.main, pagedserve.cli
 print("ok")
 """
 
