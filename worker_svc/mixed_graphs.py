@@ -94,9 +94,14 @@ class _SplitBackend:
         return output
 
 
+@dataclass
 class _Bucket:
-    def __init__(self, pieces, calls, output):
-        self.pieces, self.calls, self.output = pieces, calls, output
+    """One token count's capture: its pieces in replay order, the attention call after each piece but the
+    last, and the last piece's hidden states (static: the step's logits read them before the next replay)."""
+
+    pieces: list[torch.cuda.CUDAGraph]
+    calls: list[_AttentionCall]
+    output: torch.Tensor
 
 
 class MixedGraphs:
