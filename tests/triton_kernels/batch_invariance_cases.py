@@ -9,6 +9,7 @@ No pytest import here.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
@@ -116,11 +117,15 @@ def others_of_random_lengths(seed, count=4, longest=90):
     return {f"other{i}": rng.randint(1, longest) for i in range(count)}
 
 
-def ways_of_serving_one_sequence(pool: PagedPool, backend, options) -> dict[str, torch.Tensor]:
-    """The output rows [L, Hq, D] of sequence "ours" (L tokens) served as a whole prefill, as two chunks (the
-    second an extend over the cached first), as decodes one at a time and batched, and in mixed batches
-    with the pool's other sequences (at least four of them)."""
+def ways_of_serving_one_sequence(pool: PagedPool, backend, options,
+                                 positions: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
+    """The output rows [P, Hq, D] of sequence "ours" (L tokens) at `positions` (default: all L) served as a
+    whole prefill, as two chunks (the second an extend over the cached first), as decodes one at a time and
+    batched, and in mixed batches with the pool's other sequences (at least four of them). Fewer positions
+    make the batch of decodes smaller (under the Triton interpreter it costs about a second a decode); the
+    ones around the key tiles' edges are always decoded one at a time."""
     seq_len = pool.queries["ours"].shape[0]
+    positions = list(range(seq_len)) if positions is None else sorted(positions)
     first_chunk, mixed_split = 29 * seq_len // 70, 40 * seq_len // 70
     others = [name for name in pool.queries if name != "ours"]
     other_lens = {name: pool.queries[name].shape[0] for name in others}
@@ -128,15 +133,15 @@ def ways_of_serving_one_sequence(pool: PagedPool, backend, options) -> dict[str,
     def run(steps):
         return pool.run(backend, steps, **options)
 
-    ways = {"whole prefill": run([("ours", seq_len, seq_len)])[0]}
+    ways = {"whole prefill": run([("ours", seq_len, seq_len)])[0][positions]}
     ways["two chunks"] = torch.cat(
         [run([("ours", first_chunk, first_chunk)])[0], run([("ours", seq_len, seq_len - first_chunk)])[0]]
-    )
-    ways["decodes in one batch"] = torch.cat(run([("ours", p + 1, 1) for p in range(seq_len)]))
+    )[positions]
+    ways["decodes in one batch"] = torch.cat(run([("ours", p + 1, 1) for p in positions]))
     # One decode at a time for the positions around the key tiles' edges; the rest from the batch above.
     one_at_a_time = ways["decodes in one batch"].clone()
-    for position in sorted({0, 15, 16, 31, 32, 63, 64, seq_len - 1} & set(range(seq_len))):
-        one_at_a_time[position] = run([("ours", position + 1, 1)])[0][0]
+    for position in sorted({0, 15, 16, 31, 32, 63, 64, seq_len - 1} & set(positions)):
+        one_at_a_time[positions.index(position)] = run([("ours", position + 1, 1)])[0][0]
     ways["decodes one at a time"] = one_at_a_time
     # Mixed batches: other sequences' decodes first, then chunks and prefills, ours among them.
     decodes = [(name, length, 1) for name, length in other_lens.items()]
@@ -146,5 +151,5 @@ def ways_of_serving_one_sequence(pool: PagedPool, backend, options) -> dict[str,
     second = run(decodes + [("ours", mixed_split + 1, 1)])[-1]
     third = run(decodes[1:3] + [("ours", seq_len, seq_len - mixed_split - 1),
                                 (others[0], other_lens[others[0]], 1)])[2]
-    ways["mixed batches"] = torch.cat([first, second, third])
+    ways["mixed batches"] = torch.cat([first, second, third])[positions]
     return ways
