@@ -93,10 +93,13 @@ def test_a_row_reading_its_history_is_not_overlapped(model_dir):
     assert not worker.can_overlap(decode("a", "b")) and worker.can_overlap(decode("a"))
 
 
-def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_consumed(tmp_path):
+@pytest.mark.parametrize("masks", ["filled at the draw", "filled in the background"])
+def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_consumed(tmp_path, masks):
     """A constrained row overlaps like any other: its forward is queued at once, its mask and draw wait for the
     token in flight (Worker.complete), so overlapped steps give the sequential steps' tokens, every one of which
-    the grammar accepts, seeded draws at the same positions included."""
+    the grammar accepts, seeded draws at the same positions included. In the background (the serving loop's
+    way: `begin_masks`, and the next launch draws), the masks fill while the next plan hands the constrained
+    row to a request of another grammar: the draw still uses the row's old matcher."""
     from llguidance import LLMatcher
 
     from pagedserve.testing.tiny_models import add_embedded_tokenizer
@@ -105,6 +108,7 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
     model = add_embedded_tokenizer(make_tiny_model(tmp_path, "llama", seed=3, vocab_size=49216, eos_token_id=2))
     tokenizer = load_tokenizer(str(model))
     grammar = LLMatcher.grammar_from_regex("(cat|dog)s? [0-9]{1,6}")
+    other_grammar = LLMatcher.grammar_from_regex("(red|blue) [a-z]{1,8}")
 
     def constrained_worker() -> Worker:
         worker = Worker(WorkerConfig(scheduler_address="", model=str(model), num_kv_blocks=64, swap_space=0.01))
@@ -116,9 +120,12 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
 
     def steps() -> list[worker_pb2.StepPlan]:
         a, b = new("a", [5, 9, 2, 7, 3], [0, 1], temperature=0.9), new("b", [11, 4, 8], [2, 3])
+        c = new("c", [6, 6, 1, 9], [4, 5], temperature=0.9)
         a.sampling.structured_grammar = grammar
+        c.sampling.structured_grammar = other_grammar
         out = [worker_pb2.StepPlan(step_id=0, new_requests=[a, b])]
-        return out + [decode("a", "b") for _ in range(4)]
+        out += [decode("a", "b") for _ in range(4)]
+        return out + [decode("b", finished=["a"], new_requests=[c])] + [decode("b", "c") for _ in range(4)]
 
     reference = constrained_worker()
     sequential = tokens_of([reference.execute(plan) for plan in steps()])
@@ -130,10 +137,15 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
         if in_flight is not None:
             assert launched.deferred_sample is not None, "the grammar row's draw waits for the token in flight"
             results.append(worker.finish(in_flight))
-        worker.complete(launched)
+        if masks == "filled at the draw":
+            worker.complete(launched)
+        else:
+            worker.begin_masks(launched)
+            assert worker.draw_pending(launched) == (in_flight is not None) == (launched.masks is not None)
         in_flight = launched
     results.append(worker.finish(in_flight))
     overlapped = tokens_of(results)
     assert overlapped == sequential
-    text = tokenizer.decode(overlapped["a"])
-    assert re.fullmatch(r"(cat|dog)s?( [0-9]{0,6})?", text), text
+    assert [len(overlapped[r]) for r in "abc"] == [5, 10, 5]
+    assert re.fullmatch(r"(cat|dog)s?( [0-9]{0,6})?", tokenizer.decode(overlapped["a"]))
+    assert re.fullmatch(r"(red|blue)( [a-z]{0,8})?", tokenizer.decode(overlapped["c"]))

@@ -26,7 +26,9 @@ stopped matcher allows.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -42,14 +44,24 @@ class GrammarViolation(RuntimeError):
     """A sampled token the row's grammar rejects: the mask was not applied, or was applied to the wrong row."""
 
 
+def mask_threads(world_size: int) -> int:
+    """llguidance's threads for one worker: the CPUs it may run on, shared by the host's tensor-parallel
+    ranks, less one for the worker's own thread (it prepares the next step while the masks fill), at most
+    32. llguidance's default, 80% of every CPU, leaves cores idle on a one-GPU host and oversubscribes a
+    multi-GPU one."""
+    return max(1, min(32, len(os.sched_getaffinity(0)) // max(world_size, 1) - 1))
+
+
 class GrammarMatchers:
     def __init__(self, tokenizer: worker_pb2.StructuredOutputTokenizer | None, vocab_size: int, max_num_seqs: int,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, num_threads: int | None = None):
         self._tokenizer_source = tokenizer
         self._vocab_size = vocab_size
         self._pin_memory = pin_memory
+        self._num_threads = num_threads
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
+        self._background: ThreadPoolExecutor | None = None  # waits on llguidance's pool, the GIL released
         self._matchers: list[LLMatcher | None] = [None] * max_num_seqs
         self.constrained = np.zeros(max_num_seqs, dtype=bool)
         # Rows whose grammar starts after `start_token_id[row]`, not sampled yet (see the module docstring).
@@ -67,7 +79,8 @@ class GrammarMatchers:
                 self._tokenizer = LLTokenizer(source.tokenizer_json, n_vocab=self._vocab_size, eos_token=eos)
             except ValueError:  # a tokenizer larger than the model's vocabulary: its own size
                 self._tokenizer = LLTokenizer(source.tokenizer_json, eos_token=eos)
-            self._executor = LLExecutor()
+            self._executor = LLExecutor(self._num_threads)
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._tokenizer
 
     def add(self, row: int, grammar: str, output_token_ids: Sequence[int], after_token_id: int | None = None) -> None:
@@ -103,14 +116,25 @@ class GrammarMatchers:
         """(indices into `rows` of the constrained ones, their allowed-token bitmask int32 [M, ceil(V / 32)] on
         the host, pinned on a GPU machine), or None when no row in `rows` is constrained. Filled by llguidance's
         thread pool with the GIL released."""
+        filling = self.bitmask_in_background(rows)
+        return None if filling is None else filling.result()
+
+    def bitmask_in_background(self, rows: np.ndarray) -> Future | None:
+        """`bitmask(rows)` filled while the caller goes on (it prepares the next step meanwhile): a Future of
+        it, or None when no row in `rows` is constrained. The rows' matchers are taken now, so `add` and
+        `remove` may hand the rows to other requests before the Future is done; `advance` must wait for it."""
         indices = np.flatnonzero(self.constrained[rows])
         if not len(indices):
             return None
         words = -(-self.tokenizer.vocab_size // 32)
         bitmask = torch.empty((len(indices), words), dtype=torch.int32, pin_memory=self._pin_memory)
         matchers = [(self._matchers[row], i) for i, row in enumerate(rows[indices].tolist())]
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
-        return indices, bitmask
+
+        def fill() -> tuple[np.ndarray, torch.Tensor]:
+            fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
+            return indices, bitmask
+
+        return self._background.submit(fill)
 
     def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Each constrained row of `rows` consumes its sampled token; a waiting row that sampled its start token

@@ -57,7 +57,7 @@ def run_worker(config: WorkerConfig) -> int:
     try:
         while True:
             started = time.perf_counter()
-            message = link.receive() if in_flight is None else _next_plan_or_done(link, in_flight)
+            message = link.receive() if in_flight is None else _next_plan_or_done(link, worker, in_flight)
             waited += time.perf_counter() - started
             if message is None:  # the step in flight is done and no plan is waiting
                 answer(worker.finish(in_flight))
@@ -79,7 +79,9 @@ def run_worker(config: WorkerConfig) -> int:
                 launched = worker.launch(message.plan, previous=in_flight)
                 if in_flight is not None:
                     answer(worker.finish(in_flight))
-                worker.complete(launched)  # a grammar row's draw, once the token it follows is known
+                # A grammar row's draw needs the token it follows, known now: its masks fill on llguidance's
+                # threads while the next plan is prepared; the next launch (or the wait below) draws.
+                worker.begin_masks(launched)
                 in_flight = launched
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s; %s", config.rank,
@@ -98,11 +100,15 @@ def run_worker(config: WorkerConfig) -> int:
         link.close()
 
 
-def _next_plan_or_done(link: SchedulerLink, step: LaunchedStep) -> worker_pb2.SchedulerToWorker | None:
-    """The next scheduler message, or None once `step`'s results are on the host with none waiting."""
+def _next_plan_or_done(link: SchedulerLink, worker: Worker,
+                       step: LaunchedStep) -> worker_pb2.SchedulerToWorker | None:
+    """The next scheduler message, or None once `step`'s results are on the host with none waiting. A step
+    whose deferred draw waits for the next launch is drawn here when no plan is waiting."""
     while True:
         message = link.poll(_POLL_S)
         if message is not None:
             return message
-        if step.copied is None or step.copied.query():
+        if worker.draw_pending(step):
+            worker.complete(step)
+        elif step.copied is None or step.copied.query():
             return None

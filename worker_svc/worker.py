@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -39,7 +40,7 @@ from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
 from worker_svc.device_busy import DeviceBusyClock
-from worker_svc.grammar_matchers import GrammarMatchers
+from worker_svc.grammar_matchers import GrammarMatchers, mask_threads
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
@@ -116,7 +117,8 @@ class Worker:
                                 tensor_parallel)
         grammars = GrammarMatchers(setup.structured_output_tokenizer if setup.HasField("structured_output_tokenizer")
                                    else None, self.model_config.vocab_size, setup.max_num_seqs,
-                                   pin_memory=self.device.type == "cuda")
+                                   pin_memory=self.device.type == "cuda",
+                                   num_threads=mask_threads(self.config.world_size))
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size, grammars)
         if self.device.type == "cuda":
             self._warm_up_sampler()
@@ -193,6 +195,8 @@ class Worker:
         `can_overlap(plan)` is False.
         """
         batch, kv_cache, timer = self.batch, self.kv_cache, self.step_timer
+        if previous is not None and previous.masks is None:
+            self.complete(previous)  # a deferred draw reads its rows' matchers: before this plan changes them
         timer.start_step()
         started = time.perf_counter()
         for request_id in plan.finished_request_ids:
@@ -224,6 +228,8 @@ class Worker:
         if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
             time.sleep(self.config.prefill_seconds_per_token * (len(inputs.input_ids) - inputs.num_decode_seqs))
         timer.mark("prepare")
+        if previous is not None:
+            self.complete(previous)  # its draw, if still deferred, goes on the stream before this forward pass
         hidden = self._forward(inputs, previous.sampled_ids if previous is not None else None)
         logits = self._logits(hidden, inputs)
         timer.mark("forward_launch")
@@ -269,6 +275,17 @@ class Worker:
                     and config.crash_on_token_id in batch.token_ids[row, :num_prompt]):
                 return True
         return False
+
+    def begin_masks(self, step: LaunchedStep) -> None:
+        """Starts filling the grammar masks of a step's deferred draw on llguidance's threads (see `launch`);
+        call it once the step it was launched behind is finished. The caller prepares the next step
+        meanwhile, and `complete` (the next `launch` calls it before its forward pass) takes the masks."""
+        if step.deferred_sample is not None and step.masks is None and self.batch.grammars is not None:
+            step.masks = self.batch.grammars.bitmask_in_background(step.sampled_rows)
+
+    def draw_pending(self, step: LaunchedStep) -> bool:
+        """Whether a step's deferred draw is not on the device yet (`complete` puts it there)."""
+        return step.deferred_sample is not None
 
     @torch.inference_mode()
     def complete(self, step: LaunchedStep) -> None:
@@ -345,7 +362,7 @@ class Worker:
         logprobs and any ranks and top-k travel together, float64 [S, 3 + 2K] (see `pack_sampler_output`)."""
         if len(logits_rows) != logits.shape[0]:
             logits = logits[_to_device(logits_rows, torch.long, self.device)]
-        self._mask_by_grammar(logits, step.sampled_rows)
+        self._mask_by_grammar(logits, step)
         out = sample(logits, tensors, self.sampling_ops)
         step.sampled_ids = out.token_ids
         packed = pack_sampler_output(out)
@@ -357,11 +374,15 @@ class Worker:
         else:
             step.host_sampled = packed
 
-    def _mask_by_grammar(self, logits: torch.Tensor, rows: np.ndarray) -> None:
+    def _mask_by_grammar(self, logits: torch.Tensor, step: LaunchedStep) -> None:
         """Constrained rows: the tokens their grammar disallows get -inf, in place, before the logits processors
         and sampling (vLLM applies the grammar bitmask at the same point, so logprobs are of the masked logits).
-        The bitmask is filled on the host while the queued forward pass runs, then copied without a sync."""
-        masks = self.batch.grammars.bitmask(rows) if self.batch.grammars is not None else None
+        The bitmask is filled on the host while the queued forward pass runs (from `begin_masks`, if called),
+        then copied without a sync."""
+        if step.masks is not None:
+            masks, step.masks = step.masks.result(), None
+        else:
+            masks = self.batch.grammars.bitmask(step.sampled_rows) if self.batch.grammars is not None else None
         if masks is None:
             return
         indices, bitmask = masks
@@ -436,3 +457,4 @@ class LaunchedStep:
     started: torch.cuda.Event | None = None  # before the step's first device work, when timed (device_busy.py)
     # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
     deferred_sample: Callable[[], None] | None = None
+    masks: Future | None = None  # the deferred draw's grammar masks, filling (`Worker.begin_masks`)
