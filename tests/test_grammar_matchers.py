@@ -162,3 +162,27 @@ def test_a_resumed_row_past_its_start_token_replays_only_the_tokens_after_it(bat
     assert decoded(tokenizer, allowed(batch, row)) <= {str(d) for d in range(10)}
     waiting = batch.add(new_request("b", [10, *thought], 1, after_token_id=THINK_END))
     assert batch.grammars.bitmask(np.array([waiting])) is None
+
+
+def test_rows_of_one_grammar_copy_one_compiled_matcher_and_advance_apart(batch, tokenizer, monkeypatch):
+    """A grammar is compiled once per worker (the template); each row's matcher is a copy in the start state,
+    resumed rows replaying from it, and no row's tokens move another's."""
+    import worker_svc.grammar_matchers as module
+
+    compiled = []
+
+    def compiling(tokenizer, grammar, **options):
+        compiled.append(grammar)
+        return LLMatcher(tokenizer, grammar, **options)
+
+    monkeypatch.setattr(module, "LLMatcher", compiling)
+    first = batch.add(new_request("a", [10, 11], 2))
+    start = allowed(batch, first)
+    fill(batch, [first], tokenizer.encode("dog", add_special_tokens=False)[:1])
+    second = batch.add(new_request("b", [10, 12], 2))
+    resumed = batch.add(new_request("c", [10, *tokenizer.encode("cats 1", add_special_tokens=False)], 1))
+    other = batch.add(new_request("d", [10], 1, grammar=LLMatcher.grammar_from_regex("yes|no")))
+    assert compiled == [GRAMMAR, LLMatcher.grammar_from_regex("yes|no")]
+    assert allowed(batch, second) == start != allowed(batch, first)
+    assert decoded(tokenizer, allowed(batch, resumed)) <= {str(d) for d in range(10)}
+    assert all("yes".startswith(text) or "no".startswith(text) for text in decoded(tokenizer, allowed(batch, other)))
