@@ -164,25 +164,32 @@ def test_a_resumed_row_past_its_start_token_replays_only_the_tokens_after_it(bat
     assert batch.grammars.bitmask(np.array([waiting])) is None
 
 
-def test_rows_of_one_grammar_copy_one_compiled_matcher_and_advance_apart(batch, tokenizer, monkeypatch):
-    """A grammar is compiled once per worker (the template); each row's matcher is a copy in the start state,
-    resumed rows replaying from it, and no row's tokens move another's."""
+def test_a_plans_grammars_are_built_ahead_and_each_row_advances_apart(batch, tokenizer, monkeypatch):
+    """`prepare` builds the matchers of a plan's new constrained rows on threads; the `add`s then build none,
+    rows of one grammar advance apart, a resumed row replays from its prepared matcher, and a grammar that
+    does not compile is refused at its `add` as when built there."""
     import worker_svc.grammar_matchers as module
 
-    compiled = []
+    built = []
 
-    def compiling(tokenizer, grammar, **options):
-        compiled.append(grammar)
+    def building(tokenizer, grammar, **options):
+        built.append(grammar)
         return LLMatcher(tokenizer, grammar, **options)
 
-    monkeypatch.setattr(module, "LLMatcher", compiling)
+    monkeypatch.setattr(module, "LLMatcher", building)
+    other, broken = LLMatcher.grammar_from_regex("yes|no"), LLMatcher.grammar_from_regex("(")
+    batch.grammars.prepare([GRAMMAR, GRAMMAR, other, GRAMMAR, broken])
+    assert sorted(built) == sorted([GRAMMAR, GRAMMAR, other, GRAMMAR, broken])
     first = batch.add(new_request("a", [10, 11], 2))
     start = allowed(batch, first)
     fill(batch, [first], tokenizer.encode("dog", add_special_tokens=False)[:1])
     second = batch.add(new_request("b", [10, 12], 2))
     resumed = batch.add(new_request("c", [10, *tokenizer.encode("cats 1", add_special_tokens=False)], 1))
-    other = batch.add(new_request("d", [10], 1, grammar=LLMatcher.grammar_from_regex("yes|no")))
-    assert compiled == [GRAMMAR, LLMatcher.grammar_from_regex("yes|no")]
+    yes_no = batch.add(new_request("d", [10], 1, grammar=other))
+    assert len(built) == 5, "every add took a prepared matcher"
     assert allowed(batch, second) == start != allowed(batch, first)
     assert decoded(tokenizer, allowed(batch, resumed)) <= {str(d) for d in range(10)}
-    assert all("yes".startswith(text) or "no".startswith(text) for text in decoded(tokenizer, allowed(batch, other)))
+    assert all("yes".startswith(text) or "no".startswith(text) for text in decoded(tokenizer, allowed(batch, yes_no)))
+    batch.remove("d")
+    with pytest.raises(ValueError, match="does not compile"):
+        batch.add(new_request("e", [10], 1, grammar=broken))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
+from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -43,9 +43,6 @@ logger = logging.getLogger(__name__)
 
 class GrammarViolation(RuntimeError):
     """A sampled token the row's grammar rejects: the mask was not applied, or was applied to the wrong row."""
-
-
-TEMPLATES = 64  # grammars whose start-state matcher a worker keeps (GrammarMatchers._new_matcher)
 
 
 def mask_threads(world_size: int) -> int:
@@ -67,8 +64,9 @@ class GrammarMatchers:
         self._executor: LLExecutor | None = None
         self._background: ThreadPoolExecutor | None = None  # waits on llguidance's pool, the GIL released
         self._matchers: list[LLMatcher | None] = [None] * max_num_seqs
-        # A fresh matcher of each recent grammar: a row's matcher is its copy (see `_new_matcher`).
-        self._templates: OrderedDict[str, LLMatcher] = OrderedDict()
+        # Matchers of the plan being applied, built ahead in parallel (`prepare`), by grammar.
+        self._prepared: defaultdict[str, list[LLMatcher]] = defaultdict(list)
+        self._builders: ThreadPoolExecutor | None = None
         self.constrained = np.zeros(max_num_seqs, dtype=bool)
         # Rows whose grammar starts after `start_token_id[row]`, not sampled yet (see the module docstring).
         self.waiting = np.zeros(max_num_seqs, dtype=bool)
@@ -87,6 +85,8 @@ class GrammarMatchers:
                 self._tokenizer = LLTokenizer(source.tokenizer_json, eos_token=eos)
             self._executor = LLExecutor(self._num_threads)
             self._background = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            self._builders = ThreadPoolExecutor(self._num_threads or mask_threads(1),
+                                                thread_name_prefix="grammar-builds")
         return self._tokenizer
 
     def add(self, row: int, grammar: str, output_token_ids: Sequence[int], after_token_id: int | None = None) -> None:
@@ -106,22 +106,30 @@ class GrammarMatchers:
         self.waiting[row] = waiting
         self.start_token_id[row] = -1 if after_token_id is None else after_token_id
 
+    def prepare(self, grammars: Sequence[str]) -> None:
+        """Builds a start-state matcher for each of `grammars` (the constrained new requests of a plan) on
+        threads, the GIL released, for the `add`s that follow. A build parses and compiles its grammar: about
+        a millisecond for a small JSON schema, so 256 new rows built one by one on the thread that launches
+        steps held a step up by a quarter of a second. (A copy of one built matcher would cost 30 us, but the
+        copies share a locked cache: their masks then fill one at a time.) Unused matchers are dropped at the
+        next call."""
+        self._prepared.clear()
+        if len(grammars) < 2:
+            return
+        self.tokenizer  # noqa: B018 (built here, not on the builders' threads)
+        for grammar, matcher in zip(grammars, self._builders.map(self._build, grammars)):
+            self._prepared[grammar].append(matcher)
+
+    def _build(self, grammar: str) -> LLMatcher:
+        return LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
+
     def _new_matcher(self, row: int, grammar: str) -> LLMatcher:
-        """A matcher of `grammar` in its start state: a copy of the grammar's template, built at its first use.
-        Building one parses and compiles the grammar (about a millisecond for a small JSON schema, on the
-        thread that launches steps: 256 rows of one schema held a step up by a third of a second); a copy costs
-        some 30 microseconds. Templates of the last TEMPLATES grammars are kept."""
-        template = self._templates.get(grammar)
-        if template is None:
-            template = LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
-            if template.is_error():
-                raise ValueError(f"row {row}: the grammar does not compile: {template.get_error()}")
-            self._templates[grammar] = template
-            if len(self._templates) > TEMPLATES:
-                self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(grammar)
-        return template.deep_copy()
+        """A matcher of `grammar` in its start state: one `prepare` built, else built now."""
+        prepared = self._prepared.get(grammar)
+        matcher = prepared.pop() if prepared else self._build(grammar)
+        if matcher.is_error():
+            raise ValueError(f"row {row}: the grammar does not compile: {matcher.get_error()}")
+        return matcher
 
     def remove(self, row: int) -> None:
         self._matchers[row] = None

@@ -209,6 +209,9 @@ class Worker:
         if self.config.crash_on_token_id is not None and self.config.crash_at_output_token is None and any(
                 self.config.crash_on_token_id in new.token_ids for new in plan.new_requests):
             os._exit(70)  # a hard crash tied to one request (a poison request), for the recovery tests
+        if batch.grammars is not None:
+            batch.grammars.prepare([new.sampling.structured_grammar for new in plan.new_requests
+                                    if new.sampling.structured_grammar])
         rows = [batch.add(new) for new in plan.new_requests]
         rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
         step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None,
