@@ -130,8 +130,7 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
         llm.shutdown()
         server_log = log.read()
     # Where a step's time goes: means over every step of the run (both W1 passes and the lone request).
-    step_timers = [line.split(" INFO ", 1)[-1] for line in server_log.splitlines()
-                   if "step time over" in line or "slow step launch" in line or "warmed up" in line]
+    step_timers = step_timer_lines(server_log)
     return {
         "step_timers": step_timers, "ready_s": ready_s,
         "device_busy_steady_decode": _device_busy(step_timers),
@@ -141,6 +140,14 @@ def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
         "tpot_median_ms": 1e3 * statistics.median(gaps), "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))],
         "num_kv_blocks": stats.num_kv_blocks, "preemptions": stats.num_preemptions, "steps": stats.num_steps,
     }
+
+
+def step_timer_lines(server_log: str) -> list[str]:
+    """A server log's lines on where steps' time went: the scheduler's and the worker's step timers and the
+    worker's device clocks (logged at shutdown: read them from a handle opened before the `LLM` stops, since
+    it deletes the log of a server that exits cleanly), slow step launches and the warm-up."""
+    return [line.split(" INFO ", 1)[-1] for line in server_log.splitlines()
+            if "step time over" in line or "slow step launch" in line or "warmed up" in line]
 
 
 def _device_busy(step_timers: list[str]) -> float | None:

@@ -9,7 +9,9 @@ embedded SmolLM2 tokenizer written by `pagedserve.testing.tiny_models.add_embedd
 requests x 512 random prompt tokens x 256 output tokens (EOS ignored), all at once, greedy. The schema is an
 object holding an array of up to 1,000 short strings, so no output completes it within 256 tokens and every
 step of every row computes a mask; its whitespace is off (random weights would otherwise fill the output
-with it). Both runs go through the same engine, the unconstrained one first. Writes
+with it). Both runs go through the same engine, the unconstrained one first; `--rounds N` repeats them (W1
+passes vary 10-25% run to run). `--per-mode-timers` first starts an engine per mode for two W1 passes each
+and keeps its step timers, which split a constrained step's extra time (masks, advances, the draw). Writes
 $OUT/structured_outputs_<shape>.json.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.model_shapes import write_config_dir  # noqa: E402
+from benchmarks.offline_throughput import step_timer_lines  # noqa: E402
 from client import AsyncClient, SamplingParams, StructuredOutputsParams  # noqa: E402
 from pagedserve.bench.offline_engine import start_engine  # noqa: E402
 from pagedserve.cli import parse_args  # noqa: E402
@@ -70,6 +73,18 @@ async def lone_gaps(target: str, constrained: bool, output_len: int) -> list[flo
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
+def one_mode_timers(engine_args: argparse.Namespace, constrained: bool, workload: argparse.Namespace) -> dict:
+    """A fresh engine running a warm-up and two W1 passes, every request constrained or none: its step timers
+    (scheduler, worker by step kind) are then that mode's alone, and their difference says where a
+    constrained step's extra time goes."""
+    llm = start_engine(engine_args)
+    with open(llm.log_path, errors="replace") as log, llm:
+        passes = [w1(llm, constrained, seed, workload) for seed in (11, 12, 13)][1:]
+        llm.shutdown()
+        server_log = log.read()
+    return {"elapsed_s": [run["elapsed_s"] for run in passes], "step_timers": step_timer_lines(server_log)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen2.5-1.5b")
@@ -80,6 +95,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     parser.add_argument("--num-layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     parser.add_argument("--rounds", type=int, default=1, help="constrained and unconstrained W1 passes each")
+    parser.add_argument("--per-mode-timers", action="store_true",
+                        help="first, an engine per mode (two W1 passes each) for its step timers alone")
     args = parser.parse_args()
     model_dir = write_config_dir(args.shape, Path(tempfile.mkdtemp()) / args.shape)
     if args.num_layers is not None:
@@ -93,6 +110,9 @@ def main() -> int:
                               "--device", args.device, "--dtype", "bfloat16", "--max-num-seqs", "256",
                               "--max-num-batched-tokens", "16384", "--max-model-len", "1024", "--ready-timeout", "900"])
     summary: dict = {"shape": args.shape, "schema": SCHEMA, "runs": {}}
+    if args.per_mode_timers:
+        summary["step_timers_by_mode"] = {name: one_mode_timers(engine_args, constrained, args)
+                                          for name, constrained in (("unconstrained", False), ("json_schema", True))}
     with start_engine(engine_args) as llm:
         w1(llm, False, 1, args)  # warm-up: batch shapes and kernels
         w1(llm, True, 2, args)  # warm-up: the tokenizer's llguidance view, the mask kernel

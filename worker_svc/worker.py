@@ -231,8 +231,9 @@ class Worker:
         if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
             time.sleep(self.config.prefill_seconds_per_token * (len(inputs.input_ids) - inputs.num_decode_seqs))
         timer.mark("prepare")
-        if previous is not None:
-            self.complete(previous)  # its draw, if still deferred, goes on the stream before this forward pass
+        if previous is not None and self.draw_pending(previous):
+            self.complete(previous)  # its draw goes on the stream before this forward pass
+            timer.mark("draw_behind")  # mostly the wait for its grammar masks
         hidden = self._forward(inputs, previous.sampled_ids if previous is not None else None)
         logits = self._logits(hidden, inputs)
         timer.mark("forward_launch")
