@@ -41,6 +41,7 @@ def test_past_the_queue_bound_requests_are_refused_before_any_token_and_none_han
     def one(index: int):
         chunks = []
         with server.client(timeout=120, max_retries=0) as client:  # the SDK would retry RESOURCE_EXHAUSTED
+            client.model_info()  # connected before the barrier: a lazy connect after it could come late
             start.wait()
             try:
                 for chunk in client.generate_stream([1, 2, index + 3], **LONG):
