@@ -111,10 +111,8 @@ class DecodeGraphs:
         self._block_tables[:n, :width].copy_(staging.block_tables(n, width), non_blocking=True)
         staging.mark_copied()
         if num_pending:
-            if previous_sampled is None:
-                raise RuntimeError("a step has pending input tokens but no step is in flight")
-            sources = previous_sampled[self._pending_sources[:num_pending]]
-            self._input_ids[self._pending_indices[:num_pending]] = sources.to(torch.long)
+            gather_pending_tokens(self._input_ids, self._pending_indices[:num_pending],
+                                  self._pending_sources[:num_pending], previous_sampled)
         self._graphs[size].replay()
         return self._outputs[size][:n]
 
@@ -152,9 +150,14 @@ class _HostStaging:
 
 def take_pending_tokens(input_ids: torch.Tensor, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> None:
     """input_ids[i] = previous_sampled[source] for each input token still pending (on the device)."""
+    device = input_ids.device
+    gather_pending_tokens(input_ids, to_device(inputs.pending_input_indices, device, torch.long),
+                          to_device(inputs.pending_sources, device, torch.long), previous_sampled)
+
+
+def gather_pending_tokens(input_ids: torch.Tensor, indices: torch.Tensor, sources: torch.Tensor,
+                          previous_sampled: torch.Tensor | None) -> None:
+    """input_ids[indices] = previous_sampled[sources], every index tensor already on the device."""
     if previous_sampled is None:
         raise RuntimeError("a step has pending input tokens but no step is in flight")
-    device = input_ids.device
-    indices = to_device(inputs.pending_input_indices, device, torch.long)
-    sources = to_device(inputs.pending_sources, device, torch.long)
     input_ids[indices] = previous_sampled[sources].to(input_ids.dtype)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -145,13 +145,18 @@ class GrammarMatchers:
         """(indices into `rows` of the constrained ones, their allowed-token bitmask int32 [M, ceil(V / 32)] on
         the host, pinned on a GPU machine), or None when no row in `rows` is constrained. Filled by llguidance's
         thread pool with the GIL released."""
-        filling = self.bitmask_in_background(rows)
-        return None if filling is None else filling.result()
+        fill = self._bitmask_fill(rows)
+        return None if fill is None else fill()
 
     def bitmask_in_background(self, rows: np.ndarray) -> Future | None:
         """`bitmask(rows)` filled while the caller goes on (it prepares the next step meanwhile): a Future of
         it, or None when no row in `rows` is constrained. The rows' matchers are taken now, so `add` and
         `remove` may hand the rows to other requests before the Future is done; `advance` must wait for it."""
+        fill = self._bitmask_fill(rows)
+        return None if fill is None else self._background.submit(fill)
+
+    def _bitmask_fill(self, rows: np.ndarray) -> Callable[[], tuple[np.ndarray, torch.Tensor]] | None:
+        """The fill of `bitmask(rows)` with its rows' matchers and buffer taken now, or None (no constraint)."""
         indices = np.flatnonzero(self.constrained[rows])
         if not len(indices):
             return None
@@ -163,7 +168,7 @@ class GrammarMatchers:
             fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
             return indices, bitmask
 
-        return self._background.submit(fill)
+        return fill
 
     def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
         """Each constrained row of `rows` consumes its sampled token; a waiting row that sampled its start token
