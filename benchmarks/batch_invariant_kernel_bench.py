@@ -3,6 +3,7 @@ against cuBLAS (F.linear), at a shape's layer sizes and token counts from a 1-ro
 configuration checked for invariance. One command on a lent GPU:
 
     python benchmarks/batch_invariant_kernel_bench.py --shape qwen2.5-1.5b [--json FILE]
+    python benchmarks/batch_invariant_kernel_bench.py --decode   # a decode step's linears, in CUDA graphs
 
 A configuration is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); serving uses one for every launch
 (kernels/triton_batch_invariant_matmul.py says why). "invariant" means row 0 of a 1-row product has the same
@@ -16,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.kernel_bench import time_graph  # noqa: E402
 from benchmarks.model_shapes import SHAPES, head_dim  # noqa: E402
-from kernels.triton_batch_invariant_matmul import TILE, linear  # noqa: E402
+from kernels.triton_batch_invariant_matmul import SMALL_ROWS, TILE, linear, tile_by_rows, tile_counters  # noqa: E402
 
 CANDIDATES = [TILE, (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
               (128, 128, 64, 4, 3), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
@@ -112,12 +116,84 @@ def sweep(sizes: dict, weights: dict, layers: int) -> dict:
     return {"best": best, "tiles_with_other_bits": differing}
 
 
+DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
+
+
+def decode_variants() -> dict[str, Callable]:
+    """The batch-invariant linear's ways for a decode step's rows: name -> fn(hidden, weight). "k8" sums K in 8
+    slices instead of 4 (other bits, for every row alike); the others must give the bits of "sum kernel"."""
+    counters = tile_counters("cuda")
+
+    def small_tile(tile):
+        return lambda rows: tile if rows <= SMALL_ROWS else TILE
+
+    variants = {"cublas": F.linear,
+                "sum kernel": partial(linear, tile=tile_by_rows, counters=None),
+                "last sums": partial(linear, tile=tile_by_rows, counters=counters),
+                "last sums, split to 64 rows": partial(linear, tile=tile_by_rows, counters=counters, split_rows=64),
+                "last sums, split to 256 rows": partial(linear, tile=tile_by_rows, counters=counters, split_rows=256),
+                "last sums, k8": partial(linear, tile=tile_by_rows, counters=counters, k_slices=8)}
+    for tile in ((64, 32, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 4),
+                 (64, 64, 64, 4, 4)):
+        variants[f"last sums, small tile {tile}"] = partial(linear, tile=small_tile(tile), counters=counters)
+    return variants
+
+
+def decode_step_linears(shape: str) -> dict:
+    """Every linear of one forward pass (each layer its own weights, as in a model: nothing stays in L2 from
+    the layer before) plus the LM head, captured in one CUDA graph per (way, rows) and timed by replays: the
+    device time a decode step spends in them, launch gaps inside a graph included, the host's launches not.
+    Also whether each way gives the bits of "sum kernel" on every layer's output at 1 and 33 rows."""
+    sizes = layer_sizes(shape)
+    layers = SHAPES[shape]["num_hidden_layers"]
+    weights = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+                for name, (n, k) in sizes.items() if name != "lm_head"} for _ in range(layers)]
+    n, k = sizes["lm_head"]
+    lm_head = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    results: dict = {"shape": shape, "device": torch.cuda.get_device_name(0), "ms": {}, "same_bits": {}}
+    variants = decode_variants()
+    for rows in DECODE_TOKENS:
+        inputs = {name: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in sizes.items()}
+        for way, fn in variants.items():
+            def step(fn=fn, inputs=inputs):
+                for layer in weights:
+                    for name, weight in layer.items():
+                        fn(inputs[name], weight)
+                fn(inputs["lm_head"], lm_head)
+            try:
+                results["ms"][f"{way}@{rows}"] = time_graph(step, replays=20) * 1e3
+            except Exception as error:  # noqa: BLE001 - a configuration that does not compile or fit is reported
+                results["ms"][f"{way}@{rows}"] = repr(error)[:200]
+        line = {way: results["ms"][f"{way}@{rows}"] for way in variants}
+        print(f"{rows:4d} rows:", "  ".join(f"{w} {v:.3f}" if isinstance(v, float) else f"{w} {v}"
+                                          for w, v in line.items()), flush=True)
+    for way, fn in variants.items():
+        if way == "cublas":
+            continue
+        same = True
+        for rows in (1, 33):
+            for name, weight in list(weights[0].items()) + [("lm_head", lm_head)]:
+                x = torch.randn(rows, weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                expected = variants["sum kernel"](x, weight)
+                same = same and all(torch.equal(fn(x, weight), expected) for _ in range(3))
+        results["same_bits"][way] = same
+    print("same bits as 'sum kernel':", results["same_bits"], flush=True)
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
+    parser.add_argument("--decode", action="store_true",
+                        help="only a decode step's linears in CUDA graphs, per way of splitting K (decode_step_linears)")
     args = parser.parse_args()
+    if args.decode:
+        results = decode_step_linears(args.shape)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return 0
     sizes = layer_sizes(args.shape)
     layers = SHAPES[args.shape]["num_hidden_layers"]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}

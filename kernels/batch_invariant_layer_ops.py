@@ -5,8 +5,9 @@ the step, so every op that reduces over a row must take that row's sum in an ord
 Op by op, and why each qualifies:
 
 - linear: kernels/triton_batch_invariant_matmul.py (no split-K; cuBLAS picks its kernel by the number of
-  rows). Its tile follows the row count, and a few rows' K slices get programs of their own, only on a
-  device where `tiles_agree` and `slices_agree` (checked here, once).
+  rows). Its tile follows the row count, and a few rows' K slices get programs of their own (each tile's
+  last program adding them, through one set of counters for the model), only on a device where
+  `tiles_agree` and `slices_agree` (checked here, once).
 - rms_norm, gemma_rms_norm: kernels/triton_rmsnorm.py as it is (one program per token, a fixed BLOCK per
   hidden size; see kernels/triton_batch_invariant_norm.py).
 - rotary_embedding, silu_and_mul, gelu_and_mul: the existing Triton kernels. They are elementwise (each
@@ -51,9 +52,11 @@ def batch_invariant_triton_layer_ops(device: torch.device | str = "cpu") -> Laye
     """Triton kernels whose per-row results do not depend on the batch (GPU; CPU under TRITON_INTERPRET=1).
     `device`: where the linear's tiles are checked for agreement (one tile for every row count if they differ)."""
     from kernels import triton_fused_moe, triton_rotary, triton_silu_and_mul
-    from kernels.triton_batch_invariant_matmul import SPLIT_ROWS, TILE, linear, slices_agree, tile_by_rows, tiles_agree
+    from kernels.triton_batch_invariant_matmul import (SPLIT_ROWS, TILE, linear, slices_agree, tile_by_rows,
+                                                        tile_counters, tiles_agree)
 
-    agree, split = tiles_agree(device), slices_agree(device)
+    counters = tile_counters(device)
+    agree, split = tiles_agree(device), slices_agree(device, counters=counters)
     tile = tile_by_rows if agree else TILE
     logger.info("batch-invariant linear on %s: %s, %s", device,
                 "tile by row count (the tiles give the same bits)" if agree else "one tile (the tiles' bits differ)",
@@ -69,7 +72,7 @@ def batch_invariant_triton_layer_ops(device: torch.device | str = "cpu") -> Laye
         gemma_rms_norm,
         triton_silu_and_mul.gelu_and_mul,
         partial(triton_fused_moe.fused_moe, block_m=MOE_BLOCK_M),
-        linear=partial(linear, tile=tile, split_rows=SPLIT_ROWS if split else 0),
+        linear=partial(linear, tile=tile, split_rows=SPLIT_ROWS if split else 0, counters=counters),
         per_row=apply_row_by_row,
         batch_invariant=True,
     )

@@ -343,12 +343,16 @@ class BatchInvariantTritonBackend:
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        output: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros.
         The first `metadata.num_decode_seqs` sequences (found with one host sync when None) run the decode
-        variants, the rest the prefill variant: the same math for every token."""
+        variants, the rest the prefill variant: the same math for every token. With `output` (like `query`), the
+        result goes there and rows of tokens outside every sequence keep what they held, as in
+        kernels/triton_backend.py (a piecewise CUDA graph's buffer: worker_svc/mixed_graphs.py)."""
         assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
-        output = torch.zeros_like(query)
+        if output is None:
+            output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
         if num_seqs == 0:
             return output

@@ -53,6 +53,9 @@ GROUP_M = 8
 # whose tiles alone would leave most SMs idle) each slice has programs of its own writing fp32 partials, and
 # a second kernel adds them in the same order: split-K's parallelism with one reduction order for all T.
 K_SLICES, K_SLICE_ALIGN, SPLIT_ROWS, SUM_BLOCK = 4, 256, 32, 1024
+# Tiles a split launch may have when its last programs add the slices (`tile_counters`): an LM head of 152k
+# columns in 64-column tiles needs 2,374; larger launches use the second kernel.
+COUNTERS = 8192
 
 Tile = tuple[int, int, int, int, int]
 
@@ -74,13 +77,16 @@ def tiles_agree(device: torch.device | str, dtype: torch.dtype = torch.bfloat16)
     return True
 
 
-def slices_agree(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the K slices summed by programs of their own give the bits of the in-program sum here."""
+def slices_agree(device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+                 counters: torch.Tensor | None = None) -> bool:
+    """Whether the K slices summed by programs of their own (by the tiles' last programs, with `counters`)
+    give the bits of the in-program sum here."""
     generator = torch.Generator().manual_seed(1)
     hidden = torch.randn(5, 1000, generator=generator).to(device, dtype)
     weight = (torch.randn(130, 1000, generator=generator) / 1000**0.5).to(device, dtype)
     bias = torch.randn(130, generator=generator).to(device, dtype)
-    return torch.equal(linear(hidden, weight, bias, split_rows=0), linear(hidden, weight, bias, split_rows=5))
+    whole = linear(hidden, weight, bias, split_rows=0)
+    return all(torch.equal(whole, linear(hidden, weight, bias, split_rows=5, counters=counters)) for _ in range(3))
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -89,6 +95,8 @@ def _batch_invariant_linear_kernel(
     weight_ptr,
     bias_ptr,
     out_ptr,
+    partials_ptr,
+    counters_ptr,
     num_rows,
     n_size,
     k_size,
@@ -103,6 +111,7 @@ def _batch_invariant_linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     SLICE_PER_PROGRAM: tl.constexpr,
+    LAST_SUMS: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -121,8 +130,8 @@ def _batch_invariant_linear_kernel(
     col_mask = cols < n_size
     mask = row_mask[:, None] & col_mask[None, :]
     if SLICE_PER_PROGRAM:
-        # One K slice (program axis 1); its fp32 sum goes to the partials [slices, T, N], summed by
-        # `_sum_slices_kernel` in slice order.
+        # One K slice (program axis 1); its fp32 sum goes to the partials [slices, T, N], summed in slice
+        # order by the tile's last program (LAST_SUMS) or by `_sum_slices_kernel`.
         first_slice, last_slice = tl.program_id(1), tl.program_id(1) + 1
     else:
         first_slice, last_slice = 0, num_slices
@@ -142,8 +151,26 @@ def _batch_invariant_linear_kernel(
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         total = total + acc
     if SLICE_PER_PROGRAM:
-        partial = out_ptr + tl.program_id(1).to(tl.int64) * num_rows * n_size
-        tl.store(partial + rows[:, None] * n_size + cols[None, :], total, mask=mask)
+        offsets = rows[:, None] * n_size + cols[None, :]
+        slice_size = num_rows.to(tl.int64) * n_size
+        tl.store(partials_ptr + tl.program_id(1) * slice_size + offsets, total, mask=mask)
+        if LAST_SUMS:
+            # The tile's last program to finish adds the slices in slice order (the operations of the one-
+            # program sum, whichever program it is), then re-arms the tile's counter for the next launch:
+            # split-K without a second kernel. The barrier and the counter's acquire-release order every
+            # thread's partial before the count; the sums are read from L2 (".cg"), where the stores went.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(counters_ptr + pid, 1, sem="acq_rel")
+            if arrived == num_slices - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k_slice_index in range(0, num_slices):
+                    total = total + tl.load(partials_ptr + k_slice_index * slice_size + offsets, mask=mask,
+                                            other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total = total + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.atomic_xchg(counters_ptr + pid, 0, sem="relaxed")
     else:
         if HAS_BIAS:
             total = total + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -164,13 +191,22 @@ def _sum_slices_kernel(partials_ptr, bias_ptr, out_ptr, num_elements, n_size, nu
     tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def tile_counters(device: torch.device | str) -> torch.Tensor:
+    """The zeroed per-tile counters `linear(..., counters=)` needs, for one device and one stream at a time
+    (each launch leaves them zero again); a model's layers share one."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
 def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: Tile | Callable[[int], Tile] = TILE, split_rows: int = SPLIT_ROWS) -> torch.Tensor:
+           tile: Tile | Callable[[int], Tile] = TILE, split_rows: int = SPLIT_ROWS,
+           counters: torch.Tensor | None = None, k_slices: int = K_SLICES) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
     accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
     Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile`: one tile for every
     call, or a function of the row count (`tile_by_rows`, where `tiles_agree`). Up to `split_rows` rows, each
-    K slice gets programs of its own (see K_SLICES; 0: never, where `slices_agree` does not hold)."""
+    K slice gets programs of its own (see K_SLICES; 0: never, where `slices_agree` does not hold); with
+    `counters` (`tile_counters`) each tile's last program adds its slices, else a second kernel does.
+    `k_slices`: K_SLICES but in benchmarks (another count gives other bits, for every row alike)."""
     assert weight.dim() == 2 and hidden.shape[-1] == weight.shape[1]
     assert hidden.dtype == weight.dtype, "hidden and weight must share a dtype"
     leading = hidden.shape[:-1]
@@ -188,23 +224,27 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None:
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
-    k_slice = triton.cdiv(triton.cdiv(k_size, K_SLICES), K_SLICE_ALIGN) * K_SLICE_ALIGN
+    k_slice = triton.cdiv(triton.cdiv(k_size, k_slices), K_SLICE_ALIGN) * K_SLICE_ALIGN
     num_slices = triton.cdiv(k_size, k_slice)
     slice_per_program = num_rows <= split_rows
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n_size, block_n), num_slices if slice_per_program else 1)
+    num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n_size, block_n)
+    grid = (num_tiles, num_slices if slice_per_program else 1)
     partials = (torch.empty((num_slices, num_rows, n_size), dtype=torch.float32, device=hidden.device)
                 if slice_per_program else out)
+    last_sums = slice_per_program and counters is not None and num_tiles <= counters.numel()
     _batch_invariant_linear_kernel[grid](
-        hidden, weight, bias if bias is not None else out, partials,
+        hidden, weight, bias if bias is not None else out, out, partials,
+        counters if last_sums else out,
         num_rows, n_size, k_size, k_slice, num_slices,
         hidden.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, SLICE_PER_PROGRAM=slice_per_program,
+        LAST_SUMS=last_sums,
         UPCAST=needs_upcast(hidden.dtype),
         DOT_PRECISION=dot_precision(hidden.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if slice_per_program:
+    if slice_per_program and not last_sums:
         _sum_slices_kernel[(triton.cdiv(num_rows * n_size, SUM_BLOCK),)](
             partials, bias if bias is not None else out, out, num_rows * n_size, n_size, num_slices,
             HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK)

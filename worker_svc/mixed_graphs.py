@@ -36,10 +36,12 @@ MAX_TOKENS = 2048  # larger steps run eagerly: their device time dwarfs the laun
 
 def supports_mixed_graphs(model: torch.nn.Module, world_size: int, backend) -> bool:
     """Whether `model`'s forward outside attention depends only on the token count (see the module docstring),
-    on the Triton kernel set (its attention writes into a given buffer)."""
+    on a Triton attention backend (it writes into a given buffer). In batch-invariant mode too: every op there
+    computes a row alone, so the padding rows of a bucket change no real row's bits."""
     from kernels.triton_backend import TritonAttentionBackend  # Triton: on a GPU only (the CPU image has none)
+    from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
 
-    if not isinstance(backend, TritonAttentionBackend):
+    if not isinstance(backend, (TritonAttentionBackend, BatchInvariantTritonBackend)):
         return False
     if world_size != 1 or any(isinstance(module, FusedMoE) for module in model.modules()):
         return False

@@ -210,6 +210,14 @@ def test_padding_sequences_of_a_cuda_graph_bucket_give_zeros_and_change_no_other
     output = backend.paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, **options)
     assert torch.equal(output[0], whole[40])
     assert torch.equal(output[2:], torch.zeros_like(output[2:]))
+    # Into a given buffer (a piecewise CUDA graph's, worker_svc/mixed_graphs.py, whose bucket has tokens past
+    # every sequence): the same rows, and the rows of tokens outside every sequence keep what they held.
+    query = torch.cat([query, torch.randn(2, 8, HEAD_DIM)])
+    buffer = torch.full_like(query, 7.0)
+    returned = backend.paged_attention(query, pool.kv_cache, metadata, HEAD_DIM ** -0.5, output=buffer, **options)
+    assert returned is buffer
+    assert torch.equal(buffer[:-2], output)
+    assert torch.equal(buffer[-2:], torch.full_like(buffer[-2:], 7.0))
 
 
 def test_the_split_kv_decode_path_is_not_batch_invariant():
@@ -242,12 +250,15 @@ def test_the_batch_invariant_layer_ops_set(monkeypatch, agree):
     from kernels import triton_batch_invariant_matmul as matmul
 
     monkeypatch.setattr(matmul, "tiles_agree", lambda device: agree)
-    monkeypatch.setattr(matmul, "slices_agree", lambda device: agree)
+    monkeypatch.setattr(matmul, "slices_agree", lambda device, counters: agree)
     ops = batch_invariant_triton_layer_ops()
     assert ops.name == "triton-batch-invariant" and ops.batch_invariant
     # The tile follows the row count only where the device gives every tile the same bits.
-    assert ops.linear.func is linear and ops.linear.keywords == {
+    keywords = dict(ops.linear.keywords)
+    counters = keywords.pop("counters")
+    assert ops.linear.func is linear and keywords == {
         "tile": matmul.tile_by_rows if agree else matmul.TILE, "split_rows": matmul.SPLIT_ROWS if agree else 0}
+    assert counters.shape == (matmul.COUNTERS,) and not counters.any()
     assert ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
     assert ops.rotary_embedding is triton_rotary.rotary_embedding
     assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
@@ -311,6 +322,25 @@ def test_k_slices_in_programs_of_their_own_give_the_in_program_sums_bits():
     split, whole = linear(hidden, weight, split_rows=9), linear(hidden, weight, split_rows=0)
     assert torch.equal(split, whole)
     torch.testing.assert_close(split.float(), F.linear(hidden.float(), weight.float()), atol=2e-2, rtol=2e-2)
+
+
+
+def test_the_last_program_of_a_tile_adds_its_k_slices_with_the_in_program_sums_bits():
+    """Split with counters: each tile's last program to finish adds the slices (no second kernel), giving the
+    bits of one program adding them, with a bias; the counters are zero again after each launch, so a second
+    launch (a CUDA graph's replay) works; a launch of more tiles than counters uses the second kernel."""
+    from kernels.triton_batch_invariant_matmul import tile_counters
+
+    hidden, weight = random_tensor((9, 1000), torch.bfloat16, 3), random_tensor((300, 1000), torch.bfloat16, 4)
+    bias = random_tensor((300,), torch.bfloat16, 5)
+    whole = linear(hidden, weight, bias, split_rows=0)
+    counters = tile_counters("cpu")
+    for _ in range(2):
+        assert torch.equal(linear(hidden, weight, bias, split_rows=9, counters=counters), whole)
+        assert not counters.any()
+    too_few = torch.zeros(1, dtype=torch.int32)
+    assert torch.equal(linear(hidden, weight, bias, split_rows=9, counters=too_few), whole)
+    assert not too_few.any()
 
 
 # --- sampling ---------------------------------------------------------------------------------------------
