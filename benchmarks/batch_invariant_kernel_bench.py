@@ -28,11 +28,11 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.kernel_bench import time_graph  # noqa: E402
 from benchmarks.model_shapes import SHAPES, head_dim  # noqa: E402
-from kernels.triton_batch_invariant_matmul import SMALL_ROWS, TILE, linear, tile_by_rows, tile_counters  # noqa: E402
+from kernels.triton_batch_invariant_matmul import TILE, linear, tile_by_rows  # noqa: E402
 
 CANDIDATES = [TILE, (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
               (128, 128, 64, 4, 3), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
-              (256, 128, 64, 8, 3), (64, 64, 128, 4, 3)]
+              (256, 128, 64, 8, 3), (64, 64, 128, 4, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
 TOKENS = (1, 64, 256, 2048, 16384)
 
 
@@ -60,9 +60,9 @@ def rows_invariant(fn, full: torch.Tensor, batch_sizes=(1, 3, 64, 257, 2048)) ->
     return True
 
 
-def tokens_of(layer: str) -> tuple[int, ...]:
+def tokens_of(layer: str, tokens: tuple[int, ...] = TOKENS) -> tuple[int, ...]:
     """The LM head sees only the sampled rows (at most a decode batch), the other layers every token."""
-    return tuple(t for t in TOKENS if t <= 256) if layer == "lm_head" else TOKENS
+    return tuple(t for t in tokens if t <= 256) if layer == "lm_head" else tokens
 
 
 def time_ms(fn, repeats: int = 20) -> float:
@@ -116,26 +116,21 @@ def sweep(sizes: dict, weights: dict, layers: int) -> dict:
     return {"best": best, "tiles_with_other_bits": differing}
 
 
-DECODE_TOKENS = (1, 8, 32, 64, 128, 256)
+DECODE_TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
+# Tiles tried on every row count (BLOCK_M 16 and 32 run the pre-Hopper MMA, 64 and up Hopper's).
+DECODE_TILES = ((16, 32, 256, 4, 4), (16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (32, 32, 256, 4, 4),
+                (64, 32, 128, 4, 3), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
+                (128, 32, 128, 4, 3), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
+                (128, 128, 64, 8, 4), (256, 32, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
+                (128, 256, 64, 8, 3))
 
 
 def decode_variants() -> dict[str, Callable]:
-    """The batch-invariant linear's ways for a decode step's rows: name -> fn(hidden, weight). "k8" sums K in 8
-    slices instead of 4 (other bits, for every row alike); the others must give the bits of "sum kernel"."""
-    counters = tile_counters("cuda")
-
-    def small_tile(tile):
-        return lambda rows: tile if rows <= SMALL_ROWS else TILE
-
-    variants = {"cublas": F.linear,
-                "sum kernel": partial(linear, tile=tile_by_rows, counters=None),
-                "last sums": partial(linear, tile=tile_by_rows, counters=counters),
-                "last sums, split to 64 rows": partial(linear, tile=tile_by_rows, counters=counters, split_rows=64),
-                "last sums, split to 256 rows": partial(linear, tile=tile_by_rows, counters=counters, split_rows=256),
-                "last sums, k8": partial(linear, tile=tile_by_rows, counters=counters, k_slices=8)}
-    for tile in ((64, 32, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 256, 4, 3), (64, 64, 128, 4, 4),
-                 (64, 64, 64, 4, 4)):
-        variants[f"last sums, small tile {tile}"] = partial(linear, tile=small_tile(tile), counters=counters)
+    """The batch-invariant linear's ways for a step's rows: name -> fn(hidden, weight): "serving" (the tiles
+    serving picks by the rows, `tile_by_rows`) and each of DECODE_TILES for every row count."""
+    variants = {"cublas": F.linear, "serving": partial(linear, tile=tile_by_rows)}
+    for tile in DECODE_TILES:
+        variants[f"tile {tile}"] = partial(linear, tile=tile)
     return variants
 
 
@@ -143,7 +138,7 @@ def decode_step_linears(shape: str) -> dict:
     """Every linear of one forward pass (each layer its own weights, as in a model: nothing stays in L2 from
     the layer before) plus the LM head, captured in one CUDA graph per (way, rows) and timed by replays: the
     device time a decode step spends in them, launch gaps inside a graph included, the host's launches not.
-    Also whether each way gives the bits of "sum kernel" on every layer's output at 1 and 33 rows."""
+    Also whether each way gives the bits of "serving" on every layer's output at 1, 33 and 300 rows."""
     sizes = layer_sizes(shape)
     layers = SHAPES[shape]["num_hidden_layers"]
     weights = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -153,7 +148,9 @@ def decode_step_linears(shape: str) -> dict:
     results: dict = {"shape": shape, "device": torch.cuda.get_device_name(0), "ms": {}, "same_bits": {}}
     variants = decode_variants()
     for rows in DECODE_TOKENS:
-        inputs = {name: torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for name, (n, k) in sizes.items()}
+        # The LM head sees only the sampled rows (at most a decode batch's).
+        inputs = {name: torch.randn(min(rows, 256) if name == "lm_head" else rows, k, device="cuda",
+                                    dtype=torch.bfloat16) for name, (n, k) in sizes.items()}
         for way, fn in variants.items():
             def step(fn=fn, inputs=inputs):
                 for layer in weights:
@@ -171,13 +168,22 @@ def decode_step_linears(shape: str) -> dict:
         if way == "cublas":
             continue
         same = True
-        for rows in (1, 33):
+        for rows in (1, 33, 300):
             for name, weight in list(weights[0].items()) + [("lm_head", lm_head)]:
                 x = torch.randn(rows, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-                expected = variants["sum kernel"](x, weight)
+                expected = variants["serving"](x, weight)
                 same = same and all(torch.equal(fn(x, weight), expected) for _ in range(3))
         results["same_bits"][way] = same
-    print("same bits as 'sum kernel':", results["same_bits"], flush=True)
+    print("same bits as 'serving':", results["same_bits"], flush=True)
+    best = {}
+    for rows in DECODE_TOKENS:
+        timed = {way: results["ms"][f"{way}@{rows}"] for way in variants if way != "cublas"}
+        timed = {way: ms for way, ms in timed.items() if isinstance(ms, float)}
+        way = min(timed, key=timed.get)
+        best[rows] = {"way": way, "ms": timed[way], "over_cublas": timed[way] / results["ms"][f"cublas@{rows}"],
+                      "serving_over_cublas": timed["serving"] / results["ms"][f"cublas@{rows}"]}
+        print(rows, "rows: best", best[rows], flush=True)
+    results["best"] = best
     return results
 
 
@@ -186,6 +192,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts compared (default: all)")
     parser.add_argument("--decode", action="store_true",
                         help="only a decode step's linears in CUDA graphs, per way of splitting K (decode_step_linears)")
     args = parser.parse_args()
@@ -198,6 +205,7 @@ def main() -> int:
     layers = SHAPES[args.shape]["num_hidden_layers"]
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}
     results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(0), "cublas_ms": {}, "configs": {}}
+    counts = tuple(args.tokens or TOKENS)
     if args.sweep:
         results["sweep"] = sweep(sizes, weights, layers)
         print("tiles with other bits:", results["sweep"]["tiles_with_other_bits"])
@@ -205,7 +213,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return 0
     for name, weight in weights.items():
-        for tokens in tokens_of(name):
+        for tokens in tokens_of(name, counts):
             x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
             results["cublas_ms"][f"{name}@{tokens}"] = time_ms(lambda: F.linear(x, weight))
     probe = torch.randn(257, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
@@ -214,11 +222,12 @@ def main() -> int:
         entry: dict = {"ms": {}}
         try:
             for name, weight in weights.items():
-                for tokens in tokens_of(name):
+                for tokens in tokens_of(name, counts):
                     x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
                     entry["ms"][f"{name}@{tokens}"] = time_ms(lambda: linear(x, weight, tile=tile))
             full = torch.randn(2048, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
-            entry["invariant"] = rows_invariant(lambda rows: linear(rows, weights["gate_up"], tile=tile), full)
+            entry["invariant"] = rows_invariant(lambda rows: linear(rows, weights["gate_up"], tile=tile),
+                                                full)
             outputs[str(tile)] = linear(probe, weights["gate_up"], tile=tile)
         except Exception as error:  # noqa: BLE001 - a configuration that does not compile or fit is reported
             entry["error"] = repr(error)[:300]
@@ -226,7 +235,7 @@ def main() -> int:
             print(tile, entry["error"], flush=True)
             continue
         # One forward pass's linear time: every decoder layer's four plus the LM head (on the sampled rows).
-        for tokens in (256, 16384):
+        for tokens in {256, 16384} & set(counts):
             ours = layers * sum(entry["ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
             cublas = layers * sum(results["cublas_ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head")
             entry[f"forward_linear_ms@{tokens}"] = ours
@@ -234,8 +243,9 @@ def main() -> int:
         results["configs"][str(tile)] = entry
         print(tile, "invariant" if entry["invariant"] is True else entry["invariant"],
               {k: round(v, 3) for k, v in entry.items() if k.startswith(("over", "forward"))}, flush=True)
-    print("cublas forward linear ms @256:", layers * sum(results["cublas_ms"][f"{n}@256"] for n in sizes if n != "lm_head"),
-          "@16384:", layers * sum(results["cublas_ms"][f"{n}@16384"] for n in sizes if n != "lm_head"))
+    for tokens in counts:
+        print(f"cublas forward linear ms @{tokens}:",
+              layers * sum(results["cublas_ms"][f"{n}@{tokens}"] for n in sizes if n != "lm_head"))
     names = list(outputs)
     results["same_bits"] = [[a, b] for i, a in enumerate(names) for b in names[i + 1:]
                             if torch.equal(outputs[a], outputs[b])]

@@ -5,9 +5,7 @@ the step, so every op that reduces over a row must take that row's sum in an ord
 Op by op, and why each qualifies:
 
 - linear: kernels/triton_batch_invariant_matmul.py (no split-K; cuBLAS picks its kernel by the number of
-  rows). Its tile follows the row count, and a few rows' K slices get programs of their own (each tile's
-  last program adding them, through one set of counters for the model), only on a device where
-  `tiles_agree` and `slices_agree` (checked here, once).
+  rows). Its tile follows the row count only on a device where `tiles_agree` (checked here, once).
 - rms_norm, gemma_rms_norm: kernels/triton_rmsnorm.py as it is (one program per token, a fixed BLOCK per
   hidden size; see kernels/triton_batch_invariant_norm.py).
 - rotary_embedding, silu_and_mul, gelu_and_mul: the existing Triton kernels. They are elementwise (each
@@ -52,16 +50,12 @@ def batch_invariant_triton_layer_ops(device: torch.device | str = "cpu") -> Laye
     """Triton kernels whose per-row results do not depend on the batch (GPU; CPU under TRITON_INTERPRET=1).
     `device`: where the linear's tiles are checked for agreement (one tile for every row count if they differ)."""
     from kernels import triton_fused_moe, triton_rotary, triton_silu_and_mul
-    from kernels.triton_batch_invariant_matmul import (SPLIT_ROWS, TILE, linear, slices_agree, tile_by_rows,
-                                                        tile_counters, tiles_agree)
+    from kernels.triton_batch_invariant_matmul import TILE, linear, tile_by_rows, tiles_agree
 
-    counters = tile_counters(device)
-    agree, split = tiles_agree(device), slices_agree(device, counters=counters)
+    agree = tiles_agree(device)
     tile = tile_by_rows if agree else TILE
-    logger.info("batch-invariant linear on %s: %s, %s", device,
-                "tile by row count (the tiles give the same bits)" if agree else "one tile (the tiles' bits differ)",
-                "K slices in programs of their own up to %d rows" % SPLIT_ROWS if split
-                else "K slices summed in one program (split programs' bits differ)")
+    logger.info("batch-invariant linear on %s: %s", device,
+                "tile by row count (the tiles give the same bits)" if agree else "one tile (the tiles' bits differ)")
     from kernels.triton_batch_invariant_norm import gemma_rms_norm, rms_norm
 
     return LayerOps(
@@ -72,7 +66,7 @@ def batch_invariant_triton_layer_ops(device: torch.device | str = "cpu") -> Laye
         gemma_rms_norm,
         triton_silu_and_mul.gelu_and_mul,
         partial(triton_fused_moe.fused_moe, block_m=MOE_BLOCK_M),
-        linear=partial(linear, tile=tile, split_rows=SPLIT_ROWS if split else 0, counters=counters),
+        linear=partial(linear, tile=tile),
         per_row=apply_row_by_row,
         batch_invariant=True,
     )

@@ -250,15 +250,10 @@ def test_the_batch_invariant_layer_ops_set(monkeypatch, agree):
     from kernels import triton_batch_invariant_matmul as matmul
 
     monkeypatch.setattr(matmul, "tiles_agree", lambda device: agree)
-    monkeypatch.setattr(matmul, "slices_agree", lambda device, counters: agree)
     ops = batch_invariant_triton_layer_ops()
     assert ops.name == "triton-batch-invariant" and ops.batch_invariant
     # The tile follows the row count only where the device gives every tile the same bits.
-    keywords = dict(ops.linear.keywords)
-    counters = keywords.pop("counters")
-    assert ops.linear.func is linear and keywords == {
-        "tile": matmul.tile_by_rows if agree else matmul.TILE, "split_rows": matmul.SPLIT_ROWS if agree else 0}
-    assert counters.shape == (matmul.COUNTERS,) and not counters.any()
+    assert ops.linear.func is linear and ops.linear.keywords == {"tile": matmul.tile_by_rows if agree else matmul.TILE}
     assert ops.rms_norm is rms_norm and ops.gemma_rms_norm is gemma_rms_norm
     assert ops.rotary_embedding is triton_rotary.rotary_embedding
     assert ops.silu_and_mul is triton_silu_and_mul.silu_and_mul
@@ -298,49 +293,18 @@ def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
     torch.testing.assert_close(output.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_tiles_agree_compares_the_two_tiles_bits(monkeypatch):
-    """The start-up check: the same tile twice agrees; a tile that sums K in other groups does not under the
-    interpreter (numpy's matmul orders a tile's K its own way), which is why there it is TILE everywhere."""
+def test_tiles_agree_compares_every_row_tile_with_the_tile(monkeypatch):
+    """The start-up check: tiles that are all TILE agree; one that sums K in other groups does not under the
+    interpreter (numpy's matmul orders a tile's K its own way), which is why there it is TILE everywhere.
+    tile_by_rows picks the first ROW_TILES entry that holds the rows."""
     from kernels import triton_batch_invariant_matmul as matmul
 
-    monkeypatch.setattr(matmul, "SMALL_TILE", matmul.TILE)
+    monkeypatch.setattr(matmul, "ROW_TILES", ((8, matmul.TILE), (1 << 62, matmul.TILE)))
     assert matmul.tiles_agree("cpu")
-    monkeypatch.setattr(matmul, "SMALL_TILE", (64, 64, 32, 4, 3))
+    other = (64, 64, 32, 4, 3)
+    monkeypatch.setattr(matmul, "ROW_TILES", ((8, matmul.TILE), (64, other), (1 << 62, matmul.TILE)))
     assert not matmul.tiles_agree("cpu")
-    assert matmul.tile_by_rows(matmul.SMALL_ROWS) == matmul.SMALL_TILE
-    assert matmul.tile_by_rows(matmul.SMALL_ROWS + 1) == matmul.TILE
-
-
-def test_k_slices_in_programs_of_their_own_give_the_in_program_sums_bits():
-    """Few rows: each K slice in its own programs and a second kernel adding them in slice order; the same
-    bits as one program adding its slices in that order (what every larger batch runs). K = 1000 makes the
-    last slice partial, with a bias."""
-    from kernels import triton_batch_invariant_matmul as matmul
-
-    assert matmul.slices_agree("cpu")
-    hidden, weight = random_tensor((9, 1000), torch.bfloat16, 3), random_tensor((70, 1000), torch.bfloat16, 4)
-    split, whole = linear(hidden, weight, split_rows=9), linear(hidden, weight, split_rows=0)
-    assert torch.equal(split, whole)
-    torch.testing.assert_close(split.float(), F.linear(hidden.float(), weight.float()), atol=2e-2, rtol=2e-2)
-
-
-
-def test_the_last_program_of_a_tile_adds_its_k_slices_with_the_in_program_sums_bits():
-    """Split with counters: each tile's last program to finish adds the slices (no second kernel), giving the
-    bits of one program adding them, with a bias; the counters are zero again after each launch, so a second
-    launch (a CUDA graph's replay) works; a launch of more tiles than counters uses the second kernel."""
-    from kernels.triton_batch_invariant_matmul import tile_counters
-
-    hidden, weight = random_tensor((9, 1000), torch.bfloat16, 3), random_tensor((300, 1000), torch.bfloat16, 4)
-    bias = random_tensor((300,), torch.bfloat16, 5)
-    whole = linear(hidden, weight, bias, split_rows=0)
-    counters = tile_counters("cpu")
-    for _ in range(2):
-        assert torch.equal(linear(hidden, weight, bias, split_rows=9, counters=counters), whole)
-        assert not counters.any()
-    too_few = torch.zeros(1, dtype=torch.int32)
-    assert torch.equal(linear(hidden, weight, bias, split_rows=9, counters=too_few), whole)
-    assert not too_few.any()
+    assert [matmul.tile_by_rows(rows) for rows in (1, 8, 9, 64, 65)] == [matmul.TILE] * 2 + [other] * 2 + [matmul.TILE]
 
 
 # --- sampling ---------------------------------------------------------------------------------------------
