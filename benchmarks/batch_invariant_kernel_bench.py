@@ -118,11 +118,13 @@ def sweep(sizes: dict, weights: dict, layers: int) -> dict:
 
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
 # Tiles tried on every row count (BLOCK_M 16 and 32 run the pre-Hopper MMA, 64 and up Hopper's).
-DECODE_TILES = ((16, 32, 256, 4, 4), (16, 32, 128, 4, 4), (32, 32, 128, 4, 4), (32, 32, 256, 4, 4),
-                (64, 32, 128, 4, 3), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
-                (128, 32, 128, 4, 3), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
-                (128, 128, 64, 8, 4), (256, 32, 64, 8, 3), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3),
-                (128, 256, 64, 8, 3))
+DECODE_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4),
+                (64, 64, 128, 4, 3), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
+                (128, 128, 64, 8, 4), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))
+# Tiles also tried with their loads through the tensor memory accelerator (`linear(..., tma=True)`).
+TMA_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 3),
+             (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
+             (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3))
 
 
 def decode_variants() -> dict[str, Callable]:
@@ -131,6 +133,8 @@ def decode_variants() -> dict[str, Callable]:
     variants = {"cublas": F.linear, "serving": partial(linear, tile=tile_by_rows)}
     for tile in DECODE_TILES:
         variants[f"tile {tile}"] = partial(linear, tile=tile)
+    for tile in TMA_TILES:
+        variants[f"tma {tile}"] = partial(linear, tile=tile, tma=True)
     return variants
 
 

@@ -76,6 +76,64 @@ def tiles_agree(device: torch.device | str, dtype: torch.dtype = torch.bfloat16)
     return True
 
 
+@triton.jit
+def _grouped_tile(num_rows, n_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (row tile, column tile) in grouped launch order (GROUP_M row tiles sweep the column tiles
+    together): a weight tile and a group's rows stay in L2 while they are reused. The order programs run in
+    changes no element's math."""
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(num_rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * tiles_n)) % group_rows, (pid % (GROUP_M * tiles_n)) // group_rows
+
+
+@triton.jit
+def _add_bias_and_store(acc, bias_ptr, out_ptr, stride_out, tile_m, tile_n, num_rows, n_size,
+                        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_size
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < num_rows)[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _batch_invariant_tma_linear_kernel(
+    hidden_desc,
+    weight_desc,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    n_size,
+    k_size,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """`_batch_invariant_linear_kernel`'s math with tiles loaded by the tensor memory accelerator (Hopper's
+    bulk copies; out-of-bounds rows, columns and K read zeros)."""
+    tile_m, tile_n = _grouped_tile(num_rows, n_size, BLOCK_M, BLOCK_N, GROUP_M)
+    first_row, first_col = tile_m * BLOCK_M, tile_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, k_size, BLOCK_K):
+        a = hidden_desc.load([first_row, k_start])
+        b = weight_desc.load([first_col, k_start])
+        if UPCAST:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
+    _add_bias_and_store(acc, bias_ptr, out_ptr, stride_out, tile_m, tile_n, num_rows, n_size, HAS_BIAS, BLOCK_M,
+                        BLOCK_N)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _batch_invariant_linear_kernel(
     hidden_ptr,
@@ -96,15 +154,7 @@ def _batch_invariant_linear_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # Grouped launch order (GROUP_M row tiles sweep the column tiles together): a weight tile and a group's
-    # rows stay in L2 while they are reused. The order programs run in changes no element's math.
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(num_rows, BLOCK_M), tl.cdiv(n_size, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
-    tile_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    tile_m, tile_n = _grouped_tile(num_rows, n_size, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < num_rows
@@ -120,14 +170,18 @@ def _batch_invariant_linear_kernel(
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    _add_bias_and_store(acc, bias_ptr, out_ptr, stride_out, tile_m, tile_n, num_rows, n_size, HAS_BIAS, BLOCK_M,
+                        BLOCK_N)
+
+
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor memory accelerator can load these 2-D row-major tensors: 16-byte aligned start and
+    row stride."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
 def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: Tile | Callable[[int], Tile] = TILE) -> torch.Tensor:
+           tile: Tile | Callable[[int], Tile] = TILE, tma: bool = False) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
     accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
     Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile`: one tile for every
@@ -150,6 +204,18 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
     grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n_size, block_n),)
+    if tma and tma_fits(hidden, weight):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _batch_invariant_tma_linear_kernel[grid](
+            TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
+            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+            bias if bias is not None else out, out, num_rows, n_size, k_size, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+            UPCAST=needs_upcast(hidden.dtype), DOT_PRECISION=dot_precision(hidden.dtype),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+        return out.reshape(*leading, n_size)
     _batch_invariant_linear_kernel[grid](
         hidden, weight, bias if bias is not None else out, out,
         num_rows, n_size, k_size,
