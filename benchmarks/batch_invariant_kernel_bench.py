@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.kernel_bench import time_graph  # noqa: E402
 from benchmarks.model_shapes import SHAPES, head_dim  # noqa: E402
-from kernels.triton_batch_invariant_matmul import TILE, linear, tile_by_rows  # noqa: E402
+from kernels.triton_batch_invariant_matmul import TILE, Tile, linear, tile_by_rows  # noqa: E402
 
 CANDIDATES = [TILE, (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 4),
               (128, 128, 64, 4, 3), (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (128, 128, 128, 8, 3),
@@ -95,9 +95,9 @@ def sweep(sizes: dict, weights: dict, layers: int) -> dict:
                     if name == "lm_head":
                         continue
                     x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-                    total += layers * time_ms(lambda: linear(x, weight, tile=tile), repeats=10)
+                    total += layers * time_ms(lambda: linear(x, weight, tile=Tile(*tile)), repeats=10)
                 timings[str(tile)] = total
-                bits = linear(probe, weights["gate_up"], tile=tile)
+                bits = linear(probe, weights["gate_up"], tile=Tile(*tile))
                 if reference is None:
                     reference = bits
                 elif not torch.equal(bits, reference) and str(tile) not in differing:
@@ -121,7 +121,7 @@ DECODE_TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
 DECODE_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4),
                 (64, 64, 128, 4, 3), (128, 64, 64, 4, 4), (128, 64, 128, 8, 3), (128, 128, 64, 8, 3),
                 (128, 128, 64, 8, 4), (256, 64, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3))
-# Tiles also tried with their loads through the tensor memory accelerator (`linear(..., tma=True)`).
+# Tiles also tried with their loads through the tensor memory accelerator (`Tile(..., tma=True)`).
 TMA_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64, 64, 128, 4, 3),
              (64, 128, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
              (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3))
@@ -132,9 +132,9 @@ def decode_variants() -> dict[str, Callable]:
     serving picks by the rows, `tile_by_rows`) and each of DECODE_TILES for every row count."""
     variants = {"cublas": F.linear, "serving": partial(linear, tile=tile_by_rows)}
     for tile in DECODE_TILES:
-        variants[f"tile {tile}"] = partial(linear, tile=tile)
+        variants[f"tile {tile}"] = partial(linear, tile=Tile(*tile))
     for tile in TMA_TILES:
-        variants[f"tma {tile}"] = partial(linear, tile=tile, tma=True)
+        variants[f"tma {tile}"] = partial(linear, tile=Tile(*tile, tma=True))
     return variants
 
 
@@ -228,11 +228,11 @@ def main() -> int:
             for name, weight in weights.items():
                 for tokens in tokens_of(name, counts):
                     x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-                    entry["ms"][f"{name}@{tokens}"] = time_ms(lambda: linear(x, weight, tile=tile))
+                    entry["ms"][f"{name}@{tokens}"] = time_ms(lambda: linear(x, weight, tile=Tile(*tile)))
             full = torch.randn(2048, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
-            entry["invariant"] = rows_invariant(lambda rows: linear(rows, weights["gate_up"], tile=tile),
+            entry["invariant"] = rows_invariant(lambda rows: linear(rows, weights["gate_up"], tile=Tile(*tile)),
                                                 full)
-            outputs[str(tile)] = linear(probe, weights["gate_up"], tile=tile)
+            outputs[str(tile)] = linear(probe, weights["gate_up"], tile=Tile(*tile))
         except Exception as error:  # noqa: BLE001 - a configuration that does not compile or fit is reported
             entry["error"] = repr(error)[:300]
             results["configs"][str(tile)] = entry

@@ -39,6 +39,7 @@ fp32 operands use IEEE products (no TF32) on the GPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,16 +47,30 @@ import triton.language as tl
 
 from kernels.triton_numerics import dot_precision, needs_upcast
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). TILE: the one tile where tiles are not known to agree.
-# ROW_TILES: (up to this many rows, this tile), the fastest for a step's linears at that many rows on an H100,
-# in CUDA graphs (benchmarks/batch_invariant_kernel_bench.py --decode); the last holds any number of rows.
-TILE = (128, 128, 64, 8, 3)
-ROW_TILES = ((8, (16, 32, 256, 4, 4)), (32, (32, 32, 256, 4, 4)), (128, (64, 32, 128, 4, 4)),
-             (256, (64, 64, 128, 4, 3)), (512, (128, 128, 64, 8, 4)), (1024, (128, 128, 64, 8, 3)),
-             (1 << 62, (256, 128, 64, 8, 3)))
-GROUP_M = 8
 
-Tile = tuple[int, int, int, int, int]
+
+class Tile(NamedTuple):
+    """One launch configuration: the block sizes, warps and pipeline stages, and whether tiles are loaded by the
+    tensor memory accelerator (`tma`; where a tensor's alignment does not allow it, the same tile is loaded
+    by pointers, which gives the same bits)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    tma: bool = False
+
+
+# TILE: the one tile where tiles are not known to agree. ROW_TILES: (up to this many rows, this tile), the
+# fastest for a step's linears at that many rows on an H100, in CUDA graphs (benchmarks/
+# batch_invariant_kernel_bench.py --decode); the last holds any number of rows.
+TILE = Tile(128, 128, 64, 8, 3)
+ROW_TILES = ((8, Tile(16, 32, 256, 4, 4)), (32, Tile(16, 32, 256, 4, 4, tma=True)),
+             (128, Tile(64, 32, 128, 4, 4, tma=True)), (256, Tile(64, 64, 128, 4, 3, tma=True)),
+             (512, Tile(128, 64, 64, 4, 4, tma=True)), (1024, Tile(128, 128, 64, 8, 4, tma=True)),
+             (1 << 62, Tile(128, 128, 64, 8, 3, tma=True)))
+GROUP_M = 8
 
 
 def tile_by_rows(num_rows: int) -> Tile:
@@ -181,7 +196,7 @@ def tma_fits(*tensors: torch.Tensor) -> bool:
 
 
 def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           tile: Tile | Callable[[int], Tile] = TILE, tma: bool = False) -> torch.Tensor:
+           tile: Tile | Callable[[int], Tile] = TILE) -> torch.Tensor:
     """hidden [T, K] @ weight [N, K].T (+ bias [N]) -> [T, N] in hidden's dtype (fp32, bf16 or fp16), fp32
     accumulation; row i's bits depend only on hidden[i], weight and bias (the LayerOps `linear` contract).
     Leading axes beyond one are flattened into rows, as F.linear accepts them. `tile`: one tile for every
@@ -196,7 +211,7 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         hidden = hidden.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    block_m, block_n, block_k, num_warps, num_stages = tile(num_rows) if callable(tile) else tile
+    block_m, block_n, block_k, num_warps, num_stages, tma = tile(num_rows) if callable(tile) else tile
     out = torch.empty((num_rows, n_size), dtype=hidden.dtype, device=hidden.device)
     if num_rows == 0 or n_size == 0:
         return out.reshape(*leading, n_size)

@@ -48,6 +48,23 @@ def test_linear_rows_are_batch_invariant_and_match_f_linear(dtype, with_bias):
     torch.testing.assert_close(output.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_through_the_tensor_memory_accelerator_gives_the_pointer_loads_bits(dtype):
+    """A tile with `tma` loads through tensor descriptors (zeros past every edge) and gives the bits of the same
+    tile loaded by pointers, with a bias and N and K not multiples of the blocks; a tensor whose rows are not
+    16-byte aligned (K = 75 in fp32) takes the pointer loads."""
+    from kernels.triton_batch_invariant_matmul import TILE, tma_fits
+
+    for k_size in (104, 75):
+        hidden = random_tensor((37, k_size), dtype, 1)
+        weight, bias = random_tensor((72, k_size), dtype, 2) * 0.1, random_tensor((72,), dtype, 3)
+        assert tma_fits(hidden, weight) == (k_size * hidden.element_size() % 16 == 0)
+        loaded = linear(hidden, weight, bias, tile=TILE._replace(tma=True))
+        assert torch.equal(loaded, linear(hidden, weight, bias, tile=TILE))
+        expected = F.linear(hidden.float(), weight.float(), bias.float())
+        torch.testing.assert_close(loaded.float(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+
+
 def test_linear_of_zero_rows():
     weight = random_tensor((8, 16), torch.float32, 0)
     assert linear(torch.empty(0, 16), weight).shape == (0, 8)
@@ -301,7 +318,7 @@ def test_tiles_agree_compares_every_row_tile_with_the_tile(monkeypatch):
 
     monkeypatch.setattr(matmul, "ROW_TILES", ((8, matmul.TILE), (1 << 62, matmul.TILE)))
     assert matmul.tiles_agree("cpu")
-    other = (64, 64, 32, 4, 3)
+    other = matmul.Tile(64, 64, 32, 4, 3)
     monkeypatch.setattr(matmul, "ROW_TILES", ((8, matmul.TILE), (64, other), (1 << 62, matmul.TILE)))
     assert not matmul.tiles_agree("cpu")
     assert [matmul.tile_by_rows(rows) for rows in (1, 8, 9, 64, 65)] == [matmul.TILE] * 2 + [other] * 2 + [matmul.TILE]
