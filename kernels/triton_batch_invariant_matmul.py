@@ -13,8 +13,9 @@ batch (--batch-invariant, issue 21). Here everything that decides a row's reduct
   and the number of rows only changes how many tiles there are. On an H200 every tile we tried (BLOCK_M 64
   to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps; benchmarks/batch_invariant_kernel_bench.py)
   gave the same bits: Hopper's MMA chains the K dimension 16 products at a time, in K order, whatever the
-  tile, and on an H100 the 16- and 32-row tiles (the pre-Hopper MMA) gave those bits too. So `tile_by_rows`
-  (ROW_TILES: small tiles for a decode's few rows, TILE past them) is used where `tiles_agree` finds the
+  tile, and on an H100 the 16- and 32-row tiles (the pre-Hopper MMA) and the tiles loaded by the tensor
+  memory accelerator (`Tile.tma`) gave those bits too. So `tile_by_rows` (ROW_TILES: small tiles for a
+  decode's few rows, larger ones for more) is used where `tiles_agree` finds the
   same on the device at start-up (kernels/batch_invariant_layer_ops.py), and TILE alone everywhere else
   (the interpreter, whose numpy matmul sums a tile's K in its own order).
 - K is summed in one chain: each program loops over all of K in `BLOCK_K` steps into one fp32 accumulator
