@@ -193,3 +193,83 @@ def test_a_plans_grammars_are_built_ahead_and_each_row_advances_apart(batch, tok
     batch.remove("d")
     with pytest.raises(ValueError, match="does not compile"):
         batch.add(new_request("e", [10], 1, grammar=broken))
+
+
+def test_a_finished_rows_matcher_serves_the_next_row_of_its_grammar_from_the_start(batch, tokenizer, monkeypatch):
+    """A removed row's matcher is a spare of its grammar: the next new row of that grammar gets it back reset
+    (the start state's mask, not the old row's), `prepare` builds only the rows spares do not cover, a resumed
+    row replays its output into a spare, and a matcher in error is not kept."""
+    import worker_svc.grammar_matchers as module
+
+    built = []
+
+    def building(tokenizer, grammar, **options):
+        built.append(grammar)
+        return LLMatcher(tokenizer, grammar, **options)
+
+    monkeypatch.setattr(module, "LLMatcher", building)
+    first = batch.add(new_request("a", [10, 11], 2))
+    start = allowed(batch, first)
+    old = batch.grammars._matchers[first]
+    fill(batch, [first], tokenizer.encode("dog", add_special_tokens=False)[:1])
+    second = batch.add(new_request("b", [10, 11], 2))
+    batch.remove("a")
+    assert len(built) == 2
+    batch.grammars.prepare([GRAMMAR] * 3)  # the spare covers one row: two builds ahead
+    assert len(built) == 4
+    third = batch.add(new_request("c", [10, 12], 2))
+    assert batch.grammars._matchers[third] is old and allowed(batch, third) == start
+    resumed = batch.add(new_request("d", [10, *tokenizer.encode("cats 1", add_special_tokens=False)], 1))
+    assert len(built) == 4, "the add took a build prepare made"
+    assert decoded(tokenizer, allowed(batch, resumed)) <= {str(d) for d in range(10)}
+    with pytest.raises(GrammarViolation):
+        fill(batch, [second], tokenizer.encode("x", add_special_tokens=False)[:1])
+    batch.remove("b")  # its matcher is in error now: not a spare
+    batch.remove("c")
+    batch.grammars.prepare([])  # the build prepare made and no add took becomes a spare too
+    batch.add(new_request("e", [10], 1))
+    batch.add(new_request("f", [10], 1))
+    batch.add(new_request("g", [10], 1))
+    assert len(built) == 5
+
+
+def test_spare_matchers_keep_at_most_their_capacity_dropping_the_least_recent_grammar():
+    from worker_svc.spare_matchers import SpareMatchers
+
+    spares = SpareMatchers(3)
+    for grammar, matcher in (("a", "a1"), ("b", "b1"), ("a", "a2"), ("c", "c1")):
+        spares.put(grammar, matcher)
+    assert (spares.count("a"), spares.count("b"), spares.count("c")) == (2, 0, 1)  # b: least recently returned
+    spares.put("c", "c2")  # now a is: its oldest goes
+    assert spares.count("a") == 1
+    assert spares.take("c") == "c2" and spares.take("c") == "c1" and spares.take("c") is None
+    assert spares.take("a") == "a2" and spares.take("a") is None
+
+
+def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fill_is_done(batch, monkeypatch):
+    """`bitmask_in_background` reads the rows' matchers on another thread; a row removed and a new row of the
+    same grammar added meanwhile must get another matcher (resetting the one being read would corrupt the
+    mask); once the fill is done, the next new row gets it."""
+    import threading
+
+    import worker_svc.grammar_matchers as module
+
+    release = threading.Event()
+    real_fill = module.fill_next_token_bitmask_par
+
+    def slow_fill(*args):
+        release.wait(30)
+        real_fill(*args)
+
+    monkeypatch.setattr(module, "fill_next_token_bitmask_par", slow_fill)
+    row = batch.add(new_request("a", [10, 11], 2))
+    old = batch.grammars._matchers[row]
+    pending = batch.grammars.bitmask_in_background(np.array([row]))
+    batch.remove("a")
+    other = batch.add(new_request("b", [10, 11], 2))
+    assert batch.grammars._matchers[other] is not old
+    release.set()
+    indices, bitmask = pending.result(30)
+    assert indices.tolist() == [0]
+    monkeypatch.setattr(module, "fill_next_token_bitmask_par", real_fill)
+    assert batch.grammars._matchers[batch.add(new_request("c", [10, 11], 2))] is old
