@@ -273,3 +273,33 @@ def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fi
     assert indices.tolist() == [0]
     monkeypatch.setattr(module, "fill_next_token_bitmask_par", real_fill)
     assert batch.grammars._matchers[batch.add(new_request("c", [10, 11], 2))] is old
+
+
+def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding_them(batch, monkeypatch):
+    """Rows finish while their step's masks still fill in the background and the plan brings new rows of their
+    grammar: `prepare` waits for the fill and reuses the finished rows' matchers instead of building."""
+    import threading
+
+    import worker_svc.grammar_matchers as module
+
+    release = threading.Event()
+    real_fill = module.fill_next_token_bitmask_par
+
+    def slow_fill(*args):
+        release.wait(30)
+        real_fill(*args)
+
+    monkeypatch.setattr(module, "fill_next_token_bitmask_par", slow_fill)
+    rows = [batch.add(new_request(name, [10, 11], 2)) for name in "ab"]
+    finished = {id(batch.grammars._matchers[row]) for row in rows}
+    pending = batch.grammars.bitmask_in_background(np.array(rows))
+    batch.remove("a")
+    batch.remove("b")
+    built = []
+    monkeypatch.setattr(batch.grammars, "_build", lambda grammar: built.append(grammar))
+    threading.Timer(0.2, release.set).start()
+    batch.grammars.prepare([GRAMMAR] * 3)
+    assert pending.done() and built == [], "two spares leave one build, made at its add"
+    monkeypatch.setattr(module, "fill_next_token_bitmask_par", real_fill)
+    reused = {id(batch.grammars._matchers[batch.add(new_request(name, [10, 11], 2))]) for name in "cd"}
+    assert reused == finished

@@ -29,7 +29,7 @@ import logging
 import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -120,21 +120,29 @@ class GrammarMatchers:
         threads barely overlap them (32 builds: 22 ms one by one, 20 ms on two threads on the CI machine; an
         H100 host's prefill steps of 32 new rows spent 21 ms preparing), which is why spares come first. (A
         copy of one built matcher would cost 30 us, but the copies share a locked cache: their masks then fill
-        one at a time.) Matchers built but not taken become spares at the next call."""
+        one at a time.) Matchers built but not taken become spares at the next call. Where finished rows' matchers
+        would spare builds but a background fill still holds them, it waits for the fill first."""
         for grammar, matchers in self._prepared.items():
             for matcher in matchers:
                 if not matcher.is_error():
                     self._spares.put(grammar, matcher)
         self._prepared.clear()
         self._release_retired()
-        to_build = []
-        for grammar, count in Counter(grammars).items():
-            to_build += [grammar] * max(0, count - self._spares.count(grammar))
+        needed = Counter(grammars)
+        to_build = self._not_spared(needed)
+        if len(to_build) >= 2 and any(grammar in needed for grammar, _ in self._retired):
+            wait([self._filling])  # the masks in flight (a few ms) hold matchers that save builds
+            self._release_retired()
+            to_build = self._not_spared(needed)
         if len(to_build) < 2:
             return
         self.tokenizer  # noqa: B018 (built here, not on the builders' threads)
         for grammar, matcher in zip(to_build, self._builders.map(self._build, to_build)):
             self._prepared[grammar].append(matcher)
+
+    def _not_spared(self, needed: Counter) -> list[str]:
+        """The grammars of `needed` (grammar -> rows) left to build once each grammar's spares are taken."""
+        return [grammar for grammar, count in needed.items() for _ in range(count - self._spares.count(grammar))]
 
     def _build(self, grammar: str) -> LLMatcher:
         return LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
