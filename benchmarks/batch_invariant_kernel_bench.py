@@ -127,18 +127,26 @@ TMA_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64,
              (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3))
 
 
-def decode_variants() -> dict[str, Callable]:
+def tile_of(text: str) -> Tile:
+    """'64,64,128,4,3,tma,ws' -> Tile(64, 64, 128, 4, 3, tma=True, warp_specialize=True)."""
+    parts = text.split(",")
+    return Tile(*(int(p) for p in parts[:5]), tma="tma" in parts[5:], warp_specialize="ws" in parts[5:])
+
+
+def decode_variants(tiles: list[Tile] | None = None) -> dict[str, Callable]:
     """The batch-invariant linear's ways for a step's rows: name -> fn(hidden, weight): "serving" (the tiles
-    serving picks by the rows, `tile_by_rows`) and each of DECODE_TILES for every row count."""
+    serving picks by the rows, `tile_by_rows`) and each tile (default: DECODE_TILES, TMA_TILES with TMA
+    loads) for every row count."""
+    if tiles is None:
+        tiles = [Tile(*tile) for tile in DECODE_TILES] + [Tile(*tile, tma=True) for tile in TMA_TILES]
     variants = {"cublas": F.linear, "serving": partial(linear, tile=tile_by_rows)}
-    for tile in DECODE_TILES:
-        variants[f"tile {tile}"] = partial(linear, tile=Tile(*tile))
-    for tile in TMA_TILES:
-        variants[f"tma {tile}"] = partial(linear, tile=Tile(*tile, tma=True))
+    for tile in tiles:
+        variants[" ".join(str(v) for v in tile[:5]) + (" tma" if tile.tma else "") + (" ws" if tile.warp_specialize
+                                                                                     else "")] = partial(linear, tile=tile)
     return variants
 
 
-def decode_step_linears(shape: str) -> dict:
+def decode_step_linears(shape: str, rows_list: tuple[int, ...] = DECODE_TOKENS, tiles: list[Tile] | None = None) -> dict:
     """Every linear of one forward pass (each layer its own weights, as in a model: nothing stays in L2 from
     the layer before) plus the LM head, captured in one CUDA graph per (way, rows) and timed by replays: the
     device time a decode step spends in them, launch gaps inside a graph included, the host's launches not.
@@ -150,8 +158,8 @@ def decode_step_linears(shape: str) -> dict:
     n, k = sizes["lm_head"]
     lm_head = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     results: dict = {"shape": shape, "device": torch.cuda.get_device_name(0), "ms": {}, "same_bits": {}}
-    variants = decode_variants()
-    for rows in DECODE_TOKENS:
+    variants = decode_variants(tiles)
+    for rows in rows_list:
         # The LM head sees only the sampled rows (at most a decode batch's).
         inputs = {name: torch.randn(min(rows, 256) if name == "lm_head" else rows, k, device="cuda",
                                     dtype=torch.bfloat16) for name, (n, k) in sizes.items()}
@@ -180,7 +188,7 @@ def decode_step_linears(shape: str) -> dict:
         results["same_bits"][way] = same
     print("same bits as 'serving':", results["same_bits"], flush=True)
     best = {}
-    for rows in DECODE_TOKENS:
+    for rows in rows_list:
         timed = {way: results["ms"][f"{way}@{rows}"] for way in variants if way != "cublas"}
         timed = {way: ms for way, ms in timed.items() if isinstance(ms, float)}
         way = min(timed, key=timed.get)
@@ -196,12 +204,16 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--json", default=None)
     parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
-    parser.add_argument("--tokens", type=int, nargs="*", default=None, help="token counts compared (default: all)")
+    parser.add_argument("--tokens", type=int, nargs="*", default=None,
+                        help="token counts compared (default: all; with --decode, its row counts)")
+    parser.add_argument("--tiles", nargs="*", default=None,
+                        help="--decode's tiles, each BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,tma[,ws]] (default: all)")
     parser.add_argument("--decode", action="store_true",
                         help="only a decode step's linears in CUDA graphs, per way of splitting K (decode_step_linears)")
     args = parser.parse_args()
     if args.decode:
-        results = decode_step_linears(args.shape)
+        tiles = [tile_of(text) for text in args.tiles] if args.tiles else None
+        results = decode_step_linears(args.shape, tuple(args.tokens or DECODE_TOKENS), tiles)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2))
         return 0
