@@ -128,9 +128,9 @@ TMA_TILES = ((16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 32, 128, 4, 4), (64,
 
 
 def tile_of(text: str) -> Tile:
-    """'64,64,128,4,3,tma,ws' -> Tile(64, 64, 128, 4, 3, tma=True, warp_specialize=True)."""
+    """'64,64,128,4,3,tma' -> Tile(64, 64, 128, 4, 3, tma=True)."""
     parts = text.split(",")
-    return Tile(*(int(p) for p in parts[:5]), tma="tma" in parts[5:], warp_specialize="ws" in parts[5:])
+    return Tile(*(int(p) for p in parts[:5]), tma="tma" in parts[5:])
 
 
 def decode_variants(tiles: list[Tile] | None = None) -> dict[str, Callable]:
@@ -141,8 +141,7 @@ def decode_variants(tiles: list[Tile] | None = None) -> dict[str, Callable]:
         tiles = [Tile(*tile) for tile in DECODE_TILES] + [Tile(*tile, tma=True) for tile in TMA_TILES]
     variants = {"cublas": F.linear, "serving": partial(linear, tile=tile_by_rows)}
     for tile in tiles:
-        variants[" ".join(str(v) for v in tile[:5]) + (" tma" if tile.tma else "") + (" ws" if tile.warp_specialize
-                                                                                     else "")] = partial(linear, tile=tile)
+        variants[" ".join(str(v) for v in tile[:5]) + (" tma" if tile.tma else "")] = partial(linear, tile=tile)
     return variants
 
 
@@ -207,7 +206,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="*", default=None,
                         help="token counts compared (default: all; with --decode, its row counts)")
     parser.add_argument("--tiles", nargs="*", default=None,
-                        help="--decode's tiles, each BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,tma[,ws]] (default: all)")
+                        help="--decode's tiles, each BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,tma] (default: all)")
     parser.add_argument("--decode", action="store_true",
                         help="only a decode step's linears in CUDA graphs, per way of splitting K (decode_step_linears)")
     args = parser.parse_args()

@@ -61,7 +61,6 @@ class Tile(NamedTuple):
     warps: int
     stages: int
     tma: bool = False
-    warp_specialize: bool = False  # with `tma`: loads and MMAs in warps of their own (Triton's tl.range option)
 
 
 # TILE: the one tile where tiles are not known to agree. ROW_TILES: (up to this many rows, this tile), the
@@ -69,7 +68,7 @@ class Tile(NamedTuple):
 # batch_invariant_kernel_bench.py --decode); the last holds any number of rows.
 TILE = Tile(128, 128, 64, 8, 3)
 ROW_TILES = ((8, Tile(16, 32, 256, 4, 4)), (32, Tile(16, 32, 256, 4, 4, tma=True)),
-             (128, Tile(64, 32, 128, 4, 4, tma=True)), (256, Tile(64, 64, 128, 4, 3, tma=True)),
+             (128, Tile(64, 32, 128, 4, 4, tma=True)), (256, Tile(64, 64, 64, 4, 6, tma=True)),
              (512, Tile(128, 64, 64, 4, 4, tma=True)), (1024, Tile(128, 128, 64, 8, 4, tma=True)),
              (1 << 62, Tile(128, 128, 64, 8, 3, tma=True)))
 GROUP_M = 8
@@ -135,14 +134,13 @@ def _batch_invariant_tma_linear_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """`_batch_invariant_linear_kernel`'s math with tiles loaded by the tensor memory accelerator (Hopper's
     bulk copies; out-of-bounds rows, columns and K read zeros)."""
     tile_m, tile_n = _grouped_tile(num_rows, n_size, BLOCK_M, BLOCK_N, GROUP_M)
     first_row, first_col = tile_m * BLOCK_M, tile_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in tl.range(0, k_size, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k_start in range(0, k_size, BLOCK_K):
         a = hidden_desc.load([first_row, k_start])
         b = weight_desc.load([first_col, k_start])
         if UPCAST:
@@ -214,7 +212,7 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         hidden = hidden.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    block_m, block_n, block_k, num_warps, num_stages, tma, warp_specialize = tile(num_rows) if callable(tile) else tile
+    block_m, block_n, block_k, num_warps, num_stages, tma = tile(num_rows) if callable(tile) else tile
     out = torch.empty((num_rows, n_size), dtype=hidden.dtype, device=hidden.device)
     if num_rows == 0 or n_size == 0:
         return out.reshape(*leading, n_size)
@@ -231,7 +229,7 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             bias if bias is not None else out, out, num_rows, n_size, k_size, out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
             UPCAST=needs_upcast(hidden.dtype), DOT_PRECISION=dot_precision(hidden.dtype),
-            WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages,
         )
         return out.reshape(*leading, n_size)
     _batch_invariant_linear_kernel[grid](
