@@ -70,7 +70,7 @@ TILE = Tile(128, 128, 64, 8, 3)
 ROW_TILES = ((8, Tile(16, 32, 256, 4, 4)), (32, Tile(16, 32, 256, 4, 4, tma=True)),
              (128, Tile(64, 32, 128, 4, 4, tma=True)), (256, Tile(64, 64, 64, 4, 6, tma=True)),
              (512, Tile(128, 64, 64, 4, 4, tma=True)), (1024, Tile(128, 128, 64, 8, 4, tma=True)),
-             (1 << 62, Tile(128, 128, 64, 8, 3, tma=True)))
+             (2048, Tile(128, 128, 64, 8, 3, tma=True)), (1 << 62, Tile(256, 128, 64, 8, 3, tma=True)))
 GROUP_M = 8
 
 
