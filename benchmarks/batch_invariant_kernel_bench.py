@@ -1,15 +1,16 @@
-"""Where `--batch-invariant` loses time on a GPU: the batch-invariant linear at candidate tile configurations
-against cuBLAS (F.linear), at a shape's layer sizes and token counts from a 1-row decode to a 16k prefill, each
-configuration checked for invariance. One command on a lent GPU:
+"""Where `--batch-invariant` loses time on a GPU: the batch-invariant linear at candidate tiles against cuBLAS
+(F.linear), at a shape's layer sizes. One command on a lent GPU:
 
-    python benchmarks/batch_invariant_kernel_bench.py --shape qwen2.5-1.5b [--json FILE]
-    python benchmarks/batch_invariant_kernel_bench.py --decode   # a decode step's linears, in CUDA graphs
+    python benchmarks/batch_invariant_kernel_bench.py --decode [--tokens N ...] [--tiles 64,64,128,4,3,tma ...]
+    python benchmarks/batch_invariant_kernel_bench.py --shape qwen2.5-1.5b [--tokens N ...] [--json FILE]
 
-A configuration is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); serving uses one for every launch
-(kernels/triton_batch_invariant_matmul.py says why). "invariant" means row 0 of a 1-row product has the same
-bits as the same row at random positions among 3, 64, 257 and 2,048 rows (tests/triton_kernels' check).
-Printed per configuration: the time of each (layer, tokens) relative to cuBLAS, and the step-weighted total
-(decode rows at 256 tokens plus one 16k-token prefill, per layer's share of a forward pass).
+`--decode` (what serving's ROW_TILES were chosen by): every linear of a forward pass captured in a CUDA graph
+per (tile, rows) and timed by replays, so only device time counts, each tile checked for serving's bits. The
+default mode times CANDIDATES eagerly per (layer, tokens), back-to-back launches: at a decode's few rows that
+measures Triton's launch overhead more than the kernel, so it is for prefill-sized token counts; "invariant"
+there means row 0 of a 1-row product has the same bits as the same row at random positions among 3, 64, 257
+and 2,048 rows (tests/triton_kernels' check). A tile is (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages[, tma])
+(kernels/triton_batch_invariant_matmul.py's `Tile`).
 """
 
 from __future__ import annotations
@@ -76,44 +77,6 @@ def time_ms(fn, repeats: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats
-
-
-def sweep(sizes: dict, weights: dict, layers: int) -> dict:
-    """Per token count, every tile of a grid: one forward pass's linear time (LM head aside); the best tile per
-    token count; and whether every tile that ran gave the same bits as the first on a probe."""
-    small = [(64, n, k, w, st) for n in (32, 64, 128) for k in (64, 128, 256) for w in (4,) for st in (3, 4)]
-    large = [(m, n, 64, 8, st) for m in (128, 256) for n in (128, 256) for st in (3, 4)] + [(128, 128, 128, 8, 3)]
-    probe = torch.randn(257, weights["gate_up"].shape[1], device="cuda", dtype=torch.bfloat16)
-    reference, differing, best = None, [], {}
-    for tokens, tiles in ((1, small), (16, small), (64, small), (128, small), (256, small + large[:4]),
-                          (1024, large), (2048, large), (16384, large)):
-        timings = {}
-        for tile in tiles:
-            try:
-                total = 0.0
-                for name, weight in weights.items():
-                    if name == "lm_head":
-                        continue
-                    x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-                    total += layers * time_ms(lambda: linear(x, weight, tile=Tile(*tile)), repeats=10)
-                timings[str(tile)] = total
-                bits = linear(probe, weights["gate_up"], tile=Tile(*tile))
-                if reference is None:
-                    reference = bits
-                elif not torch.equal(bits, reference) and str(tile) not in differing:
-                    differing.append(str(tile))
-            except Exception as error:  # noqa: BLE001
-                timings[str(tile)] = repr(error)[:100]
-        numeric = {t: v for t, v in timings.items() if isinstance(v, float)}
-        cublas = 0.0
-        for name, weight in weights.items():
-            if name != "lm_head":
-                x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)
-                cublas += layers * time_ms(lambda: F.linear(x, weight), repeats=10)
-        winner = min(numeric, key=numeric.get)
-        best[tokens] = {"tile": winner, "ms": numeric[winner], "cublas_ms": cublas, "over_cublas": numeric[winner] / cublas}
-        print("sweep", tokens, best[tokens], flush=True)
-    return {"best": best, "tiles_with_other_bits": differing}
 
 
 DECODE_TOKENS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048)
@@ -202,13 +165,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--json", default=None)
-    parser.add_argument("--sweep", action="store_true", help="only the tile sweep per token count")
     parser.add_argument("--tokens", type=int, nargs="*", default=None,
                         help="token counts compared (default: all; with --decode, its row counts)")
     parser.add_argument("--tiles", nargs="*", default=None,
                         help="--decode's tiles, each BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,tma] (default: all)")
     parser.add_argument("--decode", action="store_true",
-                        help="only a decode step's linears in CUDA graphs, per way of splitting K (decode_step_linears)")
+                        help="only a forward pass's linears in CUDA graphs, per tile and row count (decode_step_linears)")
     args = parser.parse_args()
     if args.decode:
         tiles = [tile_of(text) for text in args.tiles] if args.tiles else None
@@ -221,12 +183,6 @@ def main() -> int:
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, (n, k) in sizes.items()}
     results: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(0), "cublas_ms": {}, "configs": {}}
     counts = tuple(args.tokens or TOKENS)
-    if args.sweep:
-        results["sweep"] = sweep(sizes, weights, layers)
-        print("tiles with other bits:", results["sweep"]["tiles_with_other_bits"])
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=2))
-        return 0
     for name, weight in weights.items():
         for tokens in tokens_of(name, counts):
             x = torch.randn(tokens, weight.shape[1], device="cuda", dtype=torch.bfloat16)

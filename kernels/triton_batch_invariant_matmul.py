@@ -20,11 +20,12 @@ batch (--batch-invariant, issue 21). Here everything that decides a row's reduct
   (the interpreter, whose numpy matmul sums a tile's K in its own order).
 - K is summed in one chain: each program loops over all of K in `BLOCK_K` steps into one fp32 accumulator
   (the last partial K tile reads zeros: exact zero products, which change no sum). No split-K, not even
-  one fixed for every row count: on an H100 a 16-row tile with the full K ran a decode step's linears as
-  fast as cuBLAS (its own split-K included), and the fixed four-slice split this kernel had before (each
-  slice summed from zero, the slices added in order) cost 1.2x at 1 row and 1.2x more at 16k rows, where
-  the slices' nested loops restart the software pipeline (benchmarks/batch_invariant_kernel_bench.py
-  --decode and --k-slices; README, Batch-invariant mode).
+  one fixed for every row count: on an H100 a 16-row tile with the full K ran a decode step's linears
+  within 1.00-1.08x of cuBLAS (its own split-K included), and the fixed four-slice split this kernel had
+  before (each slice summed from zero, the slices added in order) cost 1.2x at 1 row and 1.2x more at 16k
+  rows, where the slices' nested loops restart the software pipeline (benchmarks/
+  batch_invariant_kernel_bench.py --decode; benchmarks/results/batch_invariance_h100_k1_tma/; README,
+  Batch-invariant mode).
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
   its M tile does not change its math (the MMA computes every element of a tile the same way; under the
   interpreter numpy's matmul does too, checked by the tests).

@@ -9,6 +9,8 @@ whose output holds it starts constrained, its matcher advanced over the tokens a
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -246,50 +248,41 @@ def test_spare_matchers_keep_at_most_their_capacity_dropping_the_least_recent_gr
     assert spares.take("a") == "a2" and spares.take("a") is None
 
 
-def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fill_is_done(batch, monkeypatch):
-    """`bitmask_in_background` reads the rows' matchers on another thread; a row removed and a new row of the
-    same grammar added meanwhile must get another matcher (resetting the one being read would corrupt the
-    mask); once the fill is done, the next new row gets it."""
-    import threading
-
+@pytest.fixture
+def held_fill(monkeypatch):
+    """Background mask fills wait until the returned Event is set (then compute as usual)."""
     import worker_svc.grammar_matchers as module
 
     release = threading.Event()
     real_fill = module.fill_next_token_bitmask_par
 
-    def slow_fill(*args):
+    def held(*args):
         release.wait(30)
         real_fill(*args)
 
-    monkeypatch.setattr(module, "fill_next_token_bitmask_par", slow_fill)
+    monkeypatch.setattr(module, "fill_next_token_bitmask_par", held)
+    return release
+
+
+def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fill_is_done(batch, held_fill):
+    """`bitmask_in_background` reads the rows' matchers on another thread; a row removed and a new row of the
+    same grammar added meanwhile must get another matcher (resetting the one being read would corrupt the
+    mask); once the fill is done, the next new row gets it."""
     row = batch.add(new_request("a", [10, 11], 2))
     old = batch.grammars._matchers[row]
     pending = batch.grammars.bitmask_in_background(np.array([row]))
     batch.remove("a")
     other = batch.add(new_request("b", [10, 11], 2))
     assert batch.grammars._matchers[other] is not old
-    release.set()
+    held_fill.set()
     indices, bitmask = pending.result(30)
     assert indices.tolist() == [0]
-    monkeypatch.setattr(module, "fill_next_token_bitmask_par", real_fill)
     assert batch.grammars._matchers[batch.add(new_request("c", [10, 11], 2))] is old
 
 
-def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding_them(batch, monkeypatch):
+def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding_them(batch, held_fill, monkeypatch):
     """Rows finish while their step's masks still fill in the background and the plan brings new rows of their
     grammar: `prepare` waits for the fill and reuses the finished rows' matchers instead of building."""
-    import threading
-
-    import worker_svc.grammar_matchers as module
-
-    release = threading.Event()
-    real_fill = module.fill_next_token_bitmask_par
-
-    def slow_fill(*args):
-        release.wait(30)
-        real_fill(*args)
-
-    monkeypatch.setattr(module, "fill_next_token_bitmask_par", slow_fill)
     rows = [batch.add(new_request(name, [10, 11], 2)) for name in "ab"]
     finished = {id(batch.grammars._matchers[row]) for row in rows}
     pending = batch.grammars.bitmask_in_background(np.array(rows))
@@ -297,9 +290,8 @@ def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding
     batch.remove("b")
     built = []
     monkeypatch.setattr(batch.grammars, "_build", lambda grammar: built.append(grammar))
-    threading.Timer(0.2, release.set).start()
+    threading.Timer(0.2, held_fill.set).start()
     batch.grammars.prepare([GRAMMAR] * 3)
     assert pending.done() and built == [], "two spares leave one build, made at its add"
-    monkeypatch.setattr(module, "fill_next_token_bitmask_par", real_fill)
     reused = {id(batch.grammars._matchers[batch.add(new_request(name, [10, 11], 2))]) for name in "cd"}
     assert reused == finished

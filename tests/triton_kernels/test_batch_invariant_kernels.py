@@ -49,18 +49,29 @@ def test_linear_rows_are_batch_invariant_and_match_f_linear(dtype, with_bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_through_the_tensor_memory_accelerator_gives_the_pointer_loads_bits(dtype):
+def test_linear_through_the_tensor_memory_accelerator_gives_the_pointer_loads_bits(dtype, monkeypatch):
     """A tile with `tma` loads through tensor descriptors (zeros past every edge) and gives the bits of the same
     tile loaded by pointers, with a bias and N and K not multiples of the blocks; a tensor whose rows are not
-    16-byte aligned (K = 75 in fp32) takes the pointer loads."""
-    from kernels.triton_batch_invariant_matmul import TILE, tma_fits
+    16-byte aligned (K = 75) takes the pointer loads."""
+    from kernels import triton_batch_invariant_matmul as matmul
 
-    for k_size in (104, 75):
+    launches = []
+    tma_kernel = matmul._batch_invariant_tma_linear_kernel
+
+    class CountedLaunches:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return tma_kernel[grid]
+
+    monkeypatch.setattr(matmul, "_batch_invariant_tma_linear_kernel", CountedLaunches())
+    for k_size, through_tma in ((104, True), (75, False)):
         hidden = random_tensor((37, k_size), dtype, 1)
         weight, bias = random_tensor((72, k_size), dtype, 2) * 0.1, random_tensor((72,), dtype, 3)
-        assert tma_fits(hidden, weight) == (k_size * hidden.element_size() % 16 == 0)
-        loaded = linear(hidden, weight, bias, tile=TILE._replace(tma=True))
-        assert torch.equal(loaded, linear(hidden, weight, bias, tile=TILE))
+        assert matmul.tma_fits(hidden, weight) == through_tma
+        launches.clear()
+        loaded = linear(hidden, weight, bias, tile=matmul.TILE._replace(tma=True))
+        assert len(launches) == through_tma
+        assert torch.equal(loaded, linear(hidden, weight, bias, tile=matmul.TILE))
         expected = F.linear(hidden.float(), weight.float(), bias.float())
         torch.testing.assert_close(loaded.float(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
 
@@ -347,3 +358,16 @@ def test_the_triton_sampling_passes_are_batch_invariant_without_the_row_by_row_w
 
     assert_rows_batch_invariant(first_and_nucleus, random_tensor((64, 3000), torch.float32, 9) * 3,
                                 batch_sizes=(1, 3, 64))
+
+
+def test_steps_with_prefill_take_the_piecewise_graphs_in_batch_invariant_mode_too():
+    """worker_svc/mixed_graphs.py captures a model's steps with prefill for either Triton attention backend (each
+    writes into the graph's buffer), not for the torch reference, and not under tensor parallel."""
+    from kernels.attention_backend import TorchReferenceBackend
+    from worker_svc.mixed_graphs import supports_mixed_graphs
+
+    model = torch.nn.Linear(2, 2)
+    assert supports_mixed_graphs(model, 1, BatchInvariantTritonBackend())
+    assert supports_mixed_graphs(model, 1, TritonAttentionBackend())
+    assert not supports_mixed_graphs(model, 1, TorchReferenceBackend())
+    assert not supports_mixed_graphs(model, 2, BatchInvariantTritonBackend())
