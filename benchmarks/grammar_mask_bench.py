@@ -12,11 +12,16 @@ the GPU, so a mask cheaper than the forward pass costs no throughput.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
 from service_runtime.model_source import resolve_model
@@ -101,8 +106,55 @@ def bench_xgrammar(tokenizer_json: str) -> None:
     walk("xgrammar", first_use, fill, consume)
 
 
+def bench_w1_masks(tokenizer_json: str, rows: int, steps: int, vocab: int) -> None:
+    """The host side of benchmarks/structured_outputs_gpu.py's constrained W1, without the GPU: `rows` matchers
+    of its schema on the worker's thread count, each step filling every row's mask (the model's vocabulary
+    wide) and then advancing each by a random allowed token. Twice: fresh matchers, then the same ones reset
+    (the worker's spares). Prints the fill time per step over ranges of steps, to set against a forward pass."""
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+    from llguidance.numpy import fill_next_token_bitmask_par
+
+    from benchmarks.structured_outputs_gpu import SCHEMA
+    from worker_svc.grammar_matchers import mask_threads
+
+    threads = mask_threads(1)
+    tokenizer, executor = LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=[EOS]), LLExecutor(threads)
+    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, overrides={"whitespace_flexible": False})
+    matchers = [LLMatcher(tokenizer, grammar, log_level=0) for _ in range(rows)]
+    bitmask = np.zeros((rows, (vocab + 31) // 32), dtype=np.int32)
+    rng = np.random.default_rng(0)
+    for name in ("fresh", "reset"):
+        fills, advances = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            fill_next_token_bitmask_par(executor, [(matcher, i) for i, matcher in enumerate(matchers)], bitmask)
+            fills.append(1e3 * (time.perf_counter() - start))
+            allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+            tokens = [int(rng.choice(np.flatnonzero(row))) for row in allowed]
+            start = time.perf_counter()
+            executor.consume_token_par(list(zip(matchers, tokens)))
+            advances.append(1e3 * (time.perf_counter() - start))
+        ranges = ", ".join(f"steps {a}-{a + steps // 8 - 1}: {np.mean(fills[a : a + steps // 8]):.2f}"
+                           for a in range(0, steps, steps // 8))
+        print(f"{name} matchers, {rows} rows, {threads} threads: fill mean {np.mean(fills):.2f} ms "
+              f"(p90 {np.percentile(fills, 90):.2f}) [{ranges}], advance mean {np.mean(advances):.2f} ms", flush=True)
+        for matcher in matchers:
+            matcher.reset()
+
+
 def main() -> None:
-    tokenizer_json = load_tokenizer(resolve_model(None).path).to_json()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--w1", action="store_true", help="the constrained W1's masks instead (bench_w1_masks)")
+    parser.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: SmolLM2's)")
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936, help="the model's vocabulary (the masks' width)")
+    args = parser.parse_args()
+    source = Path(args.tokenizer) / "tokenizer.json" if args.tokenizer else None
+    tokenizer_json = source.read_text() if source else load_tokenizer(resolve_model(None).path).to_json()
+    if args.w1:
+        bench_w1_masks(tokenizer_json, args.rows, args.steps, args.vocab)
+        return
     bench_llguidance(tokenizer_json)
     try:
         bench_xgrammar(tokenizer_json)

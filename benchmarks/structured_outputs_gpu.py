@@ -113,7 +113,8 @@ def main() -> int:
     if args.per_mode_timers:
         summary["step_timers_by_mode"] = {name: one_mode_timers(engine_args, constrained, args)
                                           for name, constrained in (("unconstrained", False), ("json_schema", True))}
-    with start_engine(engine_args) as llm:
+    llm = start_engine(engine_args)
+    with open(llm.log_path, errors="replace") as log, llm:
         w1(llm, False, 1, args)  # warm-up: batch shapes and kernels
         w1(llm, True, 2, args)  # warm-up: the tokenizer's llguidance view, the mask kernel
         passes = [("unconstrained", False, 3), ("json_schema", True, 4), ("unconstrained_again", False, 5)]
@@ -128,6 +129,9 @@ def main() -> int:
             summary["runs"][name] = {"tpot_median_ms": 1e3 * statistics.median(gaps),
                                      "tpot_p90_ms": 1e3 * sorted(gaps)[int(0.9 * len(gaps))]}
             print(name, json.dumps(summary["runs"][name]), flush=True)
+        llm.shutdown()
+        summary["step_timers"] = step_timer_lines(log.read())  # every pass above, both modes
+        print("\n".join(summary["step_timers"]), flush=True)
     runs = summary["runs"]
     unconstrained = statistics.mean(run["output_tokens_per_s"] for name, run in runs.items()
                                     if name.startswith("unconstrained"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -37,6 +38,7 @@ from llguidance import LLExecutor, LLMatcher, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from protos.pagedserve.v1 import worker_pb2
+from worker_svc.grammar_timing import GrammarTiming
 from worker_svc.spare_matchers import SpareMatchers
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class GrammarMatchers:
         # Rows whose grammar starts after `start_token_id[row]`, not sampled yet (see the module docstring).
         self.waiting = np.zeros(max_num_seqs, dtype=bool)
         self.start_token_id = np.full(max_num_seqs, -1, dtype=np.int64)
+        self.timing = GrammarTiming()
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -212,7 +215,9 @@ class GrammarMatchers:
         matchers = [(self._matchers[row], i) for i, row in enumerate(rows[indices].tolist())]
 
         def fill() -> tuple[np.ndarray, torch.Tensor]:
+            started = time.perf_counter()
             fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
+            self.timing.add("fill", len(matchers), time.perf_counter() - started)
             return indices, bitmask
 
         return fill
@@ -238,7 +243,9 @@ class GrammarMatchers:
         if not advancing:
             return
         # In llguidance's thread pool, the GIL released.
+        started = time.perf_counter()
         accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
+        self.timing.add("advance", len(advancing), time.perf_counter() - started)
         for (row, token_id), ok in zip(advancing, accepted):
             if not ok:
                 raise GrammarViolation(f"row {row}: sampled token {token_id} that its grammar rejects: "

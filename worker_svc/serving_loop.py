@@ -84,9 +84,9 @@ def run_worker(config: WorkerConfig) -> int:
                 worker.begin_masks(launched)
                 in_flight = launched
             elif kind == "shutdown":
-                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s; %s", config.rank,
+                logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s; %s%s", config.rank,
                             worker.step_timer.summary(), waited, worker.gpu_clock.summary(),
-                            worker.device_busy.summary())
+                            worker.device_busy.summary(), worker.grammar_summary())
                 return 0
     except SchedulerLost as lost:
         logger.error("rank %d: %s; exiting", config.rank, lost)
@@ -102,13 +102,13 @@ def run_worker(config: WorkerConfig) -> int:
 
 def _next_plan_or_done(link: SchedulerLink, worker: Worker,
                        step: LaunchedStep) -> worker_pb2.SchedulerToWorker | None:
-    """The next scheduler message, or None once `step`'s results are on the host with none waiting. A step
-    whose deferred draw waits for the next launch is drawn here when no plan is waiting."""
+    """The next scheduler message, or None once `step`'s results are on the host with none waiting. A step's
+    deferred draw goes on the device here the moment its masks are filled, before any plan is prepared."""
     while True:
+        if worker.draw_ready(step):
+            worker.complete(step)  # its masks are filled: on the device at once, the next plan or not
         message = link.poll(_POLL_S)
         if message is not None:
             return message
-        if worker.draw_pending(step):
-            worker.complete(step)
-        elif step.copied is None or step.copied.query():
+        if not worker.draw_pending(step) and (step.copied is None or step.copied.query()):
             return None
