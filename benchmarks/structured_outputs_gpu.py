@@ -7,8 +7,10 @@ DIR holds a real tokenizer (llguidance reads token text; the random-weight shape
 embedded SmolLM2 tokenizer written by `pagedserve.testing.tiny_models.add_embedded_tokenizer(DIR)`, whose
 49,152 tokens sit inside the shape's vocabulary (the rest is masked for constrained rows). W1 here: 256
 requests x 512 random prompt tokens x 256 output tokens (EOS ignored), all at once, greedy. The schema is an
-object holding an array of up to 1,000 short strings, so no output completes it within 256 tokens and every
-step of every row computes a mask; its whitespace is off (random weights would otherwise fill the output
+object holding an array of 200 to 1,000 strings of 1 to 12 characters, so no output can complete it within 256
+tokens and every step of every row computes a real mask (`complete_documents` in each constrained pass checks
+that: an earlier schema without minItems was closed by the random model within about 15 tokens, after which
+its masks allowed EOS alone); its whitespace is off (random weights would otherwise fill the output
 with it). Both runs go through the same engine, the unconstrained one first; `--rounds N` repeats them (W1
 passes vary 10-25% run to run). `--per-mode-timers` first starts an engine per mode for two W1 passes each
 and keeps its step timers, which split a constrained step's extra time (masks, advances, the draw). Writes
@@ -38,8 +40,8 @@ from pagedserve.bench.offline_engine import start_engine  # noqa: E402
 from pagedserve.cli import parse_args  # noqa: E402
 
 PROMPT_LEN, OUTPUT_LEN, NUM_REQUESTS, TOKENIZER_VOCAB = 512, 256, 256, 49152
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "maxItems": 1000,
-                                                     "items": {"type": "string", "maxLength": 12}}},
+SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "minItems": 200, "maxItems": 1000,
+                                                     "items": {"type": "string", "minLength": 1, "maxLength": 12}}},
           "required": ["items"], "additionalProperties": False}
 
 
@@ -59,7 +61,20 @@ def w1(llm, constrained: bool, seed: int, workload: argparse.Namespace) -> dict:
     results = llm.generate(batch, [params(constrained, workload.output_len)] * len(batch), use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(result.outputs[0].token_ids) for result in results)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+    run = {"elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed}
+    if constrained:  # how much of the output the grammar shaped: a complete document is followed by EOS only
+        texts = [result.outputs[0].text for result in results]
+        run["complete_documents"] = sum(_is_complete(text) for text in texts) / len(texts)
+        run["mean_document_chars"] = statistics.mean(len(text) for text in texts)
+    return run
+
+
+def _is_complete(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 async def lone_gaps(target: str, constrained: bool, output_len: int) -> list[float]:

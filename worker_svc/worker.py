@@ -229,7 +229,10 @@ class Worker:
         order = np.argsort(scheduled_array != 1, kind="stable")
         inputs = batch.build_inputs(rows_array[order], scheduled_array[order])
         step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
-        timer.set_kind(step.kind)
+        # The timers split constrained steps from the others: what a grammar costs a step, in one engine.
+        step.timed_as = step.kind + (" constrained" if batch.grammars is not None and batch.grammars.constrained[
+            inputs.sample_rows].any() else "")
+        timer.set_kind(step.timed_as)
         if self.config.crash_at_output_token is not None and self._samples_poisoned_output(inputs.sample_rows):
             os._exit(70)  # a poison request that crashes mid-decode, at the same point after every recompute
         if self.config.prefill_seconds_per_token:  # a slow prefill on demand (tests)
@@ -312,12 +315,12 @@ class Worker:
         """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
         self.complete(step)
         timer = self.step_timer
-        timer.resume(step.kind)
+        timer.resume(step.timed_as)
         if step.copied is not None:  # set where rows sampled on a GPU
             step.copied.synchronize()
         self.device_busy.on_finished(step.kind, step.started, step.copied)
         if step.pending is not None:
-            self.gpu_clock.on_finished(step.kind, step.behind_another)
+            self.gpu_clock.on_finished(step.timed_as, step.behind_another)
             sampled = step.host_sampled.numpy()
             self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
             timer.mark("wait_for_gpu")
@@ -476,6 +479,7 @@ class LaunchedStep:
     result: worker_pb2.StepResult
     behind_another: bool = False  # launched while another step was in flight
     kind: str = "decode"
+    timed_as: str = "decode"  # the kind, and whether rows are constrained (the step timers' split)
     sampled_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     request_ids: list[str] = field(default_factory=list)  # of sampled_rows, at launch
     num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
