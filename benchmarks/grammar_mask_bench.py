@@ -106,20 +106,19 @@ def bench_xgrammar(tokenizer_json: str) -> None:
     walk("xgrammar", first_use, fill, consume)
 
 
-def bench_w1_masks(tokenizer_json: str, rows: int, steps: int, vocab: int) -> None:
+def bench_w1_masks(tokenizer_json: str, schema: dict, rows: int, steps: int, vocab: int) -> None:
     """The host side of benchmarks/structured_outputs_gpu.py's constrained W1, without the GPU: `rows` matchers
-    of its schema on the worker's thread count, each step filling every row's mask (the model's vocabulary
+    of one of its schemas on the worker's thread count, each step filling every row's mask (the model's vocabulary
     wide) and then advancing each by a random allowed token. Twice: fresh matchers, then the same ones reset
     (the worker's spares). Prints the fill time per step over ranges of steps, to set against a forward pass."""
     from llguidance import LLExecutor, LLMatcher, LLTokenizer
     from llguidance.numpy import fill_next_token_bitmask_par
 
-    from benchmarks.structured_outputs_gpu import SCHEMA
     from worker_svc.grammar_matchers import mask_threads
 
     threads = mask_threads(1)
     tokenizer, executor = LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=[EOS]), LLExecutor(threads)
-    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, overrides={"whitespace_flexible": False})
+    grammar = LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
     matchers = [LLMatcher(tokenizer, grammar, log_level=0) for _ in range(rows)]
     bitmask = np.zeros((rows, (vocab + 31) // 32), dtype=np.int32)
     rng = np.random.default_rng(0)
@@ -145,6 +144,7 @@ def bench_w1_masks(tokenizer_json: str, rows: int, steps: int, vocab: int) -> No
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--w1", action="store_true", help="the constrained W1's masks instead (bench_w1_masks)")
+    parser.add_argument("--schema", default="bounded", help="with --w1: a schema of structured_outputs_gpu.py")
     parser.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: SmolLM2's)")
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--steps", type=int, default=256)
@@ -153,7 +153,9 @@ def main() -> None:
     source = Path(args.tokenizer) / "tokenizer.json" if args.tokenizer else None
     tokenizer_json = source.read_text() if source else load_tokenizer(resolve_model(None).path).to_json()
     if args.w1:
-        bench_w1_masks(tokenizer_json, args.rows, args.steps, args.vocab)
+        from benchmarks.structured_outputs_gpu import SCHEMAS
+
+        bench_w1_masks(tokenizer_json, SCHEMAS[args.schema], args.rows, args.steps, args.vocab)
         return
     bench_llguidance(tokenizer_json)
     try:

@@ -102,13 +102,13 @@ def run_worker(config: WorkerConfig) -> int:
 
 def _next_plan_or_done(link: SchedulerLink, worker: Worker,
                        step: LaunchedStep) -> worker_pb2.SchedulerToWorker | None:
-    """The next scheduler message, or None once `step`'s results are on the host with none waiting. A step's
-    deferred draw goes on the device here the moment its masks are filled, before any plan is prepared."""
+    """The next scheduler message, or None once `step`'s results are on the host with none waiting. A step
+    whose deferred draw waits for the next launch is drawn here when no plan is waiting."""
     while True:
-        if worker.draw_ready(step):
-            worker.complete(step)  # its masks are filled: on the device at once, the next plan or not
         message = link.poll(_POLL_S)
         if message is not None:
             return message
-        if not worker.draw_pending(step) and (step.copied is None or step.copied.query()):
+        if worker.draw_pending(step):
+            worker.complete(step)
+        elif step.copied is None or step.copied.query():
             return None

@@ -97,8 +97,6 @@ class Worker:
         self.gpu_clock = BackToBackClock()
         self.device_busy = DeviceBusyClock(enabled=self.device.type == "cuda")
         self.num_forward_passes = 0  # counts towards config.fail_at_step (fault-injection tests)
-        # Grammar bitmasks (megabytes a step at a large batch) go up on their own stream (`_mask_by_grammar`).
-        self._mask_copies = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
         self.sampling_ops = triton_sampling_ops() if self.device.type == "cuda" else torch_sampling_ops()
         if config.batch_invariant:
@@ -197,10 +195,8 @@ class Worker:
         `can_overlap(plan)` is False.
         """
         batch, kv_cache, timer = self.batch, self.kv_cache, self.step_timer
-        if previous is not None and (previous.masks is None or previous.masks.done()):
-            # A deferred draw reads its rows' matchers: before this plan changes them. Masks already filled:
-            # drawn first too, so the device has the draw before this plan's preparation ends.
-            self.complete(previous)
+        if previous is not None and previous.masks is None:
+            self.complete(previous)  # a deferred draw reads its rows' matchers: before this plan changes them
         timer.start_step()
         started = time.perf_counter()
         for request_id in plan.finished_request_ids:
@@ -297,11 +293,6 @@ class Worker:
     def draw_pending(self, step: LaunchedStep) -> bool:
         """Whether a step's deferred draw is not on the device yet (`complete` puts it there)."""
         return step.deferred_sample is not None
-
-    @staticmethod
-    def draw_ready(step: LaunchedStep) -> bool:
-        """Whether a step's deferred draw can go on the device without waiting: its masks are filled."""
-        return step.deferred_sample is not None and (step.masks is None or step.masks.done())
 
     @torch.inference_mode()
     def complete(self, step: LaunchedStep) -> None:
@@ -411,15 +402,8 @@ class Worker:
         if masks is None:
             return
         indices, bitmask = masks
-        if self._mask_copies is None:
-            on_device = _to_device(bitmask, torch.int32, self.device)
-        else:  # on its own stream: the copy runs beside the forward pass instead of after it
-            with torch.cuda.stream(self._mask_copies):
-                on_device = _to_device(bitmask, torch.int32, self.device)
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self._mask_copies)
-            on_device.record_stream(compute)
-        self.sampling_ops.apply_token_bitmask(logits, on_device, _to_device(indices, torch.long, self.device))
+        self.sampling_ops.apply_token_bitmask(logits, _to_device(bitmask, torch.int32, self.device),
+                                              _to_device(indices, torch.long, self.device))
 
     @staticmethod
     def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> worker_pb2.SampledTokens:
