@@ -5,7 +5,8 @@ takes the token of a step planned before the EOS was seen; a token the grammar r
 handed to another request is not fed to the new owner's matcher; a constrained row reads its history (no overlap);
 masked logits sample only allowed tokens; and a grammar that starts after a token (a reasoning model's end of
 thought) is neither applied nor advanced before it, constrains from the token after it, and a resumed row
-whose output holds it starts constrained, its matcher advanced over the tokens after it."""
+whose output holds it starts constrained, its matcher advanced over the tokens after it. Each runs with the
+masks and advances on llguidance's pool and, for a few rows, on the calling thread."""
 
 from __future__ import annotations
 
@@ -37,9 +38,15 @@ def source(tokenizer):
     return worker_pb2.StructuredOutputTokenizer(tokenizer_json=tokenizer.to_json(), eos_token_ids=[EOS])
 
 
+@pytest.fixture(params=[0, 4], ids=["pool", "inline"])
+def batch(source, request):
+    """Masks filled and tokens consumed on llguidance's pool, or (up to 4 rows) on the calling thread."""
+    return PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4, inline_rows=request.param))
+
+
 @pytest.fixture
-def batch(source):
-    return PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4))
+def pooled_batch(source):
+    return PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4, inline_rows=0))
 
 
 GRAMMAR = LLMatcher.grammar_from_regex(r"(cat|dog)s? [0-9]{2}")
@@ -264,10 +271,25 @@ def held_fill(monkeypatch):
     return release
 
 
-def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fill_is_done(batch, held_fill):
+def test_a_few_rows_masks_fill_on_the_calling_thread_and_more_in_the_background(source, held_fill):
+    """Up to `inline_rows` rows, `bitmask_in_background` fills at once (no thread handoff: a lone request's
+    latency); past it, on the background thread (held here until released)."""
+    batch = PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4, inline_rows=2))
+    rows = np.array([batch.add(new_request(name, [10, 11], 2)) for name in "abc"])
+    few = batch.grammars.bitmask_in_background(rows[:2])
+    assert few.done() and few.result()[0].tolist() == [0, 1]
+    many = batch.grammars.bitmask_in_background(rows)
+    assert not many.done()
+    held_fill.set()
+    indices, bitmask = many.result(30)
+    assert indices.tolist() == [0, 1, 2] and torch.equal(bitmask[:2], few.result()[1])
+
+
+def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fill_is_done(pooled_batch, held_fill):
     """`bitmask_in_background` reads the rows' matchers on another thread; a row removed and a new row of the
     same grammar added meanwhile must get another matcher (resetting the one being read would corrupt the
     mask); once the fill is done, the next new row gets it."""
+    batch = pooled_batch
     row = batch.add(new_request("a", [10, 11], 2))
     old = batch.grammars._matchers[row]
     pending = batch.grammars.bitmask_in_background(np.array([row]))
@@ -280,9 +302,11 @@ def test_a_matcher_that_a_background_fill_still_reads_is_not_reused_until_the_fi
     assert batch.grammars._matchers[batch.add(new_request("c", [10, 11], 2))] is old
 
 
-def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding_them(batch, held_fill, monkeypatch):
+def test_a_plan_that_finished_rows_could_spare_builds_waits_for_the_fill_holding_them(pooled_batch, held_fill,
+                                                                                      monkeypatch):
     """Rows finish while their step's masks still fill in the background and the plan brings new rows of their
     grammar: `prepare` waits for the fill and reuses the finished rows' matchers instead of building."""
+    batch = pooled_batch
     rows = [batch.add(new_request(name, [10, 11], 2)) for name in "ab"]
     finished = {id(batch.grammars._matchers[row]) for row in rows}
     pending = batch.grammars.bitmask_in_background(np.array(rows))

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.grammar_timing import GrammarTiming
@@ -58,11 +58,15 @@ def mask_threads(world_size: int) -> int:
 
 class GrammarMatchers:
     def __init__(self, tokenizer: worker_pb2.StructuredOutputTokenizer | None, vocab_size: int, max_num_seqs: int,
-                 pin_memory: bool = False, num_threads: int | None = None):
+                 pin_memory: bool = False, num_threads: int | None = None, inline_rows: int = 4):
         self._tokenizer_source = tokenizer
         self._vocab_size = vocab_size
         self._pin_memory = pin_memory
         self._num_threads = num_threads
+        # Up to this many rows, masks are filled and tokens consumed on the calling thread: handing them to
+        # llguidance's pool (and a fill to the background thread) wakes threads, which costs more than a row's
+        # mask (20-250 us of a core); it was most of a lone constrained request's extra time per token.
+        self._inline_rows = inline_rows
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
         self._background: ThreadPoolExecutor | None = None  # waits on llguidance's pool, the GIL released
@@ -202,7 +206,11 @@ class GrammarMatchers:
         fill = self._bitmask_fill(rows)
         if fill is None:
             return None
-        self._filling = self._background.submit(fill)
+        if self.constrained[rows].sum() <= self._inline_rows:
+            self._filling = Future()
+            self._filling.set_result(fill())
+        else:
+            self._filling = self._background.submit(fill)
         return self._filling
 
     def _bitmask_fill(self, rows: np.ndarray) -> Callable[[], tuple[np.ndarray, torch.Tensor]] | None:
@@ -216,7 +224,11 @@ class GrammarMatchers:
 
         def fill() -> tuple[np.ndarray, torch.Tensor]:
             started = time.perf_counter()
-            fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
+            if len(matchers) <= self._inline_rows:
+                for matcher, index in matchers:
+                    fill_next_token_bitmask(matcher, bitmask.numpy(), index)
+            else:
+                fill_next_token_bitmask_par(self._executor, matchers, bitmask.numpy())
             self.timing.add("fill", len(matchers), time.perf_counter() - started)
             return indices, bitmask
 
@@ -242,9 +254,11 @@ class GrammarMatchers:
                 logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
         if not advancing:
             return
-        # In llguidance's thread pool, the GIL released.
         started = time.perf_counter()
-        accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
+        if len(advancing) <= self._inline_rows:
+            accepted = [self._matchers[row].consume_token(token) for row, token in advancing]
+        else:  # in llguidance's thread pool, the GIL released
+            accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
         self.timing.add("advance", len(advancing), time.perf_counter() - started)
         for (row, token_id), ok in zip(advancing, accepted):
             if not ok:
