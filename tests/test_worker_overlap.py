@@ -93,13 +93,15 @@ def test_a_row_reading_its_history_is_not_overlapped(model_dir):
     assert not worker.can_overlap(decode("a", "b")) and worker.can_overlap(decode("a"))
 
 
-@pytest.mark.parametrize("masks", ["filled at the draw", "filled in the background"])
+@pytest.mark.parametrize("masks", ["filled at the draw", "filled in the background", "filled inline"])
 def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_consumed(tmp_path, masks):
     """A constrained row overlaps like any other: its forward is queued at once, its mask and draw wait for the
     token in flight (Worker.complete), so overlapped steps give the sequential steps' tokens, every one of which
     the grammar accepts, seeded draws at the same positions included. In the background (the serving loop's
     way: `begin_masks`, and the next launch draws), the masks fill while the next plan hands the constrained
-    row to a request of another grammar: the draw still uses the row's old matcher."""
+    row to a request of another grammar: the draw still uses the row's old matcher. Inline (few rows: the
+    default for these two), `begin_masks` fills them at once. The step timers count the constrained steps
+    apart, and the grammar timing line reports the fills."""
     from llguidance import LLMatcher
 
     from pagedserve.testing.tiny_models import add_embedded_tokenizer
@@ -130,6 +132,8 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
     reference = constrained_worker()
     sequential = tokens_of([reference.execute(plan) for plan in steps()])
     worker = constrained_worker()
+    if masks == "filled in the background":
+        worker.batch.grammars.inline_rows = 0
     results, in_flight = [], None
     for plan in steps():
         assert worker.can_overlap(plan)
@@ -142,6 +146,8 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
         else:
             worker.begin_masks(launched)
             assert worker.draw_pending(launched) == (in_flight is not None) == (launched.masks is not None)
+            if launched.masks is not None and masks == "filled inline":
+                assert launched.masks.done()
         in_flight = launched
     results.append(worker.finish(in_flight))
     overlapped = tokens_of(results)
@@ -149,3 +155,5 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
     assert [len(overlapped[r]) for r in "abc"] == [5, 10, 5]
     assert re.fullmatch(r"(cat|dog)s?( [0-9]{0,6})?", tokenizer.decode(overlapped["a"]))
     assert re.fullmatch(r"(red|blue)( [a-z]{0,8})?", tokenizer.decode(overlapped["c"]))
+    assert "decode constrained x" in worker.step_timer.summary()
+    assert re.search(r"grammar masks: fill x \d+ \(1 rows\)", worker.grammar_summary())

@@ -66,7 +66,7 @@ class GrammarMatchers:
         # Up to this many rows, masks are filled and tokens consumed on the calling thread: handing them to
         # llguidance's pool (and a fill to the background thread) wakes threads, which costs more than a row's
         # mask (20-250 us of a core); it was most of a lone constrained request's extra time per token.
-        self._inline_rows = inline_rows
+        self.inline_rows = inline_rows
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
         self._background: ThreadPoolExecutor | None = None  # waits on llguidance's pool, the GIL released
@@ -206,7 +206,7 @@ class GrammarMatchers:
         fill = self._bitmask_fill(rows)
         if fill is None:
             return None
-        if self.constrained[rows].sum() <= self._inline_rows:
+        if self.constrained[rows].sum() <= self.inline_rows:
             self._filling = Future()
             self._filling.set_result(fill())
         else:
@@ -224,7 +224,7 @@ class GrammarMatchers:
 
         def fill() -> tuple[np.ndarray, torch.Tensor]:
             started = time.perf_counter()
-            if len(matchers) <= self._inline_rows:
+            if len(matchers) <= self.inline_rows:
                 for matcher, index in matchers:
                     fill_next_token_bitmask(matcher, bitmask.numpy(), index)
             else:
@@ -255,7 +255,7 @@ class GrammarMatchers:
         if not advancing:
             return
         started = time.perf_counter()
-        if len(advancing) <= self._inline_rows:
+        if len(advancing) <= self.inline_rows:
             accepted = [self._matchers[row].consume_token(token) for row, token in advancing]
         else:  # in llguidance's thread pool, the GIL released
             accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
