@@ -7,7 +7,10 @@ per step, each row walking its own random valid path through one nested JSON sch
     PYTHONPATH=/tmp/xgr python -m benchmarks.grammar_mask_bench
 
 Why the per-step figure matters: the workers fill the masks on the host while the step's forward pass runs on
-the GPU, so a mask cheaper than the forward pass costs no throughput.
+the GPU, so a mask cheaper than the forward pass costs no throughput. `--w1 [--schema extraction|bounded]
+[--tokenizer DIR]` measures that directly for benchmarks/structured_outputs_gpu.py's workload: 256 rows of one
+of its schemas, the worker's llguidance thread count, masks as wide as the model's vocabulary (run it on the
+GPU host: the answer depends on its cores).
 """
 
 from __future__ import annotations
