@@ -108,7 +108,8 @@ def decode_variants(tiles: list[Tile] | None = None) -> dict[str, Callable]:
     return variants
 
 
-def decode_step_linears(shape: str, rows_list: tuple[int, ...] = DECODE_TOKENS, tiles: list[Tile] | None = None) -> dict:
+def decode_step_linears(shape: str, rows_list: tuple[int, ...] = DECODE_TOKENS,
+                        tiles: list[Tile] | None = None) -> dict:
     """Every linear of one forward pass (each layer its own weights, as in a model: nothing stays in L2 from
     the layer before) plus the LM head, captured in one CUDA graph per (way, rows) and timed by replays: the
     device time a decode step spends in them, launch gaps inside a graph included, the host's launches not.
@@ -170,7 +171,8 @@ def main() -> int:
     parser.add_argument("--tiles", nargs="*", default=None,
                         help="--decode's tiles, each BLOCK_M,BLOCK_N,BLOCK_K,warps,stages[,tma] (default: all)")
     parser.add_argument("--decode", action="store_true",
-                        help="only a forward pass's linears in CUDA graphs, per tile and row count (decode_step_linears)")
+                        help="only a forward pass's linears in CUDA graphs, per tile and row count "
+                             "(decode_step_linears)")
     args = parser.parse_args()
     if args.decode:
         tiles = [tile_of(text) for text in args.tiles] if args.tiles else None

@@ -9,15 +9,15 @@ sum is taken in a different order, so the same token gets different bits dependi
 batch (--batch-invariant, issue 21). Here everything that decides a row's reduction order is a constant:
 
 - ONE tile configuration, `TILE` below, unless the device shows that the tiles make no difference: no
-  autotuning, no split-K chosen by the rows. The tile shape fixes the MMA instructions and so a product's accumulation order,
-  and the number of rows only changes how many tiles there are. On an H200 every tile we tried (BLOCK_M 64
-  to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps; benchmarks/batch_invariant_kernel_bench.py)
-  gave the same bits: Hopper's MMA chains the K dimension 16 products at a time, in K order, whatever the
-  tile, and on an H100 the 16- and 32-row tiles (the pre-Hopper MMA) and the tiles loaded by the tensor
-  memory accelerator (`Tile.tma`) gave those bits too. So `tile_by_rows` (ROW_TILES: small tiles for a
-  decode's few rows, larger ones for more) is used where `tiles_agree` finds the
-  same on the device at start-up (kernels/batch_invariant_layer_ops.py), and TILE alone everywhere else
-  (the interpreter, whose numpy matmul sums a tile's K in its own order).
+  autotuning, no split-K chosen by the rows. The tile shape fixes the MMA instructions and so a product's
+  accumulation order, and the number of rows only changes how many tiles there are. On an H200 every tile we
+  tried (BLOCK_M 64 to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps;
+  benchmarks/batch_invariant_kernel_bench.py) gave the same bits: Hopper's MMA chains the K dimension 16
+  products at a time, in K order, whatever the tile, and on an H100 the 16- and 32-row tiles (the pre-Hopper
+  MMA) and the tiles loaded by the tensor memory accelerator (`Tile.tma`) gave those bits too. So
+  `tile_by_rows` (ROW_TILES: small tiles for a decode's few rows, larger ones for more) is used where
+  `tiles_agree` finds the same on the device at start-up (kernels/batch_invariant_layer_ops.py), and TILE
+  alone everywhere else (the interpreter, whose numpy matmul sums a tile's K in its own order).
 - K is summed in one chain: each program loops over all of K in `BLOCK_K` steps into one fp32 accumulator
   (the last partial K tile reads zeros: exact zero products, which change no sum). No split-K, not even
   one fixed for every row count: on an H100 a 16-row tile with the full K ran a decode step's linears
@@ -119,42 +119,9 @@ def _add_bias_and_store(acc, bias_ptr, out_ptr, stride_out, tile_m, tile_n, num_
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _batch_invariant_tma_linear_kernel(
-    hidden_desc,
-    weight_desc,
-    bias_ptr,
-    out_ptr,
-    num_rows,
-    n_size,
-    k_size,
-    stride_out,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """`_batch_invariant_linear_kernel`'s math with tiles loaded by the tensor memory accelerator (Hopper's
-    bulk copies; out-of-bounds rows, columns and K read zeros)."""
-    tile_m, tile_n = _grouped_tile(num_rows, n_size, BLOCK_M, BLOCK_N, GROUP_M)
-    first_row, first_col = tile_m * BLOCK_M, tile_n * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k_start in range(0, k_size, BLOCK_K):
-        a = hidden_desc.load([first_row, k_start])
-        b = weight_desc.load([first_col, k_start])
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b.T, acc, input_precision=DOT_PRECISION)
-    _add_bias_and_store(acc, bias_ptr, out_ptr, stride_out, tile_m, tile_n, num_rows, n_size, HAS_BIAS, BLOCK_M,
-                        BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["num_rows"])
 def _batch_invariant_linear_kernel(
-    hidden_ptr,
-    weight_ptr,
+    hidden,
+    weight,
     bias_ptr,
     out_ptr,
     num_rows,
@@ -170,20 +137,26 @@ def _batch_invariant_linear_kernel(
     GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
+    """`hidden` and `weight`: pointers with their row strides, or with TMA tensor descriptors, whose tiles the
+    tensor memory accelerator loads (Hopper's bulk copies; out of bounds rows, columns and K read zeros, as the
+    pointer loads' masks do). Either way the same tiles reach the same dot products."""
     tile_m, tile_n = _grouped_tile(num_rows, n_size, BLOCK_M, BLOCK_N, GROUP_M)
     rows = tile_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tile_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < num_rows
-    col_mask = cols < n_size
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, k_size, BLOCK_K):
-        ks = k_start + tl.arange(0, BLOCK_K)
-        k_mask = ks < k_size
-        a = tl.load(hidden_ptr + rows[:, None] * stride_hidden + ks[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(weight_ptr + cols[None, :] * stride_weight + ks[:, None],
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if TMA:
+            a = hidden.load([tile_m * BLOCK_M, k_start])
+            b = weight.load([tile_n * BLOCK_N, k_start]).T
+        else:
+            ks = k_start + tl.arange(0, BLOCK_K)
+            k_mask = ks < k_size
+            a = tl.load(hidden + rows[:, None] * stride_hidden + ks[None, :],
+                        mask=(rows < num_rows)[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(weight + cols[None, :] * stride_weight + ks[:, None],
+                        mask=k_mask[:, None] & (cols < n_size)[None, :], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -221,18 +194,26 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         assert bias.shape == (n_size,)
         bias = bias.contiguous()
     grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(n_size, block_n),)
-    if tma and tma_fits(hidden, weight):
+    tma = tma and tma_fits(hidden, weight)
+    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        _batch_invariant_tma_linear_kernel[grid](
-            TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
-            TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-            bias if bias is not None else out, out, num_rows, n_size, k_size, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-            UPCAST=needs_upcast(hidden.dtype), DOT_PRECISION=dot_precision(hidden.dtype),
-            num_warps=num_warps, num_stages=num_stages,
-        )
-        return out.reshape(*leading, n_size)
+        operands = (TensorDescriptor.from_tensor(hidden, [block_m, block_k]),
+                    TensorDescriptor.from_tensor(weight, [block_n, block_k]))
+    else:
+        operands = (hidden, weight)
+    _batch_invariant_linear_kernel[grid](
+        *operands, bias if bias is not None else out, out,
+        num_rows, n_size, k_size,
+        hidden.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
+        UPCAST=needs_upcast(hidden.dtype),
+        DOT_PRECISION=dot_precision(hidden.dtype),
+        TMA=tma,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out.reshape(*leading, n_size)
     _batch_invariant_linear_kernel[grid](
         hidden, weight, bias if bias is not None else out, out,
         num_rows, n_size, k_size,

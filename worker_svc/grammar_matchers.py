@@ -125,10 +125,10 @@ class GrammarMatchers:
         no spare covers (`SpareMatchers`: finished rows' matchers, reset at `add`), on threads, for the `add`s
         that follow. A build parses and compiles its grammar: about 0.7 ms for a small JSON schema, and the
         threads barely overlap them (32 builds: 22 ms one by one, 20 ms on two threads on the CI machine),
-        which is why spares come first. (A
-        copy of one built matcher would cost 30 us, but the copies share a locked cache: their masks then fill
-        one at a time.) Matchers built but not taken become spares at the next call. Where finished rows' matchers
-        would spare builds but a background fill still holds them, it waits for the fill first."""
+        which is why spares come first. (A copy of one built matcher would cost 30 us, but the copies share a
+        locked cache: their masks then fill one at a time.) Matchers built but not taken become spares at the
+        next call. Where finished rows' matchers would spare builds but a background fill still holds them, it
+        waits for the fill first."""
         for grammar, matchers in self._prepared.items():
             for matcher in matchers:
                 if not matcher.is_error():

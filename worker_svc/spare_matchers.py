@@ -11,9 +11,9 @@ class SpareMatchers:
     """Finished rows' matchers by grammar, for new rows of the same grammar: a reset costs about 7 us where a
     build parses and compiles the grammar, about 0.7 ms for a small JSON schema, on one core whatever the
     threads (llguidance's builds barely ran in parallel on the CI machine), so a plan of 32 new constrained
-    requests held its step up by about 20 ms there. A reset matcher is a start-state matcher of its own (a `deep_copy` shares its
-    source's caches, whose lock then serializes the masks). At most `capacity` are kept, the least recently
-    returned grammar's dropped first."""
+    requests held its step up by about 20 ms there. A reset matcher is a start-state matcher of its own (a
+    `deep_copy` shares its source's caches, whose lock then serializes the masks). At most `capacity` are
+    kept, the least recently returned grammar's dropped first."""
 
     def __init__(self, capacity: int):
         self._capacity = capacity
