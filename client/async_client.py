@@ -7,6 +7,7 @@ running loop and used only there.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
@@ -16,10 +17,11 @@ from grpc_health.v1 import health_pb2_grpc
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
 from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
-from client.errors import from_rpc_error
+from client.errors import PagedServeError, from_rpc_error
 from client.request_builder import build_generate_request, build_tokenize_request
 from client.request_metrics import RequestClock
 from client.retry import RetryBudget, RetryPolicy
+from client.stream_resume import ResumePolicy, StreamProgress
 from client.tokenization import Tokenization
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
@@ -27,7 +29,8 @@ from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
 class AsyncClient:
     """Asyncio client. `timeout` (seconds) is the deadline of every call, a whole stream and its retries
-    included. Retries as the blocking Client (`max_retries`, client/retry.py).
+    included. Retries as the blocking Client (`max_retries`, client/retry.py), and rides out a scheduler
+    restart as it does (`resume_timeout`, client/stream_resume.py).
 
         async with AsyncClient("127.0.0.1:50051") as client:
             await client.wait_ready()
@@ -41,6 +44,7 @@ class AsyncClient:
         *,
         timeout: float | None = None,
         max_retries: int = 3,
+        resume_timeout: float = 120.0,
         api_key: str | None = None,
         root_certificates: bytes | str | None = None,
     ) -> None:
@@ -51,6 +55,8 @@ class AsyncClient:
         self.target = target
         self._timeout = timeout
         self._retry = RetryPolicy(max_retries=max_retries)
+        self._resume = ResumePolicy(resume_timeout)
+        self._reached_server = False  # any answer yet: an UNAVAILABLE after one is a lost scheduler (stream_resume.py)
         self._metadata = call_metadata(api_key)
         credentials = channel_credentials(root_certificates)
         if credentials is None:
@@ -131,6 +137,7 @@ class AsyncClient:
                 answer = describe_rpc_failure(error)
             else:
                 if response.status == SERVING:
+                    self._reached_server = True
                     return
                 answer = describe_status(response.status)
             await asyncio.sleep(poll.next_pause(answer))
@@ -147,31 +154,53 @@ class AsyncClient:
 
     async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         budget = RetryBudget(self._retry, self._timeout)
+        progress = StreamProgress(request)
         while True:
-            call = self._generation.Generate(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
-            received = False
+            call = self._generation.Generate(progress.next_request(), timeout=budget.attempt_timeout(),
+                                             metadata=self._metadata)
             try:
                 async for response in call:
-                    received = True
+                    self._reached_server = True
+                    progress.saw(response)
                     yield GenerateChunk.from_response(response)
                 return
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-                pause = None if received else budget.next_pause(error)
-                if pause is None:
+                if progress.complete:
+                    return
+                wait_until = self._resume.wait_deadline(error, self._reached_server, budget.deadline)
+                pause = None if progress.num_messages or wait_until is not None else budget.next_pause(error)
+                if wait_until is None and pause is None:
                     raise error from rpc_error
+                progress.check_resumable(error)
             finally:
                 call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
-            await asyncio.sleep(pause)
+            if wait_until is not None:
+                await self._wait_serving(wait_until, error)
+            else:
+                await asyncio.sleep(pause)
 
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
         budget = RetryBudget(self._retry, self._timeout)
         while True:
             try:
-                return await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
+                response = await method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
+                self._reached_server = True
+                return response
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-                pause = budget.next_pause(error)
-                if pause is None:
+                wait_until = self._resume.wait_deadline(error, self._reached_server, budget.deadline)
+                pause = None if wait_until is not None else budget.next_pause(error)
+                if wait_until is None and pause is None:
                     raise error from rpc_error
-            await asyncio.sleep(pause)
+            if wait_until is not None:
+                await self._wait_serving(wait_until, error)
+            else:
+                await asyncio.sleep(pause)
+
+    async def _wait_serving(self, deadline: float, error: PagedServeError) -> None:
+        """Until the (restarted) scheduler serves again; raises ServerUnavailableError past `deadline`."""
+        try:
+            await self.wait_ready(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise self._resume.lost_error(error) from error

@@ -45,6 +45,11 @@ class RetryBudget:
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._retries = 0
 
+    @property
+    def deadline(self) -> float | None:
+        """When the call's timeout runs out (time.monotonic), or None."""
+        return self._deadline
+
     def attempt_timeout(self) -> float | None:
         """The deadline of the next attempt: what is left of the call's timeout."""
         return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)

@@ -16,10 +16,11 @@ from grpc_health.v1 import health_pb2_grpc
 from client.channel import CHANNEL_OPTIONS, HEALTH_CHECK_REQUEST, SERVING, ReadinessPoll
 from client.channel import call_metadata, channel_credentials
 from client.channel import describe_rpc_failure, describe_status
-from client.errors import from_rpc_error
+from client.errors import PagedServeError, from_rpc_error
 from client.request_builder import build_generate_request, build_tokenize_request
 from client.request_metrics import RequestClock
 from client.retry import RetryBudget, RetryPolicy
+from client.stream_resume import ResumePolicy, StreamProgress
 from client.tokenization import Tokenization
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
@@ -29,6 +30,9 @@ class Client:
     """Blocking client. `timeout` (seconds) is the deadline of every call, a whole stream and its retries
     included; None means no deadline. A call that fails UNAVAILABLE or RESOURCE_EXHAUSTED (before any chunk,
     for a stream) is retried up to `max_retries` times with jittered exponential backoff (client/retry.py).
+    If the scheduler is lost after answering this client (a crash; its supervisor restarts it), streams in
+    flight resume where they stopped and new calls wait for it, up to `resume_timeout` seconds per loss (0:
+    fail at once; client/stream_resume.py).
     `api_key`: the server's --api-key, sent as `authorization: Bearer` metadata. `root_certificates`: PEM
     bytes or a PEM file path to trust; set, the channel uses TLS.
 
@@ -44,12 +48,15 @@ class Client:
         *,
         timeout: float | None = None,
         max_retries: int = 3,
+        resume_timeout: float = 120.0,
         api_key: str | None = None,
         root_certificates: bytes | str | None = None,
     ) -> None:
         self.target = target
         self._timeout = timeout
         self._retry = RetryPolicy(max_retries=max_retries)
+        self._resume = ResumePolicy(resume_timeout)
+        self._reached_server = False  # any answer yet: an UNAVAILABLE after one is a lost scheduler (stream_resume.py)
         self._metadata = call_metadata(api_key)
         credentials = channel_credentials(root_certificates)
         if credentials is None:
@@ -129,6 +136,7 @@ class Client:
                 answer = describe_rpc_failure(error)
             else:
                 if response.status == SERVING:
+                    self._reached_server = True
                     return
                 answer = describe_status(response.status)
             time.sleep(poll.next_pause(answer))
@@ -145,31 +153,53 @@ class Client:
 
     def _stream(self, request: generate_pb2.GenerateRequest) -> Generator[GenerateChunk, None, None]:
         budget = RetryBudget(self._retry, self._timeout)
+        progress = StreamProgress(request)
         while True:
-            call = self._generation.Generate(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
-            received = False
+            call = self._generation.Generate(progress.next_request(), timeout=budget.attempt_timeout(),
+                                             metadata=self._metadata)
             try:
                 for response in call:
-                    received = True
+                    self._reached_server = True
+                    progress.saw(response)
                     yield GenerateChunk.from_response(response)
                 return
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-                pause = None if received else budget.next_pause(error)
-                if pause is None:
+                if progress.complete:
+                    return
+                wait_until = self._resume.wait_deadline(error, self._reached_server, budget.deadline)
+                pause = None if progress.num_messages or wait_until is not None else budget.next_pause(error)
+                if wait_until is None and pause is None:
                     raise error from rpc_error
+                progress.check_resumable(error)
             finally:
                 call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
-            time.sleep(pause)
+            if wait_until is not None:
+                self._wait_serving(wait_until, error)
+            else:
+                time.sleep(pause)
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request):
         budget = RetryBudget(self._retry, self._timeout)
         while True:
             try:
-                return method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
+                response = method(request, timeout=budget.attempt_timeout(), metadata=self._metadata)
+                self._reached_server = True
+                return response
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
-                pause = budget.next_pause(error)
-                if pause is None:
+                wait_until = self._resume.wait_deadline(error, self._reached_server, budget.deadline)
+                pause = None if wait_until is not None else budget.next_pause(error)
+                if wait_until is None and pause is None:
                     raise error from rpc_error
-            time.sleep(pause)
+            if wait_until is not None:
+                self._wait_serving(wait_until, error)
+            else:
+                time.sleep(pause)
+
+    def _wait_serving(self, deadline: float, error: PagedServeError) -> None:
+        """Until the (restarted) scheduler serves again; raises ServerUnavailableError past `deadline`."""
+        try:
+            self.wait_ready(timeout=max(deadline - time.monotonic(), 0.0))
+        except TimeoutError:
+            raise self._resume.lost_error(error) from error

@@ -24,10 +24,11 @@ class Backend:
 
     async def open(self) -> None:
         # No SDK retries: the gateway answers 503/429 at once and OpenAI clients retry those themselves
-        # (retrying here too would multiply the attempts).
+        # (retrying here too would multiply the attempts). But a scheduler lost after it answered is waited
+        # for (bounded), and the streams in flight resume on its successor (client/stream_resume.py).
         config = self._config
-        self._client = AsyncClient(config.grpc_target, max_retries=0, api_key=config.grpc_api_key,
-                                   root_certificates=config.grpc_root_cert)
+        self._client = AsyncClient(config.grpc_target, max_retries=0, resume_timeout=config.resume_timeout,
+                                   api_key=config.grpc_api_key, root_certificates=config.grpc_root_cert)
 
     async def close(self) -> None:
         if self._client is not None:

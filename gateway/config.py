@@ -34,6 +34,9 @@ class GatewayConfig:
     retry_after_s: int = 1
     # Seconds in-flight HTTP requests get to finish on SIGTERM.
     shutdown_timeout: float = 30.0
+    # Seconds a stream in flight, or a new request, waits for a lost scheduler to serve again (its supervisor
+    # restarts it) before failing; streams then resume where they stopped (client/stream_resume.py). 0: fail.
+    resume_timeout: float = 120.0
     # The scheduler's --api-key (sent on every gRPC call) and, when it serves TLS, the PEM file to trust.
     grpc_api_key: str | None = None
     grpc_root_cert: str | None = None
@@ -58,6 +61,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_gateway_access_arguments(parser)
     parser.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 429 and 503")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="drain time on SIGTERM")
+    parser.add_argument("--resume-timeout", type=float, default=120.0,
+                        help="seconds streams and new requests wait for a lost scheduler to come back (0: fail)")
     parser.add_argument("--grpc-api-key", default=None,
                         help=f"the scheduler's --api-key, sent on every gRPC call (default: ${GRPC_API_KEY_ENV})")
     parser.add_argument("--grpc-root-cert", default=None, help="the scheduler serves TLS: trust this PEM certificate")
@@ -109,6 +114,8 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         raise SystemExit("--port must lie in [0, 65535]")
     if args.retry_after < 0:
         raise SystemExit("--retry-after must be >= 0")
+    if args.resume_timeout < 0:
+        raise SystemExit("--resume-timeout must be >= 0")
     if args.max_request_body_bytes < 1:
         raise SystemExit("--max-request-body-bytes must be at least 1")
     if (error := output_parsing_error(args)) is not None:
@@ -121,6 +128,7 @@ def gateway_config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_name=args.served_model_name or None,
         retry_after_s=args.retry_after,
         shutdown_timeout=args.shutdown_timeout,
+        resume_timeout=args.resume_timeout,
         grpc_api_key=grpc_api_key_from(args.grpc_api_key, os.environ),
         grpc_root_cert=args.grpc_root_cert,
         uvicorn_log_level=args.uvicorn_log_level,

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                        help="how the ranks are started: mp, local processes (ray: not supported yet)")
     serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    serve.add_argument("--max-scheduler-restarts", type=int, default=3,
+                       help="times a dead scheduler is restarted (with fresh workers) before the stack stops; "
+                            "streams in flight resume on the new one")
     serve.add_argument("--host", default="127.0.0.1",
                        help="bind address of the OpenAI-compatible HTTP server (vLLM's default is every "
                             "interface; ours is loopback: pass 0.0.0.0 to serve the network)")

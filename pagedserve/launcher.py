@@ -87,6 +87,14 @@ def serve(args: argparse.Namespace) -> int:
             for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, fresh)):
                 children[f"worker rank {rank}"] = _start("worker", argv, child_environment(link_secret))
 
+        def restart_engine() -> None:
+            """Scheduler crash recovery: a new scheduler and a fresh rank set (the workers' KV cache belonged
+            to the dead scheduler's block tables). The gateway stays: its streams resume on the new one."""
+            _stop_all({name: child for name, child in children.items() if name.startswith("worker")}, 10.0)
+            children["scheduler"] = _start("scheduler", _scheduler_argv(args, model_argv, address),
+                                           child_environment({API_KEY_ENV: api_key, **link_secret}))
+            restart_workers()
+
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args),
                                          child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}))
@@ -95,17 +103,21 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(signum, lambda s, f: stop_requested.append(s))
         try:
             return _supervise(args, model.name, children, stop_requested,
-                              restart_workers if ray_group is None else None)
+                              restart_workers if ray_group is None else None,
+                              restart_engine if ray_group is None else None)
         finally:
             _stop_all(children, args.shutdown_timeout)
 
 
 def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list,
-               restart_workers=None) -> int:
+               restart_workers=None, restart_engine=None) -> int:
     """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its rank set,
     up to --max-worker-restarts times (the scheduler waits for them and resumes its requests), where
-    `restart_workers` can (the mp backend)."""
+    `restart_workers` can (the mp backend). A scheduler that dies is restarted with fresh workers, up to
+    --max-scheduler-restarts times, where `restart_engine` can; the gateway and SDK clients resume their
+    streams on it (client/stream_resume.py)."""
     restarts_left = args.max_worker_restarts if restart_workers is not None else 0
+    scheduler_restarts_left = args.max_scheduler_restarts if restart_engine is not None else 0
     target = _local_address(args.grpc_host, args.grpc_port)
     http_health = f"http://{_local_address(args.host, args.port)}/health" if args.enable_http else None
     ready_deadline = time.monotonic() + args.ready_timeout
@@ -124,6 +136,13 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
         exited = [name for name, child in children.items() if child.poll() is not None]
+        if "scheduler" in exited and scheduler_restarts_left > 0:
+            scheduler_restarts_left -= 1
+            print(f"pagedserve: the scheduler exited with code {children['scheduler'].returncode}; restarting it "
+                  f"and the workers ({scheduler_restarts_left} restarts left)", file=sys.stderr, flush=True)
+            restart_engine()
+            ready, ready_deadline = False, time.monotonic() + args.ready_timeout
+            continue
         if exited and restarts_left > 0 and all(name.startswith("worker") for name in exited):
             restarts_left -= 1
             print(f"pagedserve: the {exited[0]} exited with code {children[exited[0]].returncode}; restarting the "

@@ -107,9 +107,11 @@ class Engine:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def submit(self, request_id: str, validated: ValidatedRequest, priority: int = 0) -> asyncio.Queue:
-        """Admits a validated request. Its queue carries OutputDelta items (one final delta per returned
-        sequence), then StreamEnd; or the exception that stopped the engine."""
+    def submit(self, request_id: str, validated: ValidatedRequest, priority: int = 0) -> tuple[asyncio.Queue, int]:
+        """Admits a validated request. Returns its queue, which carries OutputDelta items (one final delta per
+        returned sequence), then StreamEnd; or the exception that stopped the engine. And its seed: the one it
+        gave, or the one drawn for it (a client needs it to resume the stream exactly: resume_validation.py).
+        A resumed request starts with the output its client already received, recomputed like a preemption's."""
         if self._failure is not None:
             raise RuntimeError(f"the engine has stopped: {self._failure}")
         sampling = validated.sampling_params
@@ -122,20 +124,21 @@ class Engine:
             eos_token_ids=self._eos_token_ids,
             priority=priority,
         )
+        if validated.resume is not None:
+            root.output_token_ids = list(validated.resume.token_ids)
         if sampling.max_tokens == 0:
-            group_class = PromptOnly
+            group = PromptOnly(request_id, root, self._context)
         elif sampling.use_beam_search:
-            group_class = BeamSearch
+            group = BeamSearch(request_id, root, self._context)
         elif sampling.num_sequences > 1:
-            group_class = ParallelSampling
+            group = ParallelSampling(request_id, root, self._context)
         else:
-            group_class = SingleSequence
-        group = group_class(request_id, root, self._context)
+            group = SingleSequence(request_id, root, self._context, validated.resume)
         self._metrics.on_admitted(request_id, root.num_prompt_tokens, sampling.n, sampling.max_tokens)  # metrics
         self._groups[request_id] = group
         self._inbox.append(group)
         self._wake.set()
-        return group.queue
+        return group.queue, sampling.seed
 
     def num_queued(self) -> int:
         """Sequences waiting for a step: the scheduler's waiting queue (preempted ones included) and the

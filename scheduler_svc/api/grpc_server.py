@@ -157,8 +157,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        queue = engine.submit(request_id, validated, request.priority)
-        prompt = _PromptEcho(request, validated.prompt_token_ids, self._tokenizer) if request.return_prompt else None
+        queue, seed = engine.submit(request_id, validated, request.priority)
+        # A resumed stream's client already had the first message: the prompt is not echoed again.
+        echo = request.return_prompt and validated.resume is None
+        prompt = _PromptEcho(request, validated.prompt_token_ids, self._tokenizer) if echo else None
+        first_seed = seed  # reported on the stream's first message, then None
         ended = False
         try:
             while not ended:
@@ -178,6 +181,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         response = _response(request_id, item, self._tokenizer)
                         if prompt is not None:
                             prompt.fill_first(response)
+                        if first_seed is not None:
+                            response.seed, first_seed = first_seed, None
                         yield response
         finally:
             if not ended:  # cancelled, disconnected or past its deadline

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
+from scheduler_svc.api.resume_validation import resumed_output
 from scheduler_svc.api.structured_outputs import grammar_start_token_id, structured_grammar
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
@@ -62,7 +63,7 @@ def validate_request(
             f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) needs {needed} tokens of KV cache, "
             f"the whole pool holds {limits.kv_capacity_tokens}",
         )
-    return ValidatedRequest(prompt_token_ids, sampling)
+    return ValidatedRequest(prompt_token_ids, sampling, resumed_output(request, sampling, limits.vocab_size))
 
 
 def _prompt_token_ids(

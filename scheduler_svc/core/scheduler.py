@@ -127,10 +127,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a new request. Raises ValueError for one that could never run: an empty prompt, a prompt over
-        max_model_len, max_tokens < 1, a live duplicate id, or more K/V than the whole GPU pool."""
+        max_model_len, max_tokens < 1, a live duplicate id, or more K/V than the whole GPU pool. A request may
+        come with output tokens (a stream resumed after a scheduler loss): it then starts like one preempted
+        by recompute, its prompt and output prefilled before it samples the next token."""
         self._check_new(request)
-        if request.output_token_ids:
-            raise ValueError(f"request {request.request_id} is not a fresh request")
+        if request.num_output_tokens >= request.sampling_params.max_tokens:
+            raise ValueError(f"request {request.request_id} has no max_tokens left")
         request.arrival_seq = self._next_arrival_seq
         self._next_arrival_seq += 1
         self._state.requests[request.request_id] = request

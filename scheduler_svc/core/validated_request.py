@@ -21,8 +21,19 @@ class InvalidRequestError(ValueError):
 
 
 @dataclass(frozen=True)
+class ResumedOutput:
+    """The output a client already received before its scheduler was lost (GenerateRequest.resume): the
+    resumed request starts with these tokens as its output and streams only what follows them."""
+
+    token_ids: tuple[int, ...]
+    num_sent_chars: int
+    cumulative_logprob: float = 0.0
+
+
+@dataclass(frozen=True)
 class ValidatedRequest:
     """A prompt as token ids and its checked sampling parameters: every range and size limit already holds."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    resume: ResumedOutput | None = None  # None: a new request

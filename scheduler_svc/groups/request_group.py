@@ -23,6 +23,7 @@ from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_outcome import StepOutcome
 from scheduler_svc.core.token_logprobs import PromptLogprobChunk, PromptLogprobs, TokenLogprob
+from scheduler_svc.core.validated_request import ResumedOutput
 from scheduler_svc.groups.stream_pacing import PacedQueue
 from scheduler_svc.text.output_stream import OutputDelta, OutputStream
 from scheduler_svc.text.tokenizer import Tokenizer
@@ -110,10 +111,18 @@ _ABORTED = OutputDelta(text="", token_ids=(), finish_reason=FinishReason.ABORT)
 
 
 class SingleSequence(RequestGroup):
+    def __init__(self, request_id: str, root: Request, context: GroupContext, resume: ResumedOutput | None = None):
+        super().__init__(request_id, root, context)
+        self._resume = resume  # a stream resumed after a scheduler loss: root starts with its received output
+
     def start(self) -> None:
         self._stream = OutputStream(self.root, self.context.tokenizer)
         self._cumulative_logprob = 0.0
         self._sent_first = False
+        if self._resume is not None:  # the client has the first message (prompt logprobs) and this text
+            self._stream.skip_sent(self.root, self._resume.num_sent_chars)
+            self._cumulative_logprob = self._resume.cumulative_logprob
+            self._sent_first = True
         self._add(self.root)
 
     def on_step(self, request: Request, outcome: StepOutcome) -> None:

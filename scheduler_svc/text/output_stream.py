@@ -59,6 +59,20 @@ class OutputStream:
         """The whole output text so far (stop string cut off)."""
         return self._text
 
+    def skip_sent(self, request: Request, num_sent_chars: int) -> None:
+        """Takes the request's output tokens so far as already streamed, with the first `num_sent_chars`
+        characters of their text (a stream resumed after a scheduler loss). The state is then what it was
+        after the last delta the client received: the detokenizer's text is the same for any chunking, and
+        everything up to the text's end was checked for stop strings, as `advance` leaves it; text held back
+        then (a possible stop string, an incomplete character) is sent by the next `advance`."""
+        self._num_sent_tokens = len(request.output_token_ids)
+        if self._detokenizer is not None:
+            self._detokenizer.step(list(request.output_token_ids))
+            self._text = self._detokenizer.output_text
+        self._num_sent_chars = min(num_sent_chars, len(self._text))
+        if self._stop_matcher is not None:
+            self._num_checked_chars = len(self._text)
+
     def advance(self, request: Request) -> tuple[OutputDelta, bool]:
         """Consumes the request's tokens not yet seen. Returns the delta to stream and whether a stop string
         ended the request (the caller must then finish it in the scheduler)."""
