@@ -113,9 +113,18 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
         http_streams = [HttpStream(server.http_port, _http_body(i, seed=200 + i)) for i in range(4)]
         for stream in grpc_streams + http_streams:
             assert stream.first_chunk.wait(120), "a stream got no first chunk"
+        late_client = server.client()
+        late_client.model_info()  # it reached the scheduler: after the loss it waits for the next one
         first_scheduler = process_with_role(server.children, "scheduler")
         os.kill(first_scheduler, signal.SIGKILL)
         cut = [stream.num_tokens for stream in grpc_streams]
+        # Sent while the scheduler is down: they wait for the new one rather than fail.
+        late_http = HttpStream(server.http_port, _http_body(0))
+        late = late_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, ignore_eos=True, **_sampling(0))
+        late_client.close()
+        late_http.join(timeout=120)
+        assert late_http.error is None and late_http.text == expected[0].text
+        assert late.token_ids == expected[0].token_ids
         assert health.wait_for("NOT_SERVING", 30) or health.statuses, health.statuses
         for stream in grpc_streams + http_streams:
             stream.join(timeout=240)
