@@ -40,6 +40,7 @@ from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
 from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS
 from scheduler_svc.generation_defaults import load_generation_defaults
+from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
 from service_runtime.model_source import ResolvedModel, resolve_model
@@ -57,6 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     refuse_bad_text_options(args, model.path)
+    if args.max_scheduler_restarts < 0:
+        raise SystemExit("pagedserve: --max-scheduler-restarts must be >= 0")
     api_key = api_key_from(args.api_key, os.environ)
     model_argv = [] if args.model is None else ["--model", args.model]
     ray_group = None
@@ -136,7 +139,7 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
         exited = [name for name, child in children.items() if child.poll() is not None]
-        if "scheduler" in exited and scheduler_restarts_left > 0:
+        if "scheduler" in exited and scheduler_restarts_left > 0 and _crashed(children["scheduler"].returncode):
             scheduler_restarts_left -= 1
             print(f"pagedserve: the scheduler exited with code {children['scheduler'].returncode}; restarting it "
                   f"and the workers ({scheduler_restarts_left} restarts left)", file=sys.stderr, flush=True)
@@ -163,6 +166,12 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 print("pagedserve: not ready in time", file=sys.stderr, flush=True)
                 return 1
         time.sleep(_POLL_SECONDS)
+
+
+def _crashed(returncode: int) -> bool:
+    """Whether a scheduler's exit was a crash (a signal, an unhandled exception), which a restart undoes, not
+    its own decision to stop after losing its workers for good (exit 1)."""
+    return returncode < 0 or returncode == SCHEDULER_CRASH_EXIT_CODE
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import Sequence
 
 from scheduler_svc.config import (
@@ -29,10 +30,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
 
 
+# The exit code of a scheduler that crashed (an exception nothing handled), as of one killed by a signal: its
+# supervisor restarts it and the clients resume their streams (client/stream_resume.py). Exit 1 stays the
+# scheduler's own decision after losing its workers for good, which `pagedserve serve` does not undo.
+CRASH_EXIT_CODE = 70  # EX_SOFTWARE
+
+
 def run(args: argparse.Namespace) -> int:
     from scheduler_svc.service import run_scheduler_service
 
-    return asyncio.run(run_scheduler_service(scheduler_config_from_args(args)))
+    config = scheduler_config_from_args(args)
+    try:
+        return asyncio.run(run_scheduler_service(config))
+    except Exception:
+        logging.getLogger("scheduler_svc").exception("the scheduler crashed")
+        return CRASH_EXIT_CODE
 
 
 def main(argv: Sequence[str] | None = None) -> int:

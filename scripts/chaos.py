@@ -1,17 +1,21 @@
-"""Chaos run (issue 22 item 7): mixed requests while the worker process is killed with SIGKILL every K seconds;
-then proof that worker crash recovery lost nothing: no request failed, greedy and seeded requests gave the
-tokens of an undisturbed run, and every KV block is free at the end.
+"""Chaos run: mixed requests while the worker process is killed with SIGKILL every K seconds and the scheduler
+every S seconds; then proof that crash recovery lost nothing: no request failed, greedy and seeded requests
+gave the tokens of an undisturbed run, and every KV block is free at the end.
 
-    .venv/bin/python scripts/chaos.py                                  # 2,000 requests, a kill every 30 s
-    .venv/bin/python scripts/chaos.py --requests 150 --kill-every 20 --concurrency 16 --time-limit 420
-                                       # the README's figure on 2 loaded CPU cores
+    .venv/bin/python scripts/chaos.py --embedded-model          # 2,000 requests; worker kills every 10 s,
+                                                                # scheduler kills every 60 s
+    .venv/bin/python scripts/chaos.py --requests 150 --kill-every 20 --kill-scheduler-every 0 --concurrency 16
+                                       # worker kills only, a tiny random Llama
 
-It starts its own `pagedserve serve` on a free loopback port (--model, else a tiny random Llama), with
---max-worker-restarts high enough for every kill. The mix: streaming and non-streaming (`generate`), greedy
+It starts its own `pagedserve serve` on a free loopback port (--model, --embedded-model for the embedded
+SmolLM2-135M, else a tiny random Llama), with --max-worker-restarts and --max-scheduler-restarts high enough
+for every kill. A killed scheduler is restarted with fresh workers by the launcher, and the SDK resumes its
+streams on the new one (client/stream_resume.py). The mix: streaming and non-streaming (`generate`), greedy
 and seeded sampling, prompts of 1-32 tokens and 1-32 output tokens; 10% are cancelled after 0-3 tokens.
 First every request that runs to its end (greedy or seeded) is sent once with no kill, as the reference;
 then all of them again, concurrently, while a thread kills the worker (the launcher's child running
-worker_svc) every --kill-every seconds, a replacement still loading included. Each pass starts no request
+worker_svc) every --kill-every seconds, a replacement still loading included, and another the scheduler every
+--kill-scheduler-every seconds (0: never). Each pass starts no request
 after --time-limit seconds. Prints one JSON object; exits 1 if a request failed or never started, a token
 differed from the reference, or a block was not freed at the end (GetStats: free KV blocks == KV blocks).
 """
@@ -119,11 +123,10 @@ async def run_all(target: str, plans: list[Plan], concurrency: int, reference: d
     return results
 
 
-def kill_worker_every(server, interval: float, stop: threading.Event, kills: list[float]) -> None:
-    """SIGKILLs the launcher's worker child every `interval` seconds (once a replacement runs)."""
-    while not stop.wait(interval):
-        workers = [pid for pid in descendants(server.process.pid) if b"worker_svc" in _cmdline(pid)]
-        for pid in workers:
+def kill_every(server, module: bytes, interval: float, stop: threading.Event, kills: list[float]) -> None:
+    """SIGKILLs the launcher's children running `module` (worker_svc, scheduler_svc) every `interval` seconds."""
+    while interval > 0 and not stop.wait(interval):
+        for pid in [pid for pid in descendants(server.process.pid) if module in _cmdline(pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
                 kills.append(time.monotonic())
@@ -141,15 +144,19 @@ def _cmdline(pid: int) -> bytes:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--kill-every", type=float, default=30.0, help="seconds between worker kills")
+    parser.add_argument("--kill-every", type=float, default=10.0, help="seconds between worker kills")
+    parser.add_argument("--kill-scheduler-every", type=float, default=60.0,
+                        help="seconds between scheduler kills (0: never)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="default: a tiny random Llama")
+    parser.add_argument("--embedded-model", action="store_true", help="serve the embedded SmolLM2-135M")
     parser.add_argument("--time-limit", type=float, default=3600.0,
                         help="seconds per pass (reference, then chaos); no request starts after it")
     args = parser.parse_args()
-    with running_server(Path(os.environ.get("TMPDIR", "/tmp")), *(_model_args(args.model)), "--max-model-len", "256",
-                        "--max-worker-restarts", "1000") as server:
+    model_args = [] if args.embedded_model else _model_args(args.model)
+    with running_server(Path(os.environ.get("TMPDIR", "/tmp")), *model_args, "--max-model-len", "256",
+                        "--max-worker-restarts", "1000", "--max-scheduler-restarts", "1000") as server:
         with server.client() as client:
             vocab_size = client.model_info().vocab_size
         plans = make_plans(args.requests, args.seed, vocab_size)
@@ -159,18 +166,24 @@ def main() -> int:
         reference = asyncio.run(run_all(server.target, whole, args.concurrency, None, reference_tally,
                                         started + args.time_limit))
         reference_s = time.monotonic() - started
-        stop, kills = threading.Event(), []
-        killer = threading.Thread(target=kill_worker_every, args=(server, args.kill_every, stop, kills), daemon=True)
+        stop, kills, scheduler_kills = threading.Event(), [], []
+        killers = [threading.Thread(target=kill_every, args=(server, b"worker_svc", args.kill_every, stop, kills),
+                                    daemon=True),
+                   threading.Thread(target=kill_every, args=(server, b"scheduler_svc", args.kill_scheduler_every,
+                                                             stop, scheduler_kills), daemon=True)]
         tally = Tally()
         started = time.monotonic()
-        killer.start()
+        for killer in killers:
+            killer.start()
         asyncio.run(run_all(server.target, plans, args.concurrency, reference, tally, started + args.time_limit))
         stop.set()
-        killer.join()
+        for killer in killers:
+            killer.join()
         chaos_s = time.monotonic() - started
         stats = server.wait_all_blocks_free(timeout=60)
     report = dict(requests=args.requests, started=tally.started, kill_every_s=args.kill_every,
-                  worker_kills=len(kills), completed=tally.completed, cancelled=tally.cancelled, failed=tally.failed,
+                  worker_kills=len(kills), kill_scheduler_every_s=args.kill_scheduler_every,
+                  scheduler_kills=len(scheduler_kills), completed=tally.completed, cancelled=tally.cancelled, failed=tally.failed,
                   token_mismatches=tally.mismatched, compared_with_reference=len(reference),
                   reference_failed=reference_tally.failed, failures=tally.failures + reference_tally.failures,
                   num_kv_blocks=stats.num_kv_blocks, num_free_kv_blocks=stats.num_free_kv_blocks,

@@ -144,3 +144,11 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
         health.close()
         log = server.log()
     assert "the scheduler exited with code -9; restarting it and the workers" in log
+
+
+def test_serve_restarts_a_crashed_scheduler_but_not_one_that_stopped_after_losing_its_workers():
+    from pagedserve.launcher import _crashed
+    from scheduler_svc.main import CRASH_EXIT_CODE
+
+    assert _crashed(-signal.SIGKILL) and _crashed(-signal.SIGSEGV) and _crashed(CRASH_EXIT_CODE)
+    assert not _crashed(1) and not _crashed(0)  # exit 1: its workers are gone for good (test_worker_faults.py)
