@@ -9,6 +9,7 @@ docker compose passes the same flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
@@ -82,6 +84,9 @@ class SchedulerConfig:
     # vLLM's --structured-outputs-config disable_any_whitespace: JSON constraints without free whitespace
     # for every request (a request's own disable_any_whitespace true applies either way).
     structured_outputs_disable_any_whitespace: bool = False
+    # What one grammar may cost (grammar_limits.py says why and gives the defaults); set with
+    # --structured-outputs-config keys of the same names.
+    grammar_limits: GrammarLimits = GrammarLimits()
     # Access (see access.py): a key every RPC but health must carry; TLS when both files are given.
     api_key: str | None = None
     tls_cert_file: str | None = None
@@ -109,13 +114,15 @@ def structured_outputs_config(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
     if not isinstance(options, dict):
         raise argparse.ArgumentTypeError("must be a JSON object")
-    unknown = sorted(set(options) - {"backend", "disable_any_whitespace"})
+    known = ("backend", "disable_any_whitespace", *(limit.name for limit in dataclasses.fields(GrammarLimits)))
+    unknown = sorted(set(options) - set(known))
     if unknown:
-        raise argparse.ArgumentTypeError(f"unsupported key(s) {', '.join(unknown)} (backend, disable_any_whitespace)")
+        raise argparse.ArgumentTypeError(f"unsupported key(s) {', '.join(unknown)} ({', '.join(known)})")
     if options.get("backend", "auto") not in ("auto", "guidance", "llguidance"):
         raise argparse.ArgumentTypeError("backend: the engine is llguidance (auto, guidance or llguidance)")
     if not isinstance(options.get("disable_any_whitespace", False), bool):
         raise argparse.ArgumentTypeError("disable_any_whitespace must be true or false")
+    GrammarLimits.from_options(options)  # refuses a bad limit here, naming it
     return options
 
 
@@ -175,7 +182,10 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                              "gRPC's own RESOURCE_EXHAUSTED)")
     parser.add_argument("--structured-outputs-config", type=structured_outputs_config, default={},
                         help="vLLM's JSON options of the constraint engine: {\"backend\": \"auto\"|\"guidance\"|"
-                             "\"llguidance\", \"disable_any_whitespace\": true|false} (the engine is llguidance)")
+                             "\"llguidance\", \"disable_any_whitespace\": true|false} (the engine is llguidance); "
+                             "pagedserve's grammar limits too: max_repetition, max_grammar_size, max_items_in_row, "
+                             "initial_lexer_fuel, step_lexer_fuel, step_max_items, max_lexer_states, "
+                             "grammar_compile_timeout_s (scheduler_svc/api/grammar_limits.py)")
     parser.add_argument("--tls-cert-file", default=None, help="PEM certificate chain: serve gRPC over TLS")
     parser.add_argument("--tls-key-file", default=None, help="PEM private key of --tls-cert-file")
     add_heartbeat_argument(parser)
@@ -281,6 +291,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         max_message_bytes=args.max_message_bytes,
         structured_outputs_disable_any_whitespace=bool(
             args.structured_outputs_config.get("disable_any_whitespace", False)),
+        grammar_limits=GrammarLimits.from_options(args.structured_outputs_config),
         api_key=api_key_from(getattr(args, "api_key", None), os.environ),
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,

@@ -307,6 +307,16 @@ class Engine:
         self._scheduler.hold(self._suspects.held(self._group_of))
         return failed
 
+    def _fail(self, member_id: str, reason: str) -> None:
+        """Ends the request owning `member_id` with RequestFailedError(reason) (gRPC INTERNAL): a failure of
+        this request alone, reported by the worker, which goes on with the others."""
+        group = self._context.owners.get(member_id)
+        if group is None or group.finished:
+            return
+        group.abort(notify=False)
+        group.queue.put_nowait(RequestFailedError(reason))
+        self._forget(group)
+
     def abort_all(self) -> None:
         """Server-side abort of everything in flight (shutdown): each stream ends with finish_reason abort."""
         for group in list(self._groups.values()):
@@ -351,6 +361,8 @@ class Engine:
     def _publish(self, updated: list[Request], outcome) -> None:
         owners = self._context.owners
         suspects_changed = False
+        for member_id, reason in outcome.failed.items():  # first: their last token is not to be streamed
+            self._fail(member_id, f"structured output failed: {reason}")
         self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
         for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`
             group = owners.get(member_id)

@@ -258,6 +258,7 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
         max_num_batched_tokens=_token_budget(config, max_model_len),
         max_model_len=max_model_len,
         structured_output_tokenizer=structured_tokenizer,
+        structured_output_limits=config.grammar_limits.to_wire(),
     )
 
 
@@ -278,6 +279,7 @@ def _request_limits(config: SchedulerConfig) -> RequestLimits:
         max_stop_string_length=config.max_stop_string_length,
         max_logprobs=config.max_logprobs,
         json_without_whitespace=config.structured_outputs_disable_any_whitespace,
+        grammar_limits=config.grammar_limits,
     )
 
 

@@ -173,3 +173,15 @@ def test_tool_choice_required_and_named_give_calls_whose_arguments_validate(serv
                 if tool_choice != "required":
                     assert call.function.name == "get_time"
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_a_regex_past_the_grammar_limits_is_a_400_and_the_server_keeps_serving(server):
+    """The probe that crashed a worker on 2026-11-28 ((a{1000}){1000}: a lexer error while sampling)."""
+    status, _, body = http_json(f"{server.http_url}/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                                 "guided_regex": "(a{1000}){1000}"})
+    assert status == 400 and "max_repetition" in body["error"]["message"], body
+    assert "<state>" not in body["error"]["message"]
+    status, _, body = http_json(f"{server.http_url}/v1/completions",
+                                {"prompt": "x", "max_tokens": 4, "guided_choice": ["fine"]})
+    assert status == 200 and body["choices"][0]["text"] == "fine", body

@@ -1,7 +1,9 @@
 """The worker's grammar matchers (worker_svc/grammar_matchers.py) inside the persistent batch: a row's bitmask
 allows exactly its grammar's next tokens and never an id past the tokenizer's vocabulary (a padded model vocab);
 a resumed row first replays its output; a complete grammar allows only the scheduler's EOS ids, and a stopped one
-takes the token of a step planned before the EOS was seen; a token the grammar rejects raises; a token of a row
+takes the token of a step planned before the EOS was seen; a token the grammar rejects, or a grammar that reaches
+one of the scheduler's limits while masking, fails that row's request alone (a short reason, no parser state) and
+the other rows go on; a resumed output the grammar rejects raises; a token of a row
 handed to another request is not fed to the new owner's matcher; a constrained row reads its history (no overlap);
 masked logits sample only allowed tokens; and a grammar that starts after a token (a reasoning model's end of
 thought) is neither applied nor advanced before it, constrains from the token after it, and a resumed row
@@ -70,14 +72,14 @@ def decoded(tokenizer, ids: list[int]) -> set[str]:
     return {tokenizer.decode([i]) for i in ids}
 
 
-def fill(batch, rows: list[int], tokens: list[int], generations=None) -> None:
+def fill(batch, rows: list[int], tokens: list[int], generations=None) -> list[worker_pb2.FailedRequest]:
     from worker_svc.persistent_batch import PendingTokens
 
     rows_array = np.array(rows)
     generations = batch.generation[rows_array].copy() if generations is None else np.array(generations)
     positions = batch.num_tokens[rows_array].copy()
     batch.num_tokens[rows_array] += 1
-    batch.fill(PendingTokens(rows_array, generations, positions), np.array(tokens))
+    return batch.fill(PendingTokens(rows_array, generations, positions), np.array(tokens))
 
 
 def test_the_bitmask_allows_the_grammars_next_tokens_only_within_the_tokenizer(batch, tokenizer):
@@ -105,10 +107,32 @@ def test_a_resumed_row_replays_its_output_and_a_complete_grammar_allows_only_eos
     fill(batch, [row], [EOS])
 
 
-def test_a_token_the_grammar_rejects_raises(batch, tokenizer):
-    row = batch.add(new_request("a", [10], 1))
-    with pytest.raises(GrammarViolation, match="rejects"):
-        fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))
+def test_a_token_the_grammar_rejects_fails_its_request_alone_and_the_other_rows_go_on(batch, tokenizer):
+    bad = batch.add(new_request("bad", [10], 1))
+    good = batch.add(new_request("good", [10], 1))
+    seven, dog = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("7", "dog"))
+    failed = fill(batch, [bad, good], [seven, dog])
+    assert [f.request_id for f in failed] == ["bad"] and "rejected sampled token" in failed[0].reason
+    assert "<state>" not in failed[0].reason and "Tokens:" not in failed[0].reason  # no parser state
+    assert not batch.grammars.constrained[bad]  # not asked for masks or advanced again: it ends
+    assert fill(batch, [bad], [seven]) == []  # reported once
+    assert decoded(tokenizer, allowed(batch, good)) >= {"s", " "}  # the other row's grammar went on: "dog" + ...
+
+
+def test_a_grammar_that_reaches_a_limit_while_masking_fails_its_request_alone(source, tokenizer):
+    """The scheduler's limits bound every mask: a JSON object's first mask needs more Earley items than a
+    step_max_items of 2, so its matcher stops there (EOS only), and the advance reports its request instead of
+    raising; a one-literal grammar fits the same limits and goes on."""
+    limits = worker_pb2.StructuredOutputLimits(step_max_items=2)
+    batch = PersistentBatch(4, 128, 16, GrammarMatchers(source, MODEL_VOCAB, 4, limits=limits))
+    costly = batch.add(new_request("costly", [10], 1, grammar=LLMatcher.grammar_from_json_schema({"type": "object"})))
+    other = batch.add(new_request("other", [10], 1, grammar=LLMatcher.grammar_from_lark('start: "x"')))
+    assert allowed(batch, costly) == [EOS]  # the limit hit: nothing but the end
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    failed = fill(batch, [costly, other], [EOS, x])
+    assert [f.request_id for f in failed] == ["costly"] and "limit" in failed[0].reason, failed
+    assert "<state>" not in failed[0].reason
+    assert allowed(batch, other) == [EOS]  # the other row consumed its token and is complete
 
 
 def test_a_resumed_output_the_grammar_rejects_raises_and_leaves_no_row(batch, tokenizer):
@@ -160,8 +184,7 @@ def test_a_grammar_after_a_token_waits_for_it_then_constrains_from_the_next(batc
     fill(batch, [row], [THINK_END])  # the end token itself is not the grammar's
     texts = decoded(tokenizer, allowed(batch, row))
     assert texts and all("cats".startswith(text) or "dogs".startswith(text) for text in texts)
-    with pytest.raises(GrammarViolation):
-        fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))
+    assert [f.request_id for f in fill(batch, [row], tokenizer.encode("7", add_special_tokens=False))] == ["a"]
 
 
 def test_a_resumed_row_past_its_start_token_replays_only_the_tokens_after_it(batch, tokenizer):
@@ -231,8 +254,7 @@ def test_a_finished_rows_matcher_serves_the_next_row_of_its_grammar_from_the_sta
     resumed = batch.add(new_request("d", [10, *tokenizer.encode("cats 1", add_special_tokens=False)], 1))
     assert len(built) == 4, "the add took a build prepare made"
     assert decoded(tokenizer, allowed(batch, resumed)) <= {str(d) for d in range(10)}
-    with pytest.raises(GrammarViolation):
-        fill(batch, [second], tokenizer.encode("x", add_special_tokens=False)[:1])
+    assert fill(batch, [second], tokenizer.encode("x", add_special_tokens=False)[:1])  # its request fails
     batch.remove("b")  # its matcher is in error now: not a spare
     batch.remove("c")
     batch.grammars.prepare([])  # the build prepare made and no add took becomes a spare too

@@ -5,9 +5,11 @@ constraints; the grammar rides in the plan of every NewRequest; and the module i
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -15,7 +17,10 @@ from llguidance import LLMatcher, LLTokenizer
 from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api import structured_outputs
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
+from scheduler_svc.api.grammar_bounds import regex_repetition
+from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.api.structured_outputs import structured_grammar
+from scheduler_svc.config import structured_outputs_config
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
 from service_runtime.model_source import resolve_model
@@ -180,3 +185,63 @@ def test_the_servers_structured_outputs_config_takes_whitespace_out_of_every_jso
     for bad in ("[]", "{", '{"backend": "xgrammar"}', '{"disable_any_whitespace": 1}', '{"reasoning_parser": "x"}'):
         with pytest.raises(argparse.ArgumentTypeError):
             structured_outputs_config(bad)
+
+
+# The probes of 2026-11-28 (each had crashed a worker, held a stream for seconds or given an empty output).
+REFCYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+PROBES = [
+    (dict(regex="(a{1000}){1000}"), "regex", "max_repetition 10000"),
+    (dict(json=json.dumps({"type": "array", "items": {"type": "integer"}, "minItems": 100000})), "json",
+     "minItems 100000 is over the server's max_repetition 10000"),
+    (dict(json=json.dumps({"type": "string", "maxLength": 10**9})), "json", "maxLength 1000000000 is over"),
+    (dict(json=json.dumps({"type": "string", "pattern": "^(x{200}){200}$"})), "json", "max_repetition 10000"),
+    (dict(grammar='start: "a"{20000}'), "grammar", "max_repetition 10000"),
+    (dict(json=json.dumps(REFCYCLE)), "json", "allows no output at all"),
+]
+
+
+@pytest.mark.parametrize("kind, field, says", PROBES, ids=["regex", "minItems", "maxLength", "pattern", "lark",
+                                                           "ref-cycle"])
+def test_a_constraint_past_the_grammar_limits_is_refused_quickly_naming_the_limit(tokenizer, kind, field, says):
+    structured_grammar(wire(regex="warm"), tokenizer)  # llguidance's tokenizer built once, not timed
+    started = time.perf_counter()
+    with pytest.raises(InvalidRequestError) as refused:
+        structured_grammar(wire(**kind), tokenizer)
+    assert time.perf_counter() - started < 0.5
+    assert refused.value.field == f"sampling.structured_outputs.{field}" and says in str(refused.value), refused.value
+    assert "<state>" not in str(refused.value) and "<grammar>" not in str(refused.value)
+
+
+def test_counts_within_max_repetition_pass_and_nested_regex_counts_multiply(tokenizer):
+    assert regex_repetition(r"(a{1000}){1000}") == 1_000_000
+    assert regex_repetition(r"[{]{3}(x|y{2,5}){4,}\{9}") == 20
+    assert regex_repetition(r"[a-z]+@(x\)){7}") == 7
+    structured_grammar(wire(json=json.dumps({"type": "array", "minItems": 200, "maxItems": 1000,
+                                             "items": {"type": "string", "maxLength": 12}})), tokenizer)
+    structured_grammar(wire(regex="(a{100}){100}"), tokenizer)
+
+
+def test_a_thousand_required_tools_are_refused_by_max_grammar_size(tokenizer):
+    from gateway.protocol import ToolDefinition
+    from gateway.tool_choice import required_calls_schema, schema_text
+
+    def tools(count):
+        return [ToolDefinition.model_validate({"type": "function", "function": {
+            "name": f"tool_{i}", "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}})
+            for i in range(count)]
+
+    structured_grammar(wire(json=schema_text(required_calls_schema(tools(10)))), tokenizer)
+    with pytest.raises(InvalidRequestError) as refused:
+        structured_grammar(wire(json=schema_text(required_calls_schema(tools(1000)))), tokenizer)
+    assert "grammar size" in str(refused.value) and "20000" in str(refused.value), refused.value
+
+
+def test_the_grammar_limits_come_from_the_structured_outputs_config(tokenizer):
+    options = structured_outputs_config('{"max_repetition": 50, "grammar_compile_timeout_s": 0.5}')
+    limits = GrammarLimits.from_options(options)
+    assert limits.max_repetition == 50 and limits.grammar_compile_timeout_s == 0.5
+    assert limits.to_wire().max_grammar_size == GrammarLimits().max_grammar_size
+    with pytest.raises(InvalidRequestError, match="max_repetition 50"):
+        structured_grammar(wire(regex="a{51}"), tokenizer, limits)
+    with pytest.raises(argparse.ArgumentTypeError, match="max_repetition"):
+        structured_outputs_config('{"max_repetition": -1}')

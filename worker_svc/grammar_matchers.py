@@ -21,6 +21,12 @@ worker that never sees a constrained request never pays it. Its vocabulary is th
 when that is at least the tokenizer's: ids past the tokenizer's are never allowed. Its EOS ids are the
 scheduler's (the model's and generation_config's): the ids a complete grammar allows, and the only ones a
 stopped matcher allows.
+
+Why a row's grammar error ends only its request: every matcher is built under the scheduler's limits
+(WorkerSetup.structured_output_limits, the ones it tried the grammar with), so one mask or advance has bounded
+work; a row whose grammar still reaches a limit, or rejects its sampled token, is taken out of the constrained
+rows and reported by `advance` (a short reason, no parser state), and the scheduler ends that request with an
+error (StepResult.failed_requests) while the worker goes on with the others.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
-from llguidance import LLExecutor, LLMatcher, LLTokenizer
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from protos.pagedserve.v1 import worker_pb2
@@ -45,7 +51,15 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarViolation(RuntimeError):
-    """A sampled token the row's grammar rejects: the mask was not applied, or was applied to the wrong row."""
+    """A resumed row's output that its grammar rejects."""
+
+
+def short_reason(matcher: LLMatcher) -> str:
+    """A matcher's error fit for a client: its first line (the limit or the rejection), never its parser state
+    or grammar (matchers are built without verbose errors, and a `<state>` block is cut anyway)."""
+    lines = matcher.get_error().strip().splitlines()
+    reason = lines[0].split("<state>")[0].strip() if lines else ""
+    return (reason or "the grammar's matcher stopped")[:300]
 
 
 def mask_threads(world_size: int) -> int:
@@ -58,8 +72,12 @@ def mask_threads(world_size: int) -> int:
 
 class GrammarMatchers:
     def __init__(self, tokenizer: worker_pb2.StructuredOutputTokenizer | None, vocab_size: int, max_num_seqs: int,
-                 pin_memory: bool = False, num_threads: int | None = None, inline_rows: int = 4):
+                 pin_memory: bool = False, num_threads: int | None = None, inline_rows: int = 4,
+                 limits: worker_pb2.StructuredOutputLimits | None = None):
         self._tokenizer_source = tokenizer
+        # The scheduler's limits (unset ones: llguidance's defaults); verbose errors off (no state in reasons).
+        given = {} if limits is None else {field.name: value for field, value in limits.ListFields()}
+        self._limits = LLParserLimits(**given, verbose_errors=False)
         self._vocab_size = vocab_size
         self._pin_memory = pin_memory
         self._num_threads = num_threads
@@ -152,7 +170,7 @@ class GrammarMatchers:
         return [grammar for grammar, count in needed.items() for _ in range(count - self._spares.count(grammar))]
 
     def _build(self, grammar: str) -> LLMatcher:
-        return LLMatcher(self.tokenizer, grammar, log_level=0)  # its errors are raised or logged here
+        return LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._limits)  # errors: is_error()
 
     def _new_matcher(self, row: int, grammar: str) -> LLMatcher:
         """A matcher of `grammar` in its start state: a finished row's, reset; else one `prepare` built; else
@@ -234,11 +252,14 @@ class GrammarMatchers:
 
         return fill
 
-    def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+    def advance(self, rows: np.ndarray, token_ids: np.ndarray) -> list[tuple[int, str]]:
         """Each constrained row of `rows` consumes its sampled token; a waiting row that sampled its start token
         is constrained from its next token. A stopped matcher (its grammar complete,
         EOS consumed) takes nothing more: a token sampled after it, in a step planned before the scheduler saw
-        the EOS, is one the scheduler drops."""
+        the EOS, is one the scheduler drops. Returns the rows whose grammar failed, with a short reason: in
+        error (a limit reached while computing a mask, which then allowed EOS only) or rejecting the token;
+        they are constrained no more (their requests end; module docstring)."""
+        failed: list[tuple[int, str]] = []
         constrained = self.constrained[rows]  # before any row starts: its start token is not the grammar's
         starting = self.waiting[rows] & (token_ids == self.start_token_id[rows])
         if starting.any():
@@ -251,16 +272,21 @@ class GrammarMatchers:
             if not matcher.is_stopped():
                 advancing.append((row, token_id))
             elif matcher.is_error():  # e.g. a parser limit reached while computing a mask: it allowed EOS only
-                logger.warning("row %d: its grammar stopped with an error: %s", row, matcher.get_error())
-        if not advancing:
-            return
+                failed.append((row, f"the grammar reached a limit: {short_reason(matcher)}"))
+        if advancing:
+            failed += self._consume(advancing)
+        for row, reason in failed:
+            logger.warning("row %d: its grammar failed, its request ends: %s", row, reason)
+            self.constrained[row] = False
+        return failed
+
+    def _consume(self, advancing: list[tuple[int, int]]) -> list[tuple[int, str]]:
+        """Each (row, token) consumed by its row's matcher; the rows whose matcher rejected it, with why."""
         started = time.perf_counter()
         if len(advancing) <= self.inline_rows:
             accepted = [self._matchers[row].consume_token(token) for row, token in advancing]
         else:  # in llguidance's thread pool, the GIL released
             accepted = self._executor.consume_token_par([(self._matchers[row], token) for row, token in advancing])
         self.timing.add("advance", len(advancing), time.perf_counter() - started)
-        for (row, token_id), ok in zip(advancing, accepted):
-            if not ok:
-                raise GrammarViolation(f"row {row}: sampled token {token_id} that its grammar rejects: "
-                                       f"{self._matchers[row].get_error()}")
+        return [(row, f"the grammar rejected sampled token {token_id}: {short_reason(self._matchers[row])}")
+                for (row, token_id), ok in zip(advancing, accepted) if not ok]

@@ -243,10 +243,12 @@ class PersistentBatch:
         self.pending_source[sampled_rows] = np.arange(len(sampled_rows))
         return PendingTokens(sampled_rows, self.generation[sampled_rows].copy(), positions)
 
-    def fill(self, pending: PendingTokens, sampled_token_ids: np.ndarray) -> None:
+    def fill(self, pending: PendingTokens, sampled_token_ids: np.ndarray) -> list[worker_pb2.FailedRequest]:
         """Writes the sampled tokens of a step begun with `begin_step`, in its rows still held by the same
-        requests."""
+        requests. Returns the requests whose grammar failed on them (`GrammarMatchers.advance`)."""
         same = self.generation[pending.rows] == pending.generations
         self.token_ids[pending.rows[same], pending.positions[same]] = sampled_token_ids[same]
-        if self.grammars is not None:
-            self.grammars.advance(pending.rows[same], sampled_token_ids[same])
+        if self.grammars is None:
+            return []
+        return [worker_pb2.FailedRequest(request_id=self.request_id_of(row), reason=reason)
+                for row, reason in self.grammars.advance(pending.rows[same], sampled_token_ids[same])]

@@ -120,7 +120,9 @@ class Worker:
         grammars = GrammarMatchers(setup.structured_output_tokenizer if setup.HasField("structured_output_tokenizer")
                                    else None, self.model_config.vocab_size, setup.max_num_seqs,
                                    pin_memory=self.device.type == "cuda",
-                                   num_threads=mask_threads(self.config.world_size))
+                                   num_threads=mask_threads(self.config.world_size),
+                                   limits=setup.structured_output_limits
+                                   if setup.HasField("structured_output_limits") else None)
         self.batch = PersistentBatch(setup.max_num_seqs, setup.max_model_len, setup.block_size, grammars)
         if self.device.type == "cuda":
             self._warm_up_sampler()
@@ -315,7 +317,7 @@ class Worker:
         if step.pending is not None:
             self.gpu_clock.on_finished(step.timed_as, step.behind_another)
             sampled = step.host_sampled.numpy()
-            self.batch.fill(step.pending, sampled[:, 0].astype(np.int64))
+            step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64)))
             timer.mark("wait_for_gpu")
             step.result.sampled.CopyFrom(self._sampled_tokens(step, sampled))
         timer.mark("result")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.grammar_limits import GrammarLimits
 
 
 class RequestLimitError(ValueError):
@@ -42,6 +43,8 @@ class RequestLimits:
     max_chat_messages: int = 1024
     # --structured-outputs-config's disable_any_whitespace: JSON constraints of every request without it.
     json_without_whitespace: bool = False
+    # What one structured-output grammar may cost (--structured-outputs-config).
+    grammar_limits: GrammarLimits = GrammarLimits()
 
 
 def check_wire_limits(request: generate_pb2.GenerateRequest, limits: RequestLimits) -> None:

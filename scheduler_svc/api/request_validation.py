@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
 from scheduler_svc.api.resume_validation import resumed_output
@@ -133,7 +134,8 @@ def _sampling_params(
             raise InvalidRequestError("sampling.stop", "stop strings are not supported with beam search")
         temperature, top_p, top_k = 0.0, 1.0, -1
     extra = _penalties_and_masks(wire, tokenizer, limits, max_tokens, beam_width)
-    grammar = _structured_grammar(wire, tokenizer, beam_width, limits.request_limits.json_without_whitespace)
+    grammar = _structured_grammar(wire, tokenizer, beam_width, limits.request_limits.json_without_whitespace,
+                                  limits.request_limits.grammar_limits)
     return SamplingParams(
         n=n,
         best_of=best_of,
@@ -158,7 +160,8 @@ def _sampling_params(
 
 
 def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, beam_width: int,
-                        json_without_whitespace: bool = False) -> str:
+                        json_without_whitespace: bool = False,
+                        grammar_limits: GrammarLimits = GrammarLimits()) -> str:
     """The llguidance grammar of the request's structured_outputs ("" for none); see structured_outputs.py.
     `json_without_whitespace`: the server's default for JSON kinds (--structured-outputs-config)."""
     if not wire.HasField("structured_outputs"):
@@ -182,7 +185,7 @@ def _structured_grammar(wire: generate_pb2.SamplingParams, tokenizer: Tokenizer 
         constraint = generate_pb2.StructuredOutputs()
         constraint.CopyFrom(wire.structured_outputs)
         constraint.disable_any_whitespace = True
-    return structured_grammar(constraint, tokenizer)
+    return structured_grammar(constraint, tokenizer, grammar_limits)
 
 
 def _penalties_and_masks(

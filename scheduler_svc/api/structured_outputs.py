@@ -5,7 +5,9 @@ Why llguidance, and why here: its grammar compilers and validator have no torch 
 scheduler builds and checks every constraint at the gRPC edge, where a bad one costs nobody else anything, and
 the workers receive a grammar already known to be valid (WorkerSamplingParams.structured_grammar). Building is
 lazy on llguidance's side (the lexer and parser tables grow as tokens come), so a big schema costs milliseconds
-here, not a precompute over the vocabulary. The grpc layer calls this off the event loop (llguidance drops the
+here, not a precompute over the vocabulary; for that reason each grammar is also built once more the way a
+worker will and its first mask computed, under the server's GrammarLimits and time budget (grammar_bounds.py), so
+that what a worker receives has bounded work per mask. The grpc layer calls this off the event loop (llguidance drops the
 GIL while it validates) and a bounded LRU cache keyed by the constraint's bytes builds a repeated schema once.
 
 What each kind becomes (vLLM's meanings): json -> llguidance's JSON-schema grammar (whitespace between tokens
@@ -25,24 +27,26 @@ from llguidance import LLMatcher, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
 from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.grammar_bounds import check_repetition, short_reason, try_grammar
+from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.core.validated_request import InvalidRequestError
 from scheduler_svc.text.tokenizer import Tokenizer
 
 FIELD = "sampling.structured_outputs"
 # Distinct constraints whose grammars are kept; a grammar is about as large as its schema.
 GRAMMAR_CACHE_SIZE = 256
-# An engine message longer than this is cut: it quotes the grammar around the error, the input is not echoed.
-_MAX_REASON_CHARS = 300
 
 
-def structured_grammar(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenizer) -> str:
+def structured_grammar(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenizer,
+                       limits: GrammarLimits = GrammarLimits()) -> str:
     """The llguidance grammar of a request's constraint, validated against the model's tokenizer (a grammar
-    naming a special token it lacks would fail in the workers); "" for none. Raises InvalidRequestError."""
+    naming a special token it lacks would fail in the workers) and held to `limits`; "" for none. Raises
+    InvalidRequestError."""
     if wire.WhichOneof("kind") is None:
         if wire.disable_any_whitespace:
             raise InvalidRequestError(f"{FIELD}.disable_any_whitespace", "applies to json or json_object only")
         return ""
-    return _cached_grammar(wire.SerializeToString(deterministic=True), tokenizer)
+    return _cached_grammar(wire.SerializeToString(deterministic=True), tokenizer, limits)
 
 
 def grammar_start_token_id(wire: generate_pb2.StructuredOutputs, tokenizer: Tokenizer,
@@ -61,9 +65,9 @@ def grammar_start_token_id(wire: generate_pb2.StructuredOutputs, tokenizer: Toke
 
 
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
-def _cached_grammar(key: bytes, tokenizer: Tokenizer) -> str:
+def _cached_grammar(key: bytes, tokenizer: Tokenizer, limits: GrammarLimits) -> str:
     """Built once per distinct constraint; refusals are not cached (they raise) and cost a rebuild."""
-    return _build_grammar(generate_pb2.StructuredOutputs.FromString(key), _grammar_tokenizer(tokenizer))
+    return _build_grammar(generate_pb2.StructuredOutputs.FromString(key), _grammar_tokenizer(tokenizer), limits)
 
 
 @lru_cache(maxsize=2)
@@ -73,23 +77,24 @@ def _grammar_tokenizer(tokenizer: Tokenizer) -> LLTokenizer:
     try:
         return LLTokenizer(tokenizer.to_json(), eos_token=list(tokenizer.eos_token_ids) or None)
     except Exception as error:  # its ValueError for a tokenizer model or decoder it does not support
-        raise InvalidRequestError(FIELD, f"not available for this model's tokenizer ({_reason(str(error))})") from None
+        raise InvalidRequestError(FIELD, f"not available for this model's tokenizer ({short_reason(str(error))})") from None
 
 
-def _build_grammar(wire: generate_pb2.StructuredOutputs, ll_tokenizer: LLTokenizer) -> str:
+def _build_grammar(wire: generate_pb2.StructuredOutputs, ll_tokenizer: LLTokenizer, limits: GrammarLimits) -> str:
     kind = wire.WhichOneof("kind")
     field = f"{FIELD}.{kind}"
     if wire.disable_any_whitespace and kind not in ("json", "json_object"):
         raise InvalidRequestError(f"{FIELD}.disable_any_whitespace", "applies to json or json_object only")
     if kind == "json":
-        grammar = _json_schema_grammar(wire.json, wire.disable_any_whitespace, field)
+        grammar = _json_schema_grammar(wire.json, wire.disable_any_whitespace, field, limits)
     elif kind == "json_object":
         if not wire.json_object:
             raise InvalidRequestError(field, "must be true when given")
-        grammar = _json_schema_grammar('{"type": "object"}', wire.disable_any_whitespace, field)
+        grammar = _json_schema_grammar('{"type": "object"}', wire.disable_any_whitespace, field, limits)
     elif kind == "regex":
         if not wire.regex:
             raise InvalidRequestError(field, "must not be empty")
+        check_repetition(kind, wire.regex, field, limits)
         grammar = LLMatcher.grammar_from_regex(wire.regex)
     elif kind == "choice":
         choices = list(wire.choice.choices)
@@ -100,20 +105,23 @@ def _build_grammar(wire: generate_pb2.StructuredOutputs, ll_tokenizer: LLTokeniz
         # JSON string literals are Lark string literals (llguidance's own "choice" format does the same).
         grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(choice) for choice in choices))
     else:
+        check_repetition(kind, wire.grammar, field, limits)
         grammar = LLMatcher.grammar_from_lark(_lark_of(wire.grammar, field))
-    error = LLMatcher.validate_grammar(grammar, ll_tokenizer)
+    error = LLMatcher.validate_grammar(grammar, ll_tokenizer, limits=limits.parser_limits())
     if error:
-        raise InvalidRequestError(field, _reason(error))
+        raise InvalidRequestError(field, short_reason(error))
+    try_grammar(grammar, ll_tokenizer, field, limits)
     return grammar
 
 
-def _json_schema_grammar(schema_text: str, disable_any_whitespace: bool, field: str) -> str:
+def _json_schema_grammar(schema_text: str, disable_any_whitespace: bool, field: str, limits: GrammarLimits) -> str:
     try:
         schema = json.loads(schema_text)
     except ValueError as error:
         raise InvalidRequestError(field, f"not valid JSON ({error})") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(field, "a JSON schema must be an object (or true/false)")
+    check_repetition("json", schema, field, limits)
     # Free whitespace by default (vLLM's), which a schema's own "x-guidance" options may turn off;
     # disable_any_whitespace overrides them.
     try:
@@ -121,7 +129,7 @@ def _json_schema_grammar(schema_text: str, disable_any_whitespace: bool, field: 
             return LLMatcher.grammar_from_json_schema(schema, overrides={"whitespace_flexible": False})
         return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": True})
     except ValueError as error:
-        raise InvalidRequestError(field, _reason(str(error))) from None
+        raise InvalidRequestError(field, short_reason(str(error))) from None
 
 
 def _lark_of(grammar: str, field: str) -> str:
@@ -130,12 +138,4 @@ def _lark_of(grammar: str, field: str) -> str:
     try:
         return any_to_lark(grammar)  # Lark as is; GBNF (`root ::= ...`) converted
     except Exception as error:  # the converter's GbnfToLarkError and its parse errors
-        raise InvalidRequestError(field, f"not a valid GBNF grammar: {_reason(str(error))}") from None
-
-
-def _reason(engine_message: str) -> str:
-    """The engine's error, its first line and any `error:` line (regex errors put the cause there), cut short."""
-    lines = [line.strip() for line in engine_message.strip().splitlines() if line.strip()]
-    kept = lines[:1] + [line for line in lines[1:] if line.startswith("error:")]
-    reason = " ".join(kept)
-    return reason if len(reason) <= _MAX_REASON_CHARS else reason[: _MAX_REASON_CHARS - 3] + "..."
+        raise InvalidRequestError(field, f"not a valid GBNF grammar: {short_reason(str(error))}") from None

@@ -24,3 +24,6 @@ class StepOutcome:
     token_logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # Rows that asked for prompt logprobs and computed prompt tokens this step.
     prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
+    # Requests the worker could not go on with (their grammar failed), with a short reason: each ends with an
+    # error, the others go on (StepResult.failed_requests).
+    failed: dict[str, str] = field(default_factory=dict)

@@ -88,6 +88,7 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
             )
             for p in result.prompt_logprobs
         },
+        failed={f.request_id: f.reason for f in result.failed_requests},
     )
 
 
