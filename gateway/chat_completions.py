@@ -107,7 +107,7 @@ class _ChatRelay:
             output = self._outputs.get(choice.index)
             if output is not None:
                 message = self._visible(output.message())
-                finish_reason = _finish_reason(output, finish_reason)
+                finish_reason = output.finish_reason(finish_reason)
             choices.append({"index": choice.index, "message": message,
                             "logprobs": chat_logprobs(choice.whole()) if self._with_logprobs else None,
                             "finish_reason": finish_reason})
@@ -122,7 +122,7 @@ class _ChatRelay:
         if chunk.finish_reason is None:
             return self._visible(delta), None
         delta = _merged(delta, output.finish())
-        return self._visible(delta), _finish_reason(output, chunk.finish_reason)
+        return self._visible(delta), output.finish_reason(chunk.finish_reason)
 
     def _visible(self, fields: dict) -> dict:
         """include_reasoning false: the thought is left out (vLLM's)."""
@@ -138,10 +138,6 @@ class _ChatRelay:
 
     def _usage(self) -> dict:
         return usage(self._prompt_tokens, list(self._choices.values()))
-
-
-def _finish_reason(output: ChatOutput, finish_reason: str | None) -> str | None:
-    return "tool_calls" if output.calls_tools and finish_reason in ("stop", "length") else finish_reason
 
 
 def _merged(first: dict, second: dict) -> dict:
