@@ -27,7 +27,7 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.request_ids import base_request_id
 from gateway.sampling import chat_keywords, chat_messages
-from gateway.streaming import collect_streams, event_stream, start_streams
+from gateway.streaming import StreamAcceptance, collect_streams, event_stream, start_streams
 from gateway.tool_choice import ToolPlan, plan_tools
 
 
@@ -39,13 +39,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     keywords = chat_keywords(body, info, tools, reasoning.end_marker if reasoning is not None else None)
     messages = chat_messages(body.messages)
     completion_id = f"chatcmpl-{base_request_id(request, body.request_id)}"
+    acceptance = StreamAcceptance(1)
     try:
-        stream = backend.client.generate_stream(messages=messages, request_id=completion_id, **keywords)
+        stream = backend.client.generate_stream(messages=messages, request_id=completion_id,
+                                                on_accepted=acceptance.callback(0), **keywords)
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
         raise invalid_request(str(error)) from error
     relay = _ChatRelay(completion_id, model_name, body, tools, config)
     if body.stream:
-        chunks = await start_streams(request, [stream])
+        chunks = await start_streams(request, [stream], acceptance)
         return event_stream(relay.events(chunks), backend.to_openai_error)
     for _, chunk in await collect_streams(request, [stream]):
         relay.record(chunk)
