@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -25,6 +25,9 @@ from client.stream_resume import ResumePolicy, StreamProgress
 from client.tokenization import Tokenization
 from client.types import GenerateChunk, GenerationResult, ModelInfo, ServerStats
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+# The scheduler's initial metadata once it has validated and queued a Generate request (its grpc_server.py).
+_ACCEPTED_KEY = "pagedserve-accepted"
 
 
 class AsyncClient:
@@ -71,13 +74,16 @@ class AsyncClient:
         prompt: str | Sequence[int] | None = None,
         *,
         messages: Sequence[Mapping[str, str]] | None = None,
+        on_accepted: Callable[[], None] | None = None,
         **sampling: Any,
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Streams the generation as it happens. Arguments as `build_generate_request` (checked now; the RPC
         starts at the first `__anext__`). Cancelling the consuming task cancels the request on the server;
-        so does `aclose()` on the iterator, or dropping it after an early break."""
+        so does `aclose()` on the iterator, or dropping it after an early break. `on_accepted`: called (during
+        the first `__anext__`) once the server has validated and queued the request, which may be long
+        before its first chunk (an HTTP gateway starts its response then)."""
         request = build_generate_request(prompt, messages=messages, **sampling)
-        return self._stream(request)
+        return self._stream(request, on_accepted)
 
     async def generate(
         self,
@@ -152,13 +158,16 @@ class AsyncClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    async def _stream(self, request: generate_pb2.GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
+    async def _stream(self, request: generate_pb2.GenerateRequest,
+                      on_accepted: Callable[[], None] | None = None) -> AsyncGenerator[GenerateChunk, None]:
         budget = RetryBudget(self._retry, self._timeout)
         progress = StreamProgress(request)
         while True:
             call = self._generation.Generate(progress.next_request(), timeout=budget.attempt_timeout(),
                                              metadata=self._metadata)
             try:
+                if on_accepted is not None and _ACCEPTED_KEY in await call.initial_metadata():
+                    on_accepted()  # a refusal (or an older server) sends no such metadata
                 async for response in call:
                     self._reached_server = True
                     progress.saw(response)

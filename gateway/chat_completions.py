@@ -27,7 +27,7 @@ from gateway.protocol import ChatCompletionRequest
 from gateway.reasoning_parsers import REASONING_PARSERS
 from gateway.request_ids import base_request_id
 from gateway.sampling import chat_keywords, chat_messages
-from gateway.streaming import collect_streams, event_stream, start_streams
+from gateway.streaming import StreamAcceptance, collect_streams, event_stream, start_streams
 from gateway.tool_choice import ToolPlan, plan_tools
 
 
@@ -39,13 +39,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     keywords = chat_keywords(body, info, tools, reasoning.end_marker if reasoning is not None else None)
     messages = chat_messages(body.messages)
     completion_id = f"chatcmpl-{base_request_id(request, body.request_id)}"
+    acceptance = StreamAcceptance(1)
     try:
-        stream = backend.client.generate_stream(messages=messages, request_id=completion_id, **keywords)
+        stream = backend.client.generate_stream(messages=messages, request_id=completion_id,
+                                                on_accepted=acceptance.callback(0), **keywords)
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
         raise invalid_request(str(error)) from error
     relay = _ChatRelay(completion_id, model_name, body, tools, config)
     if body.stream:
-        chunks = await start_streams(request, [stream])
+        chunks = await start_streams(request, [stream], acceptance)
         return event_stream(relay.events(chunks), backend.to_openai_error)
     for _, chunk in await collect_streams(request, [stream]):
         relay.record(chunk)
@@ -107,7 +109,7 @@ class _ChatRelay:
             output = self._outputs.get(choice.index)
             if output is not None:
                 message = self._visible(output.message())
-                finish_reason = _finish_reason(output, finish_reason)
+                finish_reason = output.finish_reason(finish_reason)
             choices.append({"index": choice.index, "message": message,
                             "logprobs": chat_logprobs(choice.whole()) if self._with_logprobs else None,
                             "finish_reason": finish_reason})
@@ -122,7 +124,7 @@ class _ChatRelay:
         if chunk.finish_reason is None:
             return self._visible(delta), None
         delta = _merged(delta, output.finish())
-        return self._visible(delta), _finish_reason(output, chunk.finish_reason)
+        return self._visible(delta), output.finish_reason(chunk.finish_reason)
 
     def _visible(self, fields: dict) -> dict:
         """include_reasoning false: the thought is left out (vLLM's)."""
@@ -138,10 +140,6 @@ class _ChatRelay:
 
     def _usage(self) -> dict:
         return usage(self._prompt_tokens, list(self._choices.values()))
-
-
-def _finish_reason(output: ChatOutput, finish_reason: str | None) -> str | None:
-    return "tool_calls" if output.calls_tools and finish_reason in ("stop", "length") else finish_reason
 
 
 def _merged(first: dict, second: dict) -> dict:

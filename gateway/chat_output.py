@@ -9,16 +9,19 @@ complete, then its arguments' new text. The `openai` package's stream helpers re
 
 At the end, the calls count only if every one is complete, named and has a JSON object for arguments; else
 the answer is content as written (vLLM's fallback), and the streamed deltas have already carried what they
-carried.
+carried. A forced tool choice's output (the parser's `calls_only`) is the exception: it is a grammar's JSON,
+never content, so an output cut short (finish_reason "length") keeps its leading complete calls, drops the
+cut one, and keeps finish_reason "length" (vLLM says "tool_calls" for a forced choice only when it stopped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import takewhile
 
 from gateway.reasoning_parsers.think_tags import ThinkTagReasoningParser
 from gateway.tool_parsers.partial_json import MalformedJSON, ScanMemo
-from gateway.tool_parsers.tool_calls import ParsedOutput, ToolCallParser
+from gateway.tool_parsers.tool_calls import ParsedOutput, ToolCallDraft, ToolCallParser
 
 
 @dataclass
@@ -56,8 +59,14 @@ class ChatOutput:
 
     @property
     def calls_tools(self) -> bool:
-        """The finished output is tool calls (finish_reason "tool_calls")."""
+        """The finished output is tool calls."""
         return bool(self._final and self._final.tool_calls)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The choice's finish_reason, given the scheduler's: "tool_calls" when the output is calls that ended
+        (a forced choice's output cut by max_tokens keeps "length": see the module doc)."""
+        cut = finish_reason == "length" and self.tool_parser is not None and self.tool_parser.calls_only
+        return "tool_calls" if self.calls_tools and finish_reason in ("stop", "length") and not cut else finish_reason
 
     def message(self) -> dict:
         """The assistant message of the finished output (after `finish`)."""
@@ -91,6 +100,9 @@ class ChatOutput:
         except MalformedJSON:
             return ParsedOutput(answer)
         if final and not all(call.is_valid() for call in parsed.tool_calls):
+            if self.tool_parser.calls_only:  # cut short: the complete calls before the cut one
+                valid = takewhile(ToolCallDraft.is_valid, parsed.tool_calls)
+                return ParsedOutput(parsed.content, tuple(valid))
             return ParsedOutput(answer)
         return parsed
 

@@ -23,7 +23,7 @@ from gateway.prompt_echo import EchoPlan, prompt_token_span, vllm_prompt_logprob
 from gateway.protocol import CompletionRequest
 from gateway.request_ids import base_request_id
 from gateway.sampling import completion_keywords
-from gateway.streaming import collect_streams, event_stream, start_streams
+from gateway.streaming import StreamAcceptance, collect_streams, event_stream, start_streams
 
 
 async def create_completion(body: CompletionRequest, request: Request, backend: Backend) -> Response:
@@ -31,15 +31,17 @@ async def create_completion(body: CompletionRequest, request: Request, backend: 
     keywords = completion_keywords(body)
     prompts = _prompts(body.prompt)
     completion_id = f"cmpl-{base_request_id(request, body.request_id)}"
+    acceptance = StreamAcceptance(len(prompts))
     try:
-        streams = [backend.client.generate_stream(prompt, request_id=f"{completion_id}-{index}", **keywords)
+        streams = [backend.client.generate_stream(prompt, request_id=f"{completion_id}-{index}",
+                                                  on_accepted=acceptance.callback(index), **keywords)
                    for index, prompt in enumerate(prompts)]
     except (TypeError, ValueError) as error:  # a value the wire cannot carry (e.g. a seed past 2**64)
         raise invalid_request(str(error)) from error
     echoes = [await _prompt_text(prompt, backend) for prompt in prompts] if body.echo else None
     relay = _CompletionRelay(completion_id, model_name, body, echoes, backend.client.detokenize)
     if body.stream:
-        chunks = await start_streams(request, streams)
+        chunks = await start_streams(request, streams, acceptance)
         return event_stream(relay.events(chunks), backend.to_openai_error)
     for prompt_index, chunk in await collect_streams(request, streams):
         await relay.record(prompt_index, chunk)

@@ -195,8 +195,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    # OpenAI fields with no effect here: accepted as OpenAI documents them (see README).
+    # false: at most one tool call (tool_choice.py says how).
     parallel_tool_calls: bool | None = None
+    # OpenAI fields with no effect here: accepted as OpenAI documents them (see README).
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None

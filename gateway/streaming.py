@@ -8,10 +8,14 @@ generation runs next to a listener on the ASGI `http.disconnect` message; when i
 task is cancelled, which closes the SDK's stream, which cancels the gRPC call, which aborts the request on
 the scheduler and frees its blocks.
 
-Why the first chunk is awaited before the response starts: the scheduler refuses a bad request (and an
-overloaded or unready one) on the first read of its stream, and that must reach the client as an HTTP
-status (400, 429, 503), which can no longer change once a streamed 200 has begun. Failures after that are
-sent as an OpenAI error event followed by `data: [DONE]`.
+Why a streamed response starts only once the scheduler has accepted its requests: the scheduler refuses a
+bad request (and an overloaded or unready one) on the first read of its stream, and that must reach the
+client as an HTTP status (400, 429, 503), which can no longer change once a streamed 200 has begun. Why not
+later than that: a request may wait in the scheduler's queue for a long time before its first chunk, and a
+client that sees not even headers meanwhile gives up (its read timeout). So the 200 and the SSE headers go
+out when every stream is accepted (the scheduler's `pagedserve-accepted` initial metadata, after validation:
+StreamAcceptance) or has sent its first chunk (an older scheduler), whichever comes first. Failures after
+that are sent as an OpenAI error event followed by `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -126,19 +130,50 @@ async def collect_streams(request: Request, streams: list[AsyncIterator[Generate
     return await unless_disconnected(request, collect())
 
 
-async def start_streams(request: Request, streams: list[AsyncIterator[GenerateChunk]]) -> AsyncIterator[tuple[int, GenerateChunk]]:
-    """The merged `streams` with their first chunk already received (see the module doc): raises the
-    scheduler's refusal, or ClientDisconnected, now instead of after a 200 has been sent."""
+class StreamAcceptance:
+    """Which of one response's gRPC streams the scheduler has accepted (validated and queued): each stream's
+    `on_accepted` is `callback(its index)`."""
+
+    def __init__(self, num_streams: int) -> None:
+        self._accepted = [asyncio.Event() for _ in range(num_streams)]
+
+    def callback(self, index: int) -> Callable[[], None]:
+        return self._accepted[index].set
+
+    async def all_accepted(self) -> None:
+        for accepted in self._accepted:
+            await accepted.wait()
+
+
+async def start_streams(request: Request, streams: list[AsyncIterator[GenerateChunk]],
+                        acceptance: StreamAcceptance) -> AsyncIterator[tuple[int, GenerateChunk]]:
+    """The merged `streams`, once every one is accepted or the first chunk has come (see the module doc):
+    raises the scheduler's refusal, or ClientDisconnected, now instead of after a 200 has been sent."""
     stream = merge_streams(streams)
+
+    async def next_item():
+        try:
+            return await anext(stream)
+        except StopAsyncIteration:
+            return _END
+
+    first = asyncio.ensure_future(next_item())
+    accepted = asyncio.ensure_future(acceptance.all_accepted())
     try:
-        first = await unless_disconnected(request, anext(stream))
-    except StopAsyncIteration:
-        first = _END
+        await unless_disconnected(request, asyncio.wait([first, accepted], return_when=asyncio.FIRST_COMPLETED))
+    except BaseException:
+        await _cancel(first)
+        raise
+    finally:
+        await _cancel(accepted)
+    if first.done():
+        first.result()  # a refusal: raised here, before the 200
 
     async def resumed() -> AsyncIterator[T]:
-        if first is _END:
+        item = await first  # cancelling the response's task cancels this wait, and so the streams
+        if item is _END:
             return
-        yield first
+        yield item
         async for item in stream:
             yield item
 

@@ -9,6 +9,14 @@ constraint that forces a call (vLLM's rules, checked before the scheduler sees a
   Schema sent as the request's `structured_outputs.json` (vLLM's schemas, built here), so the arguments always
   parse, and both are read the same for every model (tool_parsers/forced_calls.py).
 
+`parallel_tool_calls: false` (OpenAI's "at most one call"): with `required` the schema's array gets
+`maxItems: 1`, so the model cannot write a second call (a small model at temperature 1 otherwise appends calls
+until max_tokens); a named function is one call anyway; with `auto` the model's own format cannot be
+constrained, so the output is read up to its first call and later calls are not shown (vLLM's
+maybe_filter_parallel_tool_calls; the model may still spend tokens writing them).
+
+A forced choice's output cut short by max_tokens is never shown as content (chat_output.py says what is).
+
 Bad input is a 400 naming the field: tool_choice without tools, a named function not among them, a tool whose
 parameters are not a JSON Schema of an object, two tools with one name.
 """
@@ -24,7 +32,7 @@ from gateway.errors import invalid_request
 from gateway.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition
 from gateway.tool_parsers import TOOL_CALL_PARSERS
 from gateway.tool_parsers.forced_calls import NamedFunctionOutput, RequiredToolsOutput
-from gateway.tool_parsers.tool_calls import ToolCallParser
+from gateway.tool_parsers.tool_calls import FirstCallOnly, ToolCallParser
 
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -54,17 +62,19 @@ def plan_tools(body: ChatCompletionRequest, config: GatewayConfig) -> ToolPlan:
                                   f"({', '.join(tool.function.name for tool in body.tools)})", "tool_choice")
         return ToolPlan(NamedFunctionOutput(named.function.name), _parameters(named))
     if choice == "required":
-        return ToolPlan(RequiredToolsOutput(), required_calls_schema(body.tools))
+        return ToolPlan(RequiredToolsOutput(), required_calls_schema(body.tools, body.parallel_tool_calls))
     if not config.enable_auto_tool_choice:  # "auto", said or by default
         raise invalid_request('tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
                               '--tool-call-parser (or send tool_choice "none", "required" or a named function)',
                               "tool_choice")
-    return ToolPlan(TOOL_CALL_PARSERS[config.tool_call_parser](), None)
+    parser = TOOL_CALL_PARSERS[config.tool_call_parser]()
+    return ToolPlan(FirstCallOnly(parser) if body.parallel_tool_calls is False else parser, None)
 
 
-def required_calls_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
-    """vLLM's schema for tool_choice "required": an array of one or more calls, each a tool's name and its
-    parameters; the tools' `$defs` are hoisted to the top (a `$ref` resolves from the root)."""
+def required_calls_schema(tools: list[ToolDefinition], parallel_tool_calls: bool | None = None) -> dict[str, Any]:
+    """vLLM's schema for tool_choice "required": an array of one or more calls (exactly one when
+    `parallel_tool_calls` is false), each a tool's name and its parameters; the tools' `$defs` are hoisted to
+    the top (a `$ref` resolves from the root)."""
     definitions: dict[str, Any] = {}
     calls = []
     for index, tool in enumerate(tools):
@@ -77,6 +87,8 @@ def required_calls_schema(tools: list[ToolDefinition]) -> dict[str, Any]:
                                      "parameters": parameters},
                       "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": calls}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
     if definitions:
         schema["$defs"] = definitions
     return schema

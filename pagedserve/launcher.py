@@ -43,6 +43,7 @@ from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
+from service_runtime.api_key_source import open_bind_warning
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.model_config import ModelConfig, find_gguf_file
@@ -53,14 +54,25 @@ _POLL_SECONDS = 0.2
 SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gateway": "gateway"}
 
 
+def warn_open_binds(args: argparse.Namespace, api_key: str | None) -> None:
+    """Says so at start when --host (with HTTP) or --grpc-host binds past loopback with no API key
+    (open_bind_warning). Here, not in each service's config: the launcher knows serve's flag names and
+    warns once, before any child starts."""
+    binds = {"--grpc-host": args.grpc_host, **({"--host": args.host} if args.enable_http else {})}
+    warning = open_bind_warning(binds, api_key)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
+
+
 def serve(args: argparse.Namespace) -> int:
+    api_key = api_key_from(args.api_key, os.environ)
+    warn_open_binds(args, api_key)  # first: a hub download may take minutes
     model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     refuse_bad_text_options(args, model.path)
     if args.max_scheduler_restarts < 0:
         raise SystemExit("pagedserve: --max-scheduler-restarts must be >= 0")
-    api_key = api_key_from(args.api_key, os.environ)
     model_argv = [] if args.model is None else ["--model", args.model]
     ray_group = None
     if args.distributed_executor_backend == "ray":

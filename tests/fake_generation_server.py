@@ -30,7 +30,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     UNAVAILABLE on its first two attempts, then streams normally; "dies after a chunk" sends one chunk, then
     fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
     waits for `gate`, then finishes; a chat streams `script` when it is set (one token per piece: the model's
-    text, scripted by the test); anything else streams NORMAL_CHUNKS and finishes with "stop"."""
+    text, scripted by the test; finishing with "length" if `script_ends_by_length`); anything else streams
+    NORMAL_CHUNKS and finishes with "stop"."""
 
     def __init__(self) -> None:
         self.reset()
@@ -40,6 +41,7 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         self.cancelled = threading.Event()
         self.gate = threading.Event()
         self.script: list[str] | None = None
+        self.script_ends_by_length = False  # the script's last piece finishes with "length" (max_tokens)
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -85,7 +87,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
             if index == 0 and request.sampling.HasField("prompt_logprobs"):  # ids 1..6: "t<id>", logprob -id
                 response.prompt_logprobs.extend(_prompt_logprobs(request.sampling.prompt_logprobs))
             if index == len(chunks) - 1:
-                response.finish_reason = (generate_pb2.FINISH_REASON_LENGTH if prompt_only
+                by_length = prompt_only or (self.script_ends_by_length and self.script is not None)
+                response.finish_reason = (generate_pb2.FINISH_REASON_LENGTH if by_length
                                           else generate_pb2.FINISH_REASON_STOP)
                 response.usage.prompt_tokens = 7
                 response.usage.completion_tokens = 0 if prompt_only else 5

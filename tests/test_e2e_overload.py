@@ -1,9 +1,12 @@
 """Overload through the real processes (scheduler, worker and HTTP gateway): past --max-queued-requests a
 request gets RESOURCE_EXHAUSTED before any token and nobody hangs, the gateway turns that into a 429 with
-Retry-After, and a pool smaller than the model's context caps max_model_len to it."""
+Retry-After, a queued stream gets its 200 and SSE headers while it waits (a bad one still its 400), and a pool
+smaller than the model's context caps max_model_len to it."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +90,33 @@ def test_the_gateway_answers_a_full_queue_with_429_and_retry_after(server):
     server.wait_all_blocks_free()
     status, _, answer = http_json(f"{server.http_url}/v1/completions", body)
     assert status == 200, answer
+
+
+def test_a_queued_stream_gets_its_200_and_sse_headers_while_it_waits_and_a_bad_one_its_400(server):
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "stream": True}
+    connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        # One runs and one waits, each for as many tokens as the pool holds: the stream queues behind both.
+        holders = [stub.Generate(build_generate_request([4, 5, index], **{**LONG, "max_tokens": HOLD_TOKENS}))
+                   for index in range(2)]
+        _wait_for(server, lambda stats: stats.num_running == 1 and stats.num_waiting == 1)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()  # the status line and headers only
+        # Still queued behind both (first come, first served): so the headers came before it could run.
+        _wait_for(server, lambda stats: stats.num_running == 1 and stats.num_waiting == 2, timeout=10)
+        for holder in holders:
+            holder.cancel()
+    assert response.status == 200
+    assert response.getheader("Content-Type").startswith("text/event-stream")
+    events = response.read().decode()
+    connection.close()
+    assert '"finish_reason":"length"' in events and events.endswith("data: [DONE]\n\n")
+    # The scheduler's validation still answers before any 200: out of the vocabulary is a 400 with a JSON body.
+    status, headers, answer = http_json(f"{server.http_url}/v1/completions", {**body, "prompt": [10**6]})
+    assert status == 400 and headers["Content-Type"] == "application/json", answer
+    assert "prompt.token_ids" in answer["error"]["message"]
+    server.wait_all_blocks_free()
 
 
 def test_a_pool_smaller_than_the_model_caps_max_model_len_so_every_request_fits_it(server):

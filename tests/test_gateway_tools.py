@@ -123,6 +123,46 @@ def test_required_sends_the_calls_schema_and_reads_an_array(fake, gateway_url):
     assert reply["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_parallel_tool_calls_false_caps_the_required_array_at_one_call(fake, gateway_url):
+    fake.script = ['[{"name": "get_time", "parameters": {}}]']
+    status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert status == 200, reply
+    schema = json.loads(fake.requests[0].sampling.structured_outputs.json)
+    assert schema["maxItems"] == 1 and schema["minItems"] == 1
+    assert len(reply["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_parallel_tool_calls_false_shows_only_the_first_of_the_models_own_calls(fake, gateway_url, api):
+    second = ["<tool_call>", '\n{"name": "get_time", "arguments": {}}\n', "</tool_call>"]
+    fake.script = HERMES_CALL + second
+    status, reply = chat(gateway_url, tools=TOOLS, parallel_tool_calls=False)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_weather"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Checking."
+    with api.chat.completions.stream(model="fake-model", messages=ASK, tools=TOOLS, parallel_tool_calls=False) as stream:
+        final = stream.get_final_completion()
+    assert [call.function.name for call in final.choices[0].message.tool_calls] == ["get_weather"]
+    assert chat(gateway_url, tools=TOOLS)[1]["choices"][0]["message"]["tool_calls"][1]["function"]["name"] == "get_time"
+
+
+def test_a_required_output_cut_by_max_tokens_keeps_its_complete_calls_and_is_never_content(fake, gateway_url, api):
+    fake.script = ['[{"name": "get_time", "parameters": {}}', ',\n\n', '{"name": "get_weather", ',
+                   '"parameters": {"city": "Os']
+    fake.script_ends_by_length = True
+    status, reply = chat(gateway_url, tools=TOOLS, tool_choice="required", max_tokens=4)
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["get_time"]
+    with api.chat.completions.stream(model="fake-model", messages=ASK, tools=TOOLS, tool_choice="required",
+                                     max_tokens=4) as stream:
+        events = list(stream)
+    assert not "".join(event.delta for event in events if event.type == "content.delta")
+    last_chunk = [event.chunk for event in events if event.type == "chunk"][-1]
+    assert last_chunk.choices[0].finish_reason == "length"
+
+
 def test_a_named_function_sends_its_parameters_schema_and_reads_its_arguments(fake, api):
     fake.script = ['{"city"', ': "Rome"}']
     choice = {"type": "function", "function": {"name": "get_weather"}}

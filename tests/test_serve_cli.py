@@ -12,7 +12,9 @@ import pytest
 from gateway.config import gateway_config_from_args
 from gateway.main import add_arguments as add_gateway_arguments
 from pagedserve.cli import parse_args
-from pagedserve.launcher import _gateway_argv, _scheduler_argv, refuse_bad_text_options, worker_rank_argvs
+from pagedserve import launcher
+from pagedserve.launcher import _gateway_argv, _scheduler_argv, refuse_bad_text_options, warn_open_binds
+from pagedserve.launcher import worker_rank_argvs
 from pagedserve.private_server import server_argv
 from pagedserve.vllm_flags import REFUSED_FLAGS
 from protos.pagedserve.v1 import generate_pb2
@@ -187,6 +189,32 @@ def test_no_child_command_line_carries_the_api_key(monkeypatch):
     worker_env = child_environment({})
     assert "VLLM_API_KEY" not in worker_env and "PAGEDSERVE_GRPC_API_KEY" not in worker_env
     assert child_environment({"PAGEDSERVE_API_KEY": "the-key"})["PAGEDSERVE_API_KEY"] == "the-key"
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--host", "0.0.0.0"], "--host 0.0.0.0"),
+    (["--grpc-host", "10.1.2.3"], "--grpc-host 10.1.2.3"),
+    (["--host", "::", "--grpc-host", "myhost.lan"], "--grpc-host myhost.lan, --host ::"),
+    (["--host", ""], "--host ''"),
+])
+def test_a_bind_past_loopback_without_a_key_warns_in_one_line_naming_the_flag(argv, named, tmp_path, capsys,
+                                                                               monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(SystemExit):  # the warning comes first, before the model is even looked for
+        launcher.serve(serve(str(tmp_path / "no-model"), *argv))
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+    assert f"({named})" in warning and "--api-key" in warning and "$PAGEDSERVE_API_KEY" in warning
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--host", "localhost", "--grpc-host", "::1"], ["--host", "0.0.0.0", "--api-key", "k"],
+    ["--no-http", "--host", "0.0.0.0"],
+])
+def test_loopback_binds_a_key_or_no_http_server_start_without_the_warning(argv, capsys):
+    args = serve(*argv)
+    warn_open_binds(args, api_key_from(args.api_key, {}))
+    assert capsys.readouterr().err == ""
 
 
 def test_the_scheduler_and_gateway_read_the_key_from_their_environment(monkeypatch):

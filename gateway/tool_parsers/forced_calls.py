@@ -4,7 +4,9 @@
   function's arguments object;
 - `tool_choice: "required"`: the output is a JSON array of one or more {"name": ..., "parameters": {...}}.
 
-Any model family's output reads the same here, so these need no --tool-call-parser.
+Any model family's output reads the same here, so these need no --tool-call-parser. The output is calls and
+nothing else (`calls_only`): cut short by max_tokens, its complete calls are kept and the rest dropped, never
+shown as content (chat_output.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from gateway.tool_parsers.tool_calls import ToolCallParser, ParsedOutput, ToolCa
 
 
 class NamedFunctionOutput(ToolCallParser):
+    calls_only = True
+
     def __init__(self, name: str) -> None:
         self._name = name
 
@@ -27,6 +31,8 @@ class NamedFunctionOutput(ToolCallParser):
 
 
 class RequiredToolsOutput(ToolCallParser):
+    calls_only = True
+
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
         position = skip_whitespace(text, 0)
         if position >= len(text):

@@ -49,6 +49,9 @@ class ToolCallParser:
 
     # Whether the format's markers are special tokens the detokenizer must keep (skip_special_tokens false).
     keeps_special_tokens = False
+    # Whether a constraint makes the whole output tool calls (a forced tool choice): then no text of it is ever
+    # content, and a call the output's end cut short is dropped (chat_output.py).
+    calls_only = False
 
     def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
         """The output so far (`final`: all of it); raises MalformedJSON when it cannot be tool calls. `memo`:
@@ -59,6 +62,20 @@ class ToolCallParser:
     def new_call_id() -> str:
         """A fresh id for a call (OpenAI's shape: call_ and 24 characters)."""
         return f"call_{secrets.token_hex(12)}"
+
+
+class FirstCallOnly(ToolCallParser):
+    """parallel_tool_calls false with a model's own format (vLLM's maybe_filter_parallel_tool_calls): the
+    output's first call and content; any later call is not shown (the model may still write it)."""
+
+    def __init__(self, parser: ToolCallParser) -> None:
+        self._parser = parser
+        self.keeps_special_tokens = parser.keeps_special_tokens
+        self.calls_only = parser.calls_only
+
+    def parse(self, text: str, final: bool, memo: ScanMemo | None = None) -> ParsedOutput:
+        parsed = self._parser.parse(text, final, memo)
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
 
 
 def draft_from_object(text: str, call: PartialObject, name: str | None = None) -> ToolCallDraft:

@@ -4,7 +4,9 @@ Handlers are thin: refuse with RESOURCE_EXHAUSTED when `max_queued_requests` seq
 step (before any token, and before the cost of tokenizing, so a flood is cheap to turn away), validate
 (refusing bad input with INVALID_ARGUMENT naming the field; a large prompt is encoded, and a structured-output
 constraint's grammar built, on a worker thread so the loop keeps relaying other streams), submit to the
-engine, and relay the engine's deltas as stream messages. Request bytes that do not parse (not protobuf, or
+engine, say so in the stream's initial metadata (`pagedserve-accepted`: a queued stream is visibly alive,
+and an HTTP gateway may start its streamed 200 then, since every validation refusal has already been sent),
+and relay the engine's deltas as stream messages. Request bytes that do not parse (not protobuf, or
 a string field that is not UTF-8) get INVALID_ARGUMENT from the handler, not UNKNOWN from gRPC's deserializer
 (`add_generation_service`), and so does a request over --max-message-bytes (`grpc_receive_limit` says how).
 A stream that ends early for any reason (client cancel, disconnect, deadline) aborts its request in the
@@ -43,6 +45,8 @@ _FINISH_REASONS = {
     FinishReason.ABORT: generate_pb2.FINISH_REASON_ABORT,
 }
 _MAX_REQUEST_ID_LENGTH = 256
+# Initial metadata sent once a request is validated and queued (the SDK's client/async_client.py reads it).
+ACCEPTED_METADATA = (("pagedserve-accepted", "1"),)
 _SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
 SERVICE_NAME = _SERVICE.full_name
 
@@ -164,6 +168,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         first_seed = seed  # reported on the stream's first message, then None
         ended = False
         try:
+            await context.send_initial_metadata(ACCEPTED_METADATA)
             while not ended:
                 for item in coalesce(take_ready(queue, await queue.get())):
                     if isinstance(item, StreamEnd):
