@@ -12,8 +12,10 @@ token-exact, with no token sent twice and none missing (the seed travels in samp
 keyed by output position, and the output keeps its positions because it travels as output, not prompt).
 
 When a client waits: after an UNAVAILABLE from a scheduler it had reached before (a stream message or any
-answer on this client), unless the scheduler said it is shutting down on purpose. It then polls health until
+answer on this client). It then polls health until
 SERVING, for at most `resume_timeout` seconds per loss (and within the call's own timeout), and goes on. A
+scheduler that ends work on purpose is not waited for: one shutting down, or one that stopped after losing its
+workers for good (`the engine stopped: ...`; it exits 1, which `pagedserve serve` does not restart). A
 client that never reached a server keeps the plain retry policy (client/retry.py), so a wrong address still
 fails fast. A stream of several sequences (n > 1, best_of, beam search) that had delivered anything cannot
 resume (the client does not hold every sequence's state): it ends with ServerUnavailableError saying so.
@@ -29,8 +31,9 @@ import grpc
 from client.errors import PagedServeError, ServerUnavailableError
 from protos.pagedserve.v1 import generate_pb2
 
-# What a live scheduler says when it refuses work on purpose (scheduler_svc/service.py's drain): not a loss.
-_DELIBERATE_REFUSAL = "shutting down"
+# What a live scheduler says when it ends work on purpose (scheduler_svc/service.py: its drain, and its stop
+# after losing its workers for good, which its supervisor does not undo): not a loss to wait out.
+_DELIBERATE_ENDS = ("the server is shutting down", "the engine stopped")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class ResumePolicy:
     def wait_deadline(self, error: PagedServeError, server_reached: bool, call_deadline: float | None) -> float | None:
         """The monotonic time until which to wait for the scheduler after `error`, or None: do not wait."""
         if (self.resume_timeout == 0 or not server_reached or not isinstance(error, ServerUnavailableError)
-                or _DELIBERATE_REFUSAL in error.details):
+                or any(end in error.details for end in _DELIBERATE_ENDS)):
             return None
         deadline = time.monotonic() + self.resume_timeout
         return deadline if call_deadline is None else min(deadline, call_deadline)

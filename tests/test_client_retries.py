@@ -119,7 +119,8 @@ def _raises_unavailable_within(stream, seconds: float) -> None:
 
 
 def test_a_server_killed_mid_stream_raises_unavailable_promptly_instead_of_hanging():
-    with fake_server_process() as (process, target), Client(target) as client:
+    # resume_timeout=0: the loss itself is what is timed here (waiting for a restart is test_scheduler_restart's).
+    with fake_server_process() as (process, target), Client(target, resume_timeout=0) as client:
         stream = client.generate_stream("endless")
         next(stream)
         os.kill(process.pid, signal.SIGKILL)
@@ -131,7 +132,7 @@ def test_a_frozen_server_is_noticed_by_keepalive_pings(monkeypatch):
     short = {"grpc.keepalive_time_ms": 500, "grpc.keepalive_timeout_ms": 1000, "grpc.http2.ping_timeout_ms": 1000}
     monkeypatch.setattr(sync_client, "CHANNEL_OPTIONS", tuple((k, short.get(k, v)) for k, v in CHANNEL_OPTIONS))
     server_options = (("grpc.http2.min_recv_ping_interval_without_data_ms", 100),)
-    with fake_server_process(server_options) as (process, target), Client(target) as client:
+    with fake_server_process(server_options) as (process, target), Client(target, resume_timeout=0) as client:
         stream = client.generate_stream("endless")
         next(stream)
         os.kill(process.pid, signal.SIGSTOP)

@@ -141,6 +141,8 @@ def test_the_sdk_waits_only_for_a_scheduler_it_reached_and_that_did_not_refuse_o
     assert policy.wait_deadline(lost, server_reached=False, call_deadline=None) is None  # a wrong address fails fast
     draining = ServerUnavailableError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
     assert policy.wait_deadline(draining, server_reached=True, call_deadline=None) is None
+    stopped = ServerUnavailableError(grpc.StatusCode.UNAVAILABLE, "the engine stopped: worker rank 0 disconnected")
+    assert policy.wait_deadline(stopped, server_reached=True, call_deadline=None) is None  # exits 1: not restarted
     invalid = ClientInvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens: ...")
     assert policy.wait_deadline(invalid, server_reached=True, call_deadline=None) is None
     assert ResumePolicy(0.0).wait_deadline(lost, server_reached=True, call_deadline=None) is None
