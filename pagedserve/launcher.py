@@ -42,6 +42,7 @@ from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
+from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.model_config import ModelConfig, find_gguf_file
@@ -104,7 +105,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                restart_workers=None) -> int:
     """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its rank set,
     up to --max-worker-restarts times (the scheduler waits for them and resumes its requests), where
-    `restart_workers` can (the mp backend)."""
+    `restart_workers` can (the mp backend). A worker that refused the model while loading it (exit code
+    LOAD_REFUSED_EXIT_CODE, its reason in its one line above) is not: it would refuse again."""
     restarts_left = args.max_worker_restarts if restart_workers is not None else 0
     target = _local_address(args.grpc_host, args.grpc_port)
     http_health = f"http://{_local_address(args.host, args.port)}/health" if args.enable_http else None
@@ -124,6 +126,12 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
         exited = [name for name, child in children.items() if child.poll() is not None]
+        refused = [name for name in exited if name.startswith("worker")
+                   and children[name].returncode == LOAD_REFUSED_EXIT_CODE]
+        if refused:
+            print(f"pagedserve: cannot serve {model_name}: the {refused[0]} refused it while loading (the reason is "
+                  "its line above); not restarting", file=sys.stderr, flush=True)
+            return 1
         if exited and restarts_left > 0 and all(name.startswith("worker") for name in exited):
             restarts_left -= 1
             print(f"pagedserve: the {exited[0]} exited with code {children[exited[0]].returncode}; restarting the "
