@@ -74,6 +74,13 @@ def test_a_checkpoint_tensor_without_a_parameter_is_refused_by_the_worker_once_i
     assert elapsed < 60, f"{elapsed:.0f} s"  # the scheduler, waiting for its worker, stops with the rest
 
 
+def _gemma2_config(model_dir, **keys) -> None:
+    config = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
+              "max_position_embeddings": 512, **keys}
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize("keys, words", [
     ({"quantization_config": {"quant_method": "awq", "bits": 4}}, ("quant_method 'awq'",)),
     ({"tie_word_embeddings": False}, ("tie_word_embeddings=False",)),
@@ -83,13 +90,15 @@ def test_a_checkpoint_tensor_without_a_parameter_is_refused_by_the_worker_once_i
 ])
 def test_model_config_refuses_what_the_gemma_model_file_cannot_serve(tmp_path, keys, words):
     """ModelConfig is what the launcher reads before any child starts: each refusal must be found there."""
-    config = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 512, "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 16,
-              "max_position_embeddings": 512, **keys}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _gemma2_config(tmp_path, **keys)
     with pytest.raises(ValueError) as refused:
         ModelConfig.from_path(tmp_path)
     assert all(word in str(refused.value) for word in words), refused.value
+
+
+def test_a_gemma_config_without_tie_word_embeddings_is_tied_as_transformers_reads_it(tmp_path):
+    _gemma2_config(tmp_path)  # transformers' Gemma config classes default to tied, so config.json may omit it
+    assert ModelConfig.from_path(tmp_path).tie_word_embeddings is True
 
 
 def test_the_refused_activations_are_those_the_model_files_lack():

@@ -1,9 +1,9 @@
 """ModelConfig: the shape and numerics of a decoder-only model, read from an HF directory or a GGUF file.
 
 Why our own frozen dataclass instead of transformers' config: the worker must not import transformers,
-one type covers both checkpoint formats, and refusing unsupported features (unknown rope
-scaling, a quantization_config, what a model file cannot honour: models/feature_refusals.py) happens here,
-once, with a clear message instead of silently wrong tokens or a worker's traceback later.
+one type covers both checkpoint formats, and refusing unsupported features (unknown rope scaling, a
+quantization_config, what a model file cannot honour: models/feature_refusals.py) happens here, once, with a
+clear message instead of silently wrong tokens or a worker's traceback later.
 """
 
 from __future__ import annotations
