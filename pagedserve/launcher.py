@@ -44,6 +44,7 @@ from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
 from service_runtime.api_key_source import open_bind_warning
+from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.model_config import ModelConfig, find_gguf_file
@@ -128,9 +129,10 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                restart_workers=None, restart_engine=None) -> int:
     """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its rank set,
     up to --max-worker-restarts times (the scheduler waits for them and resumes its requests), where
-    `restart_workers` can (the mp backend). A scheduler that dies is restarted with fresh workers, up to
-    --max-scheduler-restarts times, where `restart_engine` can; the gateway and SDK clients resume their
-    streams on it (client/stream_resume.py)."""
+    `restart_workers` can (the mp backend). A worker that refused the model while loading it (exit code
+    LOAD_REFUSED_EXIT_CODE, its reason in its one line above) is not: it would refuse again. A scheduler that
+    crashed is restarted with fresh workers, up to --max-scheduler-restarts times, where `restart_engine` can;
+    the gateway and SDK clients resume their streams on it (client/stream_resume.py)."""
     restarts_left = args.max_worker_restarts if restart_workers is not None else 0
     scheduler_restarts_left = args.max_scheduler_restarts if restart_engine is not None else 0
     target = _local_address(args.grpc_host, args.grpc_port)
@@ -151,6 +153,12 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 _wait(children["gateway"], args.shutdown_timeout + 10)
             return 0 if code == 0 else 1
         exited = [name for name, child in children.items() if child.poll() is not None]
+        refused = [name for name in exited if name.startswith("worker")
+                   and children[name].returncode == LOAD_REFUSED_EXIT_CODE]
+        if refused:
+            print(f"pagedserve: cannot serve {model_name}: the {refused[0]} refused it while loading (the reason is "
+                  "its line above); not restarting", file=sys.stderr, flush=True)
+            return 1
         if "scheduler" in exited and scheduler_restarts_left > 0 and _crashed(children["scheduler"].returncode):
             scheduler_restarts_left -= 1
             print(f"pagedserve: the scheduler exited with code {children['scheduler'].returncode}; restarting it "

@@ -1,8 +1,9 @@
 """ModelConfig: the shape and numerics of a decoder-only model, read from an HF directory or a GGUF file.
 
 Why our own frozen dataclass instead of transformers' config: the worker must not import transformers,
-one type covers both checkpoint formats, and refusing unsupported features (sliding window, unknown rope
-scaling) happens here, once, with a clear message instead of silently wrong tokens later.
+one type covers both checkpoint formats, and refusing unsupported features (unknown rope scaling, a
+quantization_config, what a model file cannot honour: models/feature_refusals.py) happens here, once, with a
+clear message instead of silently wrong tokens or a worker's traceback later.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from worker_svc.models.feature_refusals import feature_refusal, quantization_refusal
 from worker_svc.models.registry import MODEL_CLASSES
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# The model types whose transformers config class ties the head to the embeddings when config.json omits
+# `tie_word_embeddings` (every other family's default is untied).
+TIED_BY_DEFAULT = ("opt", "gemma", "gemma2", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,10 @@ class ModelConfig:
         model_type = raw.get("model_type", "")
         if raw.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
+        tie_word_embeddings = bool(raw.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT))
+        refusal = quantization_refusal(raw) or feature_refusal(MODEL_CLASSES[supported[0]][0], raw, tie_word_embeddings)
+        if refusal is not None:
+            raise ValueError(refusal)
         rope_theta, rope_scaling = parse_hf_rope(raw)
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
@@ -104,7 +113,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw["max_position_embeddings"],
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", model_type == "opt")),
+            tie_word_embeddings=tie_word_embeddings,
             attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=as_token_ids(raw.get("eos_token_id")),
@@ -219,6 +228,9 @@ def parse_hf_rope(raw: dict) -> tuple[float, tuple[tuple[str, Any], ...] | None]
     and so is a partial rotary (`partial_rotary_factor` < 1): our rotary turns whole heads."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if FULL_ATTENTION in params:  # keyed by layer type (Gemma 3): the model file reads each; here the global one
+        positions = raw["max_position_embeddings"]
+        for layer_type in sorted(set(params) - {FULL_ATTENTION}):  # refused here, not when the model file reads it
+            parse_hf_rope({"rope_parameters": params[layer_type], "max_position_embeddings": positions})
         params = dict(params[FULL_ATTENTION])
     rope_theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))

@@ -33,6 +33,7 @@ import torch
 from kernels.attention_metadata import AttentionMetadata
 from kernels.sampling_ops import batch_invariant_sampling_ops, torch_sampling_ops, triton_sampling_ops
 from protos.pagedserve.v1 import worker_pb2
+from service_runtime.load_refusal import LoadRefused
 from service_runtime.model_source import resolve_model
 from service_runtime.step_timer import BackToBackClock, StepTimer
 from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
@@ -48,7 +49,7 @@ from worker_svc.kv_cache_sizing import num_kv_blocks
 from worker_svc.layers.attention import Attention
 from worker_svc.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from worker_svc.model_config import ModelConfig
-from worker_svc.models.model_loader import load_model
+from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PendingTokens, PersistentBatch
 from worker_svc.sampling.logits_processors import LogitsAdjustments, SparseLogits
 from worker_svc.sampling.prompt_logprobs import prompt_logprobs
@@ -75,9 +76,11 @@ class Worker:
         model = resolve_model(config.model)
         if config.world_size > 1:
             # Before joining the group: every rank refuses alike, none waits for the others.
-            refusal = shard_refusal(ModelConfig.from_path(model.path), config.world_size, "--world-size")
+            with refused_as_load_refusal():
+                model_config = ModelConfig.from_path(model.path)
+            refusal = shard_refusal(model_config, config.world_size, "--world-size")
             if refusal is not None:
-                raise SystemExit(refusal)
+                raise LoadRefused(refusal)
             # Joining blocks until every rank has come: say where, for a rank that waits long.
             logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
                         config.distributed_init_method)

@@ -10,8 +10,8 @@ What differs from llama.py, each as transformers computes it:
   alternating local (sliding window) and global attention (config.layer_types); Gemma 2 soft-caps attention
   scores and the final logits (tanh); Gemma 3 normalizes q and k per head and takes each layer type's own
   rope base (rope_parameters keyed by layer type).
-Embeddings are always tied. Loading and tensor parallelism are llama.py's: the names are Llama's plus the
-extra norms.
+Embeddings are always tied (an untied config is refused from config.json: models/feature_refusals.py).
+Loading and tensor parallelism are llama.py's: the names are Llama's plus the extra norms.
 """
 
 from __future__ import annotations
@@ -113,10 +113,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
                  layer_ops: LayerOps | None = None, tensor_parallel: TensorParallel = SINGLE_RANK):
-        if not config.tie_word_embeddings:
-            raise ValueError("Gemma checkpoints tie the head to the embeddings (tie_word_embeddings=False given)")
-        if config.hf_config.get("use_bidirectional_attention"):
-            raise ValueError("use_bidirectional_attention=True (an encoder) is not supported")
         super().__init__(config, attention_backend, layer_ops, tensor_parallel)
         self.final_logit_softcap = config.hf_config.get("final_logit_softcapping")
         self._embed_scales: dict[torch.dtype, float] = {}

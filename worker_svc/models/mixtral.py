@@ -17,9 +17,7 @@ class MixtralForCausalLM(SparseMoeForCausalLM):
 
     @staticmethod
     def moe_shape(config: ModelConfig) -> MoeShape:
-        raw = config.hf_config
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+        raw = config.hf_config  # other activations are refused from config.json (models/feature_refusals.py)
         return MoeShape(
             num_experts=raw["num_local_experts"], top_k=raw["num_experts_per_tok"],
             intermediate_size=config.intermediate_size, renormalize=True, round_routing_weights=False,

@@ -1,8 +1,16 @@
-"""Build a model for a checkpoint and load its weights (or random ones of its shape) on the device."""
+"""Build a model for a checkpoint and load its weights (or random ones of its shape) on the device.
+
+What the checks on the way raise (ValueError: a config feature, a tensor the model has no parameter for, a
+shape that does not match, a missing tensor; FileNotFoundError: no weights) leaves here as LoadRefused
+(service_runtime/load_refusal.py): the checkpoint cannot be served, which no restart changes. Anything else
+is a bug, and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -10,6 +18,7 @@ from torch import nn
 
 from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
+from service_runtime.load_refusal import LoadRefused
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
@@ -34,9 +43,10 @@ def load_model(
     values instead: benchmarks of a model's shape need only its config.json. Under tensor parallel each
     rank builds and fills only its shards (`tensor_parallel`), reading its slices of the checkpoint.
     """
-    config = ModelConfig.from_path(path)
-    with torch.device("meta"):
-        model = build_model(config, attention_backend, layer_ops, tensor_parallel)
+    with refused_as_load_refusal():
+        config = ModelConfig.from_path(path)
+        with torch.device("meta"):
+            model = build_model(config, attention_backend, layer_ops, tensor_parallel)
     if layer_ops is not None:
         for module in model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
@@ -45,8 +55,20 @@ def load_model(
     if load_format == "dummy":
         _fill_random(model)
     else:
-        model.load_weights(iter_checkpoint(path, config))
+        with refused_as_load_refusal():
+            model.load_weights(iter_checkpoint(path, config))
     return model.eval(), config
+
+
+@contextlib.contextmanager
+def refused_as_load_refusal() -> Iterator[None]:
+    """Turns the refusals a model check raises (module docstring) into LoadRefused, with the same message."""
+    try:
+        yield
+    except LoadRefused:
+        raise
+    except (ValueError, FileNotFoundError) as error:
+        raise LoadRefused(str(error)) from None
 
 
 @torch.no_grad()

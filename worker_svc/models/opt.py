@@ -91,11 +91,7 @@ class OPTForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
                  layer_ops: LayerOps | None = None, tensor_parallel: TensorParallel = SINGLE_RANK):
-        activation = config.hf_config.get("activation_function", "relu")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation_function {activation!r} is not supported; supported: {sorted(ACTIVATIONS)}")
-        if not config.tie_word_embeddings:
-            raise ValueError("OPT with an untied lm_head (tie_word_embeddings=False) is not supported")
+        # Other activations and an untied head are refused from config.json (models/feature_refusals.py).
         if layer_ops is not None and layer_ops.batch_invariant:
             # Its LayerNorms and activations are its own modules, not LayerOps: nothing would make them so.
             raise ValueError("--batch-invariant does not cover OPT models yet (their LayerNorm is not batch-invariant)")

@@ -6,8 +6,9 @@ a dense GatedMLP of `intermediate_size` in the others. The block: `num_experts` 
 weights cast to the activation dtype (transformers' Qwen3MoeTopKRouter). Its hub files name the block `mlp`
 with experts `gate_proj` / `up_proj` / `down_proj`.
 
-Refused at load, naming the key: shared experts (`shared_expert_intermediate_size`, Qwen2-MoE's; Qwen3-MoE
-has none), `use_sliding_window` (transformers would slide every layer) and activations other than SiLU.
+Refused from config.json (models/feature_refusals.py), naming the key: shared experts
+(`shared_expert_intermediate_size`, Qwen2-MoE's; Qwen3-MoE has none), `use_sliding_window` (transformers
+would slide every layer) and activations other than SiLU.
 """
 
 from __future__ import annotations
@@ -24,13 +25,6 @@ class Qwen3MoeForCausalLM(SparseMoeForCausalLM):
     @staticmethod
     def moe_shape(config: ModelConfig) -> MoeShape:
         raw = config.hf_config
-        if raw.get("shared_expert_intermediate_size"):
-            raise ValueError("shared experts (shared_expert_intermediate_size "
-                             f"{raw['shared_expert_intermediate_size']}) are not supported")
-        if raw.get("use_sliding_window"):
-            raise ValueError("use_sliding_window=true is not supported for qwen3_moe (only full attention)")
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
         # The hub's config.json says num_experts; transformers 5 writes it as num_local_experts.
         num_experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
         step = raw.get("decoder_sparse_step", 1)
