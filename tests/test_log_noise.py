@@ -124,7 +124,8 @@ def _serve_refused(model_dir, *args: str) -> subprocess.CompletedProcess:
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
-def _assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) -> None:
+def assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) -> None:
+    """`pagedserve serve` refused the model in one line naming `words`, before any service started."""
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -136,14 +137,14 @@ def _assert_one_line_refusal(result: subprocess.CompletedProcess, *words: str) -
 def test_an_unsupported_architecture_is_refused_in_one_line_before_anything_starts(tmp_path):
     config = {"architectures": ["BertForMaskedLM"], "model_type": "bert", "auto_map": {"AutoModel": "custom.Model"}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    _assert_one_line_refusal(_serve_refused(tmp_path), "unsupported architectures", "BertForMaskedLM")
+    assert_one_line_refusal(_serve_refused(tmp_path), "unsupported architectures", "BertForMaskedLM")
 
 
 def test_a_checkpoint_without_weights_is_refused_in_one_line(tmp_path):
     model = make_tiny_model(tmp_path / "model", "llama", seed=5)
     for weights in model.glob("*.safetensors"):
         weights.unlink()
-    _assert_one_line_refusal(_serve_refused(model), "no .safetensors weights")
+    assert_one_line_refusal(_serve_refused(model), "no .safetensors weights")
 
 
 def test_exit_after_flush_keeps_the_output_and_skips_the_interpreter_teardown():

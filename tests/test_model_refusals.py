@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve.testing.server_harness import REPO_ROOT, free_port
 from pagedserve.testing.tiny_models import make_tiny_model
 from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE, LoadRefused
+from tests.test_log_noise import assert_one_line_refusal
 from worker_svc.model_config import ModelConfig
 
 
@@ -27,15 +28,6 @@ def _serve(model_dir, *args: str, timeout: float = 120) -> subprocess.CompletedP
     argv = ["serve", "--model", str(model_dir), "--no-http", "--grpc-port", str(free_port()), *args]
     return subprocess.run([sys.executable, "-m", "pagedserve", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def _assert_refused_before_any_child(result: subprocess.CompletedProcess, *words: str) -> None:
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pagedserve: cannot serve"), result.stderr
-    assert all(word in lines[0] for word in words), lines[0]
-    assert "gRPC listening" not in result.stderr + result.stdout  # no service started
 
 
 def _edit_config(model_dir, **keys) -> None:
@@ -47,12 +39,12 @@ def test_a_gptq_quantization_config_is_refused_in_one_line_before_any_child_star
     """Its tensors here are float: served, they would pass for an unquantized model."""
     model = make_tiny_model(tmp_path, "llama", seed=5)
     _edit_config(model, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
-    _assert_refused_before_any_child(_serve(model, timeout=90), "quantization_config", "'gptq'", "supported: gguf")
+    assert_one_line_refusal(_serve(model, timeout=90), "quantization_config", "'gptq'", "supported: gguf")
 
 
 def test_an_untied_gemma2_is_refused_in_one_line_before_any_child_starts(tmp_path):
     model = make_tiny_model(tmp_path, "gemma2", seed=5, tie_word_embeddings=False)
-    _assert_refused_before_any_child(_serve(model, timeout=90), "tie_word_embeddings=False")
+    assert_one_line_refusal(_serve(model, timeout=90), "tie_word_embeddings=False")
 
 
 def test_a_checkpoint_tensor_without_a_parameter_is_refused_by_the_worker_once_in_one_line(tmp_path):
