@@ -8,6 +8,14 @@ off (TRITON_INTERPRET=0) its tests are skipped, since they run on CPU tensors.
 The interpreter also truncates fp32 -> bf16 casts where a GPU rounds to nearest even; the session fixture
 below makes it round, so bf16 kernels can be held to their torch references (and to transformers) bit
 for bit here, as they are on a GPU.
+
+And the interpreter computes `tl.dot` with numpy's matmul, i.e. the host's BLAS, whose kernels are picked by
+the CPU at run time: with OpenBLAS's Haswell kernels (numpy 2.4's bundled OpenBLAS 0.3.31 on a 2-core AMD
+EPYC) a row's bits depend on its position in the tile, so the batch-invariance tests failed there and passed
+with OPENBLAS_CORETYPE=Sandybridge. The second fixture below sums every dot product in K order with numpy's
+elementwise ops (IEEE, no BLAS), the same for every row and column: the bits then follow from what the kernel
+feeds each tile (which rows, which K range, in which order), which is what these tests can check on any CPU.
+Whether the GPU's MMA keeps a row's bits is checked on a GPU (tests/test_batch_invariance_gpu.py).
 """
 
 from __future__ import annotations
@@ -47,6 +55,34 @@ def bfloat16_casts_round_to_nearest_even():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(interpreter, "_convert_float", convert)
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dot_products_sum_in_k_order():
+    """Patch the interpreter's `tl.dot` (numpy's matmul) to a product summed in K order from zero, then added to
+    the accumulator, as the matmul was: each output element's sum is the same operations in the same order
+    whatever the host's BLAS, and whatever its row's or column's position in the tile."""
+    if triton is None or not triton.knobs.runtime.interpret:
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    through_matmul = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating() or \
+                b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
+            return through_matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
+        accumulator = d.data.dtype
+        a_data, b_data = a.data.astype(accumulator), b.data.astype(accumulator)
+        # [..., M, K, N] products, reduced over K: numpy adds the K slices one after another, element by element.
+        products = np.add.reduce(a_data[..., :, :, None] * b_data[..., None, :, :], axis=-2)
+        return interpreter.TensorHandle(products + d.data, d.dtype.scalar)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
         yield
 
 

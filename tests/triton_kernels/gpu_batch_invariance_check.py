@@ -16,6 +16,7 @@ information: they are expected to differ, which shows the checks can tell.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,9 @@ def serving_invariant(backend, options, shapes, group_size=4, num_kv_heads=None)
     return "invariant" if not differing else f"NOT invariant ({', '.join(differing)} differ from the whole prefill)"
 
 
-def main(argv: list[str]) -> int:
-    shapes = SMOKE_SHAPES if "--smoke" in argv else GPU_SHAPES
+def checks(shapes, segment: int) -> dict[str, tuple[bool, Callable[[], str]]]:
+    """Each check by name: whether it must hold (False: a non-invariant counterpart, run for information), and
+    the check, which returns "invariant" or what differed. Shared with tests/test_batch_invariance_gpu.py."""
     device, batch_sizes, hidden_size, inter, vocab_size, _, _, _, _ = shapes
     rows = batch_sizes[-1]
     ops = batch_invariant_triton_layer_ops(device)
@@ -75,7 +77,7 @@ def main(argv: list[str]) -> int:
         return ops.fused_moe(x[:, : hidden_size // 4].contiguous(), x[:, hidden_size // 4:].contiguous(), w13, w2,
                              2, True, False)
 
-    checks = {
+    named = {
         "linear (batch-invariant)": (True, lambda: rows_invariant(
             lambda x: ops.linear(x, weight, None), hidden, batch_sizes)),
         "F.linear (for information)": (False, lambda: rows_invariant(
@@ -88,26 +90,31 @@ def main(argv: list[str]) -> int:
         "fused_moe (fixed tile)": (True, lambda: rows_invariant(
             moe, random_tensor((rows, hidden_size // 4 + 8), dtype, 6, device), batch_sizes)),
     }
-    segment = SMOKE_SEGMENT if "--smoke" in argv else GPU_SEGMENT
     for name, options in {"plain": {}, "window 256": {"sliding_window": 256},
                           "softcap 50": {"logit_softcap": 50.0}}.items():
-        checks[f"attention, {name}"] = (True, lambda options=options: serving_invariant(
+        named[f"attention, {name}"] = (True, lambda options=options: serving_invariant(
             BatchInvariantTritonBackend(segment=segment), options, shapes))
     # Decodes forced through each way: (b) segments in programs of their own + merge kernel, (a) one program
     # per decode merging in registers; both against the prefill variant's whole prefill. Qwen2.5-1.5B's heads.
     for way, split in (("(b) split", True), ("(a) in registers", False)):
         for name, options in {"plain": {}, "window 256": {"sliding_window": 256}}.items():
-            checks[f"attention, decodes {way}, 2 x 6 heads, {name}"] = (
+            named[f"attention, decodes {way}, 2 x 6 heads, {name}"] = (
                 True, lambda split=split, options=options: serving_invariant(
                     BatchInvariantTritonBackend(segment=segment, split_decodes=split), options, shapes,
                     group_size=6, num_kv_heads=2))
     if device != "cpu":  # the start-up check, at the served shapes (too slow for the interpreter)
-        checks["segments_agree (split decodes = in-register merge)"] = (
+        named["segments_agree (split decodes = in-register merge)"] = (
             True, lambda: "invariant" if segments_agree(device) else "NOT invariant (the two ways differ)")
-    checks["TritonAttentionBackend (for information)"] = (
+    named["TritonAttentionBackend (for information)"] = (
         False, lambda: serving_invariant(TritonAttentionBackend(), {}, shapes))
+    return named
+
+
+def main(argv: list[str]) -> int:
+    smoke = "--smoke" in argv
     failed = False
-    for name, (required, check) in checks.items():
+    for name, (required, check) in checks(SMOKE_SHAPES if smoke else GPU_SHAPES,
+                                          SMOKE_SEGMENT if smoke else GPU_SEGMENT).items():
         result = check()
         failed |= required and result != "invariant"
         print(f"{name}: {result}", flush=True)

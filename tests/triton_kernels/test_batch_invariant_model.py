@@ -10,6 +10,7 @@ differ by up to 5e-6 (measured on the tiny Llama when this was written).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -24,11 +25,14 @@ from worker_svc.models.model_loader import load_model
 
 def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=None, seed=0, block_size=16):
     """Per prompt, the logits [steps, vocab] of each token it generated greedily, all prompts batched each step
-    (at most `prefill_chunk` new tokens a sequence a step: chunked prefills beside decodes)."""
+    (at most `prefill_chunk` new tokens a sequence a step: chunked prefills beside decodes), on the model's
+    device (tests/test_batch_invariance_gpu.py runs this on a GPU)."""
     rng = random.Random(seed)
+    device = next(model.parameters()).device
     capacity = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
     tables = shuffled_block_tables(capacity, sum(capacity) + 3, rng)
-    kv_caches = make_kv_caches(config, sum(capacity) + 3, block_size, next(model.parameters()).dtype)
+    kv_caches = [cache.to(device) for cache in
+                 make_kv_caches(config, sum(capacity) + 3, block_size, next(model.parameters()).dtype)]
     tokens = [list(p) for p in prompts]
     num_computed = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -39,8 +43,11 @@ def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=Non
         positions = [p for i, q in zip(active, query_lens) for p in range(num_computed[i], num_computed[i] + q)]
         seq_lens = [num_computed[i] + q for i, q in zip(active, query_lens)]
         metadata = build_metadata([tables[i] for i in active], seq_lens, query_lens, block_size)
+        metadata = dataclasses.replace(metadata, **{field: getattr(metadata, field).to(device) for field in
+                                                    ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
         with torch.no_grad():
-            hidden = model(torch.tensor(input_ids), torch.tensor(positions), kv_caches, metadata)
+            hidden = model(torch.tensor(input_ids, device=device), torch.tensor(positions, device=device), kv_caches,
+                           metadata)
             step_logits = model.compute_logits(hidden[metadata.query_start_loc[1:].long() - 1])
         for row, (i, query_len) in enumerate(zip(active, query_lens)):
             num_computed[i] += query_len
