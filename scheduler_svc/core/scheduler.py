@@ -131,7 +131,7 @@ class Scheduler:
         come with output tokens (a stream resumed after a scheduler loss): it then starts like one preempted
         by recompute, its prompt and output prefilled before it samples the next token."""
         self._check_new(request)
-        if request.num_output_tokens >= request.sampling_params.max_tokens:
+        if request.output_token_ids and request.num_output_tokens >= request.sampling_params.max_tokens:
             raise ValueError(f"request {request.request_id} has no max_tokens left")
         request.arrival_seq = self._next_arrival_seq
         self._next_arrival_seq += 1
