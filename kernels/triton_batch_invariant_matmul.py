@@ -27,8 +27,9 @@ batch (--batch-invariant, issue 21). Here everything that decides a row's reduct
   batch_invariant_kernel_bench.py --decode; benchmarks/results/batch_invariance_h100_k1_tma/; README,
   Batch-invariant mode).
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
-  its M tile does not change its math (the MMA computes every element of a tile the same way; under the
-  interpreter numpy's matmul does too, checked by the tests).
+  its M tile does not change its math (the MMA computes every element of a tile the same way: checked on a
+  GPU by tests/test_batch_invariance_gpu.py; the interpreter's numpy matmul need not, since the host's BLAS
+  may give a row other bits by its position, so the CPU tests sum the interpreter's dots in K order).
 
 Rounding: the fp32 accumulator plus the bias (added in fp32, before the one rounding, as cuBLAS's bias
 epilogue does) is rounded once to the input dtype. torch's CPU `F.linear` for bf16 may round the product

@@ -16,6 +16,9 @@ from pagedserve.launcher import SERVICE_MODULES
 from pagedserve.testing.server_harness import assert_all_gone
 
 FAULT_BOUND_S = 10.0
+# How long a fault that comes inside the server (at a step) may take to come: the steps before it, which a
+# loaded 2-core machine can slow far more than the fault's handling.
+FAULT_COMES_WITHIN_S = 180.0
 
 
 class StreamWatch:
@@ -118,7 +121,17 @@ def assert_fault_handled(server, streams: list[StreamWatch], health: HealthWatch
     """What a worker fault must do to a server: every stream ends UNAVAILABLE naming `reason` (a substring or
     a pattern) within FAULT_BOUND_S of the fault (fault_at None: the fault came inside the server, at a step;
     the first stream to end marks it), health turns NOT_SERVING, a new request is refused, the server exits
-    non-zero with the scheduler's exit 1, and no process is left."""
+    non-zero with the scheduler's exit 1, and no process is left.
+
+    Why the fault at a step is waited for first: the streams' joins used to count from when they started, so
+    the steps before --fail-at-step came out of the handling's 30 s; on a loaded machine "a stream still runs
+    30 s later" then said nothing about the fault."""
+    if fault_at is None:
+        deadline = time.monotonic() + FAULT_COMES_WITHIN_S
+        while all(stream.ended_at is None for stream in streams) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(stream.ended_at is not None for stream in streams), \
+            f"no stream ended within {FAULT_COMES_WITHIN_S:g} s: the fault did not come"
     for stream in streams:
         stream.join(FAULT_BOUND_S + 20)
     errors = [stream.error for stream in streams]

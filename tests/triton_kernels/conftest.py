@@ -76,7 +76,9 @@ def dot_products_sum_in_k_order():
                 b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating():
             return through_matmul(self, a, b, d, input_precision, max_num_imprecise_acc)
         accumulator = d.data.dtype
-        a_data, b_data = a.data.astype(accumulator), b.data.astype(accumulator)
+        # Row-major copies: the products' layout, and with it the order numpy reduces them in, is then the same
+        # for every dot (a transposed operand, a TMA load's `.T`, gave other bits).
+        a_data, b_data = np.ascontiguousarray(a.data, accumulator), np.ascontiguousarray(b.data, accumulator)
         # [..., M, K, N] products, reduced over K: numpy adds the K slices one after another, element by element.
         products = np.add.reduce(a_data[..., :, :, None] * b_data[..., None, :, :], axis=-2)
         return interpreter.TensorHandle(products + d.data, d.dtype.scalar)

@@ -5,6 +5,11 @@ among random rows in batches of 1, 3, 64 and 257; every row must be bitwise equa
 them, and close to the torch reference. `assert_rows_batch_invariant` is shown to catch a kernel whose
 reduction order depends on the batch size (a split-K linear), so these checks would fail on the
 non-invariant paths they replace.
+
+Under the interpreter a tile's `tl.dot` is summed in K order (conftest.py; numpy's matmul left it to the
+host's BLAS, which failed these checks on some CPUs), so here they prove what each kernel feeds its tiles:
+the same rows, K ranges and order whatever the batch. What the GPU's MMA does with a tile is checked on a
+GPU by tests/test_batch_invariance_gpu.py, which runs the same bit checks on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -78,6 +83,32 @@ def test_linear_through_the_tensor_memory_accelerator_gives_the_pointer_loads_bi
         assert torch.equal(loaded, linear(hidden, weight, bias, tile=matmul.TILE))
         expected = F.linear(hidden.float(), weight.float(), bias.float())
         torch.testing.assert_close(loaded.float(), expected, atol=TOLERANCE[dtype] * 4, rtol=TOLERANCE[dtype])
+
+
+def test_linear_launches_the_same_tile_for_any_row_count_and_one_program_per_output_tile(monkeypatch):
+    """What keeps a row's reduction order out of the batch's hands, seen in the launches: the same block sizes
+    (TILE) for 1 to 257 rows, and a grid of one program per (row tile, column tile), none splitting K."""
+    from kernels import triton_batch_invariant_matmul as matmul
+
+    launches = []
+    kernel = matmul._batch_invariant_linear_kernel
+
+    class RecordedLaunches:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, {name: kwargs[name] for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(matmul, "_batch_invariant_linear_kernel", RecordedLaunches())
+    weight = random_tensor((72, 80), torch.float32, 2)
+    for num_rows in (1, 3, 64, 257):
+        launches.clear()
+        linear(random_tensor((num_rows, 80), torch.float32, num_rows), weight)
+        tiles = -(-num_rows // matmul.TILE.block_m) * -(-72 // matmul.TILE.block_n)
+        assert launches == [((tiles,), {"BLOCK_M": matmul.TILE.block_m, "BLOCK_N": matmul.TILE.block_n,
+                                        "BLOCK_K": matmul.TILE.block_k})], num_rows
 
 
 def test_linear_of_zero_rows():
@@ -327,7 +358,8 @@ def test_fused_moe_with_its_fixed_tile_is_batch_invariant(dtype):
 
 def test_tiles_agree_compares_every_row_tile_with_the_tile(monkeypatch):
     """The start-up check: tiles that are all TILE agree; one that sums K in other groups does not under the
-    interpreter (numpy's matmul orders a tile's K its own way), which is why there it is TILE everywhere.
+    interpreter (each BLOCK_K slice's dot is summed from zero, then added), which is why there it is TILE
+    everywhere.
     tile_by_rows picks the first ROW_TILES entry that holds the rows."""
     from kernels import triton_batch_invariant_matmul as matmul
 
