@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # processes than the 2 CI cores still shorten the run (measured in README.md, "Tests").
 TEST_WORKERS ?= 3
 
-.PHONY: install protos serve test demo test-compose compose-smoke clean
+.PHONY: install protos serve test test-gpu demo test-compose compose-smoke clean
 
 install: $(STAMP) $(GENERATED)
 
@@ -40,6 +40,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# On a GPU machine: the batch-invariant kernels' bit checks compiled (skipped under `make test`'s interpreter).
+test-gpu: install
+	TRITON_INTERPRET=0 $(PY) -m pytest -q tests/test_batch_invariance_gpu.py $(PYTEST_ARGS)
 
 # Builds the CPU image from local parts and brings the CPU compose stack up for real, sends an OpenAI chat
 # request and a gRPC stream, takes it down (root, Docker; see the script's header). compose-smoke: its old name.
