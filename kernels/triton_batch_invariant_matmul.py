@@ -215,14 +215,3 @@ def linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         num_warps=num_warps, num_stages=num_stages,
     )
     return out.reshape(*leading, n_size)
-    _batch_invariant_linear_kernel[grid](
-        hidden, weight, bias if bias is not None else out, out,
-        num_rows, n_size, k_size,
-        hidden.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M,
-        UPCAST=needs_upcast(hidden.dtype),
-        DOT_PRECISION=dot_precision(hidden.dtype),
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    return out.reshape(*leading, n_size)
