@@ -14,8 +14,10 @@ streams on the new one (client/stream_resume.py). The mix: streaming and non-str
 and seeded sampling, prompts of 1-32 tokens and 1-32 output tokens; 10% are cancelled after 0-3 tokens.
 First every request that runs to its end (greedy or seeded) is sent once with no kill, as the reference;
 then all of them again, concurrently, while a thread kills the worker (the launcher's child running
-worker_svc) every --kill-every seconds, a replacement still loading included, and another the scheduler every
---kill-scheduler-every seconds (0: never). Each pass starts no request
+worker_svc) after every --kill-every seconds of serving, and another the scheduler after every
+--kill-scheduler-every seconds of serving (0: never). Seconds of serving: each clock starts when health is
+SERVING again (the embedded model's worker takes about 10 s to load on 2 cores, so a wall-clock 10 s would
+kill every replacement before it served a step). Each pass starts no request
 after --time-limit seconds. Prints one JSON object; exits 1 if a request failed or never started, a token
 differed from the reference, or a block was not freed at the end (GetStats: free KV blocks == KV blocks).
 """
@@ -37,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from client import AsyncClient, PagedServeError  # noqa: E402
+from pagedserve.health_probe import grpc_serving  # noqa: E402
 from pagedserve.testing.server_harness import descendants, running_server  # noqa: E402
 
 
@@ -124,8 +127,14 @@ async def run_all(target: str, plans: list[Plan], concurrency: int, reference: d
 
 
 def kill_every(server, module: bytes, interval: float, stop: threading.Event, kills: list[float]) -> None:
-    """SIGKILLs the launcher's children running `module` (worker_svc, scheduler_svc) every `interval` seconds."""
-    while interval > 0 and not stop.wait(interval):
+    """SIGKILLs the launcher's children running `module` (worker_svc, scheduler_svc) after each `interval`
+    seconds of serving: the clock starts once the server is SERVING again, since a replacement that takes
+    longer to load than the interval would otherwise be killed before it served anything."""
+    while interval > 0:
+        while not grpc_serving(server.target) and not stop.wait(0.2):
+            pass
+        if stop.wait(interval):
+            return
         for pid in [pid for pid in descendants(server.process.pid) if module in _cmdline(pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -144,9 +153,9 @@ def _cmdline(pid: int) -> bytes:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--kill-every", type=float, default=10.0, help="seconds between worker kills")
+    parser.add_argument("--kill-every", type=float, default=10.0, help="seconds of serving between worker kills")
     parser.add_argument("--kill-scheduler-every", type=float, default=60.0,
-                        help="seconds between scheduler kills (0: never)")
+                        help="seconds of serving between scheduler kills (0: never)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="default: a tiny random Llama")
