@@ -245,3 +245,15 @@ def test_the_grammar_limits_come_from_the_structured_outputs_config(tokenizer):
         structured_grammar(wire(regex="a{51}"), tokenizer, limits)
     with pytest.raises(argparse.ArgumentTypeError, match="max_repetition"):
         structured_outputs_config('{"max_repetition": -1}')
+
+
+def test_a_resumed_output_its_grammar_rejects_is_refused_at_the_edge_not_on_a_worker(tokenizer):
+    def resumed(text: str) -> generate_pb2.GenerateRequest:
+        request = _request(structured_outputs=wire(regex="[0-9]+ apples"), seed=3)
+        request.resume.token_ids.extend(tokenizer.encode(text, add_special_tokens=False))
+        return request
+
+    assert validate_request(resumed("12 app"), tokenizer, LIMITS).resume.token_ids  # a prefix the grammar allows
+    with pytest.raises(InvalidRequestError) as refused:
+        validate_request(resumed("twelve"), tokenizer, LIMITS)
+    assert refused.value.field == "resume.token_ids"

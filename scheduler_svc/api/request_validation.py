@@ -15,7 +15,7 @@ from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
 from scheduler_svc.api.resume_validation import resumed_output
-from scheduler_svc.api.structured_outputs import grammar_start_token_id, structured_grammar
+from scheduler_svc.api.structured_outputs import check_resumed_output, grammar_start_token_id, structured_grammar
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.text.bad_words import bad_words_token_ids
@@ -64,7 +64,11 @@ def validate_request(
             f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) needs {needed} tokens of KV cache, "
             f"the whole pool holds {limits.kv_capacity_tokens}",
         )
-    return ValidatedRequest(prompt_token_ids, sampling, resumed_output(request, sampling, limits.vocab_size))
+    resume = resumed_output(request, sampling, limits.vocab_size)
+    if resume is not None and sampling.structured_grammar and tokenizer is not None:
+        check_resumed_output(sampling.structured_grammar, sampling.structured_grammar_after_token_id,
+                             resume.token_ids, tokenizer, limits.request_limits.grammar_limits)
+    return ValidatedRequest(prompt_token_ids, sampling, resume)
 
 
 def _prompt_token_ids(

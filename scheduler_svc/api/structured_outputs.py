@@ -64,6 +64,22 @@ def grammar_start_token_id(wire: generate_pb2.StructuredOutputs, tokenizer: Toke
     return None if ids[0] in prompt_token_ids else ids[0]
 
 
+def check_resumed_output(grammar: str, after_token_id: int | None, token_ids: tuple[int, ...], tokenizer: Tokenizer,
+                         limits: GrammarLimits) -> None:
+    """Refuses (InvalidRequestError naming resume.token_ids) a resumed output that `grammar` rejects. Why: the
+    workers' matchers consume a resumed row's output when it is added, and the tokens of a resume come from
+    the client; one the grammar rejects must be a refusal here, not a failure on the worker. With
+    `after_token_id` (reasoning_end), only the output after its first occurrence is constrained."""
+    output = list(token_ids)
+    if after_token_id is not None:
+        output = output[output.index(after_token_id) + 1:] if after_token_id in output else []
+    if not output:
+        return
+    matcher = LLMatcher(_grammar_tokenizer(tokenizer), grammar, log_level=0, limits=limits.parser_limits())
+    if not matcher.consume_tokens(output):
+        raise InvalidRequestError("resume.token_ids", "the request's structured_outputs constraint rejects them")
+
+
 @lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
 def _cached_grammar(key: bytes, tokenizer: Tokenizer, limits: GrammarLimits) -> str:
     """Built once per distinct constraint; refusals are not cached (they raise) and cost a rebuild."""
