@@ -8,9 +8,9 @@ its own request (StepResult.failed_requests), not the worker. Set with --structu
 these fields' names; the other keys are vLLM's).
 
 The defaults (each grammar the tests and benchmarks use passes them with a wide margin):
-- max_repetition 10,000: the largest count a constraint may ask for, JSON schema minItems/maxItems/minLength/
-  maxLength/minProperties/maxProperties and a regex's {n,m} (nested counts multiply: (a{1000}){1000} is
-  1,000,000). llguidance unrolls counted repetitions into lexer states as the output goes; a count of
+- max_repetition 10,000: the largest count a regex's {n,m} may ask for, in a regex constraint, a JSON schema's
+  `pattern` or a Lark/GBNF grammar (nested counts multiply: (a{1000}){1000} is 1,000,000). JSON schema count
+  keywords (minItems, maxLength, ...) are not limited: llguidance counts those without unrolling. llguidance unrolls counted repetitions into lexer states as the output goes; a count of
   10**6 made one mask take a second of a core and then broke the lexer ("too many expressions"), and a
   count far past any context length constrains nothing an output could reach. pagedserve's own limit.
 - max_grammar_size 20,000 (llguidance's default 500,000): symbols in the grammar's productions; about
