@@ -112,3 +112,13 @@ def test_a_misshapen_checkpoint_tensor_is_a_load_refusal(tmp_path):
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(LoadRefused, match=r"model\.norm\.weight: checkpoint shape \(65,\)"):
         load_model(model, torch.float32, "cpu")
+
+
+def test_a_value_error_raised_inside_a_library_while_loading_is_a_bug_with_its_traceback_not_a_refusal():
+    import numpy as np
+
+    from worker_svc.models.model_loader import refused_as_load_refusal
+
+    with pytest.raises(ValueError) as bug, refused_as_load_refusal():
+        np.zeros(2).reshape(3)  # numpy raises it: not a check of ours (test_a_misshapen_... is one)
+    assert not isinstance(bug.value, LoadRefused)

@@ -2,7 +2,8 @@
 
 What the checks on the way raise (ValueError: a config feature, a tensor the model has no parameter for, a
 shape that does not match, a missing tensor; FileNotFoundError: no weights) leaves here as LoadRefused
-(service_runtime/load_refusal.py): the checkpoint cannot be served, which no restart changes. Anything else
+(service_runtime/load_refusal.py): the checkpoint cannot be served, which no restart changes. Only what our
+own code raises counts as a check: a ValueError raised inside torch, numpy or safetensors, and anything else,
 is a bug, and keeps its traceback.
 """
 
@@ -25,6 +26,9 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.registry import build_model
 from worker_svc.models.weight_loader import iter_checkpoint
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_OUR_PACKAGES = ("worker_svc", "kernels", "service_runtime")  # (a virtual environment may sit in the repo too)
 
 
 def load_model(
@@ -68,7 +72,21 @@ def refused_as_load_refusal() -> Iterator[None]:
     except LoadRefused:
         raise
     except (ValueError, FileNotFoundError) as error:
+        if not _raised_by_our_code(error):
+            raise
         raise LoadRefused(str(error)) from None
+
+
+def _raised_by_our_code(error: BaseException) -> bool:
+    """Whether the innermost frame of `error`'s traceback is in this repository's code (a check), not in a
+    library's (a bug that reached it)."""
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    if frame is None:
+        return False
+    path = Path(frame.tb_frame.f_code.co_filename).resolve()
+    return path.is_relative_to(_REPO_ROOT) and path.relative_to(_REPO_ROOT).parts[0] in _OUR_PACKAGES
 
 
 @torch.no_grad()
