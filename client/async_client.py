@@ -167,6 +167,7 @@ class AsyncClient:
                                              metadata=self._metadata)
             try:
                 if on_accepted is not None and _ACCEPTED_KEY in await call.initial_metadata():
+                    self._reached_server = True  # a loss from now on is waited out (stream_resume.py)
                     on_accepted()  # a refusal (or an older server) sends no such metadata
                 async for response in call:
                     self._reached_server = True
@@ -181,7 +182,8 @@ class AsyncClient:
                 pause = None if progress.num_messages or wait_until is not None else budget.next_pause(error)
                 if wait_until is None and pause is None:
                     raise error from rpc_error
-                progress.check_resumable(error)
+                if wait_until is not None:
+                    progress.check_resumable(error)
             finally:
                 call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
             if wait_until is not None:
@@ -208,8 +210,11 @@ class AsyncClient:
                 await asyncio.sleep(pause)
 
     async def _wait_serving(self, deadline: float, error: PagedServeError) -> None:
-        """Until the (restarted) scheduler serves again; raises ServerUnavailableError past `deadline`."""
+        """Until the (restarted) scheduler serves again, then a jittered pause (up to the retry policy's first
+        backoff: the streams resumed together do not all come back at once, and a server that says SERVING but
+        refuses cannot spin a client); raises ServerUnavailableError past `deadline`."""
         try:
             await self.wait_ready(timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise self._resume.lost_error(error) from error
+        await asyncio.sleep(self._retry.backoff(0))

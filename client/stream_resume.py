@@ -18,7 +18,10 @@ scheduler that ends work on purpose is not waited for: one shutting down, or one
 workers for good (`the engine stopped: ...`; it exits 1, which `pagedserve serve` does not restart). A
 client that never reached a server keeps the plain retry policy (client/retry.py), so a wrong address still
 fails fast. A stream of several sequences (n > 1, best_of, beam search) that had delivered anything cannot
-resume (the client does not hold every sequence's state): it ends with ServerUnavailableError saying so.
+resume (the client does not hold every sequence's state): it ends with ServerUnavailableError saying so. So
+does a stream that lost its scheduler twice in a row with no message in between: the scheduler has no
+poison-request rule of its own (the workers' is in scheduler_svc/worker_loss_suspects.py), and a request that
+crashes it would otherwise be re-sent after each restart until the restarts ran out.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ import grpc
 
 from client.errors import PagedServeError, ServerUnavailableError
 from protos.pagedserve.v1 import generate_pb2
+
+# Losses of the scheduler in a row, with no message of the stream in between, after which it is not re-sent.
+MAX_LOSSES_WITHOUT_PROGRESS = 2
 
 # What a live scheduler says when it ends work on purpose (scheduler_svc/service.py: its drain, and its stop
 # after losing its workers for good, which its supervisor does not undo): not a loss to wait out.
@@ -57,7 +63,7 @@ class ResumePolicy:
     def lost_error(self, error: PagedServeError) -> ServerUnavailableError:
         """The error when the scheduler did not serve again in time."""
         return ServerUnavailableError(error.code, f"{error.details} (the scheduler did not serve again within "
-                                                  f"resume_timeout, {self.resume_timeout:g} s)")
+                                                  f"resume_timeout, {self.resume_timeout:g} s, or the call's timeout)")
 
 
 class StreamProgress:
@@ -72,6 +78,8 @@ class StreamProgress:
         self._cumulative_logprob = 0.0
         self.num_messages = 0
         self.finished = False  # sequence 0's last message arrived (n == 1: the stream is complete)
+        self._messages_at_last_loss = -1
+        self._losses_without_progress = 0
 
     def saw(self, response: generate_pb2.GenerateResponse) -> None:
         self.num_messages += 1
@@ -90,11 +98,20 @@ class StreamProgress:
         return self.finished and not _several_sequences(self._request.sampling)
 
     def check_resumable(self, error: PagedServeError) -> None:
-        """Raises ServerUnavailableError if the stream cannot go on after losing its scheduler: several
-        sequences (n > 1, best_of or beam search) of which something was delivered."""
+        """Called at each loss of the scheduler; raises ServerUnavailableError if the stream cannot go on: several
+        sequences (n > 1, best_of or beam search) of which something was delivered, or a second loss in a row
+        with no message in between (the request may be what crashes the scheduler: re-sending it again would
+        take every other stream down with it each time)."""
         if self.num_messages and _several_sequences(self._request.sampling):
             raise ServerUnavailableError(grpc.StatusCode.UNAVAILABLE, f"{error.details} (the scheduler was lost "
                                          "mid-stream, and a stream of several sequences cannot resume)")
+        progressed = self.num_messages != self._messages_at_last_loss
+        self._losses_without_progress = 1 if progressed else self._losses_without_progress + 1
+        self._messages_at_last_loss = self.num_messages
+        if self._losses_without_progress >= MAX_LOSSES_WITHOUT_PROGRESS:
+            raise ServerUnavailableError(grpc.StatusCode.UNAVAILABLE, f"{error.details} (the scheduler was lost "
+                                         f"{self._losses_without_progress} times in a row with no message of this "
+                                         "stream in between; it is not re-sent again, since it may be what crashes it)")
 
     def next_request(self) -> generate_pb2.GenerateRequest:
         """The request to send now: the original before any message arrived, else the resumed one."""

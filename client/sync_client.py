@@ -171,7 +171,8 @@ class Client:
                 pause = None if progress.num_messages or wait_until is not None else budget.next_pause(error)
                 if wait_until is None and pause is None:
                     raise error from rpc_error
-                progress.check_resumable(error)
+                if wait_until is not None:
+                    progress.check_resumable(error)
             finally:
                 call.cancel()  # a no-op once the stream has ended; otherwise the caller stopped early
             if wait_until is not None:
@@ -198,8 +199,11 @@ class Client:
                 time.sleep(pause)
 
     def _wait_serving(self, deadline: float, error: PagedServeError) -> None:
-        """Until the (restarted) scheduler serves again; raises ServerUnavailableError past `deadline`."""
+        """Until the (restarted) scheduler serves again, then a jittered pause (up to the retry policy's first
+        backoff: the streams resumed together do not all come back at once, and a server that says SERVING but
+        refuses cannot spin a client); raises ServerUnavailableError past `deadline`."""
         try:
             self.wait_ready(timeout=max(deadline - time.monotonic(), 0.0))
         except TimeoutError:
             raise self._resume.lost_error(error) from error
+        time.sleep(self._retry.backoff(0))

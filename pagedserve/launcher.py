@@ -159,7 +159,9 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
             print(f"pagedserve: cannot serve {model_name}: the {refused[0]} refused it while loading (the reason is "
                   "its line above); not restarting", file=sys.stderr, flush=True)
             return 1
-        if "scheduler" in exited and scheduler_restarts_left > 0 and _crashed(children["scheduler"].returncode):
+        # Only a scheduler that had served: one that fails before (a port in use, a bad TLS file) fails again.
+        if ("scheduler" in exited and ready and scheduler_restarts_left > 0
+                and _crashed(children["scheduler"].returncode)):
             scheduler_restarts_left -= 1
             print(f"pagedserve: the scheduler exited with code {children['scheduler'].returncode}; restarting it "
                   f"and the workers ({scheduler_restarts_left} restarts left)", file=sys.stderr, flush=True)

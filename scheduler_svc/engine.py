@@ -313,8 +313,8 @@ class Engine:
         group = self._context.owners.get(member_id)
         if group is None or group.finished:
             return
+        group.queue.put_nowait(RequestFailedError(reason))  # before the StreamEnd that abort queues
         group.abort(notify=False)
-        group.queue.put_nowait(RequestFailedError(reason))
         self._forget(group)
 
     def abort_all(self) -> None:

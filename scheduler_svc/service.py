@@ -224,8 +224,8 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, restart
 
 async def _fail(engine: Engine, engine_task, link_failed, servicer, health, link: WorkerLink) -> int:
     """A worker failed or went away (or the engine itself raised): new requests are refused and every request
-    in flight ends with UNAVAILABLE saying why, health turns NOT_SERVING, and the process exits 1 for its
-    supervisor to restart."""
+    in flight ends with UNAVAILABLE saying why, health turns NOT_SERVING, and the process exits 1: compose's
+    restart policy restarts it; `pagedserve serve` stops the stack (it restarts crashes only: launcher._crashed)."""
     failure = link_failed.result() if link_failed.done() else engine_task.exception()
     servicer.stop_accepting(f"the engine stopped: {failure}")
     if not engine_task.done():  # idle, or waiting for a result that will never come

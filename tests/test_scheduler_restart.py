@@ -110,8 +110,10 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
 
         health = HealthWatch(server.target)
         grpc_streams = [_grpc_stream(server.target, i) for i in range(4)]
+        # Sampled with no seed: it resumes only with the seed the server drew (GenerateResponse.seed).
+        unseeded = StreamWatch(server.target, PROMPTS[1], max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0)
         http_streams = [HttpStream(server.http_port, _http_body(i, seed=200 + i)) for i in range(4)]
-        for stream in grpc_streams + http_streams:
+        for stream in [*grpc_streams, unseeded, *http_streams]:
             assert stream.first_chunk.wait(120), "a stream got no first chunk"
         late_client = server.client()
         late_client.model_info()  # it reached the scheduler: after the loss it waits for the next one
@@ -126,8 +128,9 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
         assert late_http.error is None and late_http.text == expected[0].text
         assert late.token_ids == expected[0].token_ids
         assert health.wait_for("NOT_SERVING", 30) or health.statuses, health.statuses
-        for stream in grpc_streams + http_streams:
+        for stream in [*grpc_streams, unseeded, *http_streams]:
             stream.join(timeout=240)
+        assert unseeded.error is None and unseeded.num_tokens == MAX_TOKENS
 
         assert [stream.error for stream in grpc_streams] == [None] * 4
         assert [stream.error for stream in http_streams] == [None] * 4

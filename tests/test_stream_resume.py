@@ -147,3 +147,13 @@ def test_the_sdk_waits_only_for_a_scheduler_it_reached_and_that_did_not_refuse_o
     assert policy.wait_deadline(invalid, server_reached=True, call_deadline=None) is None
     assert ResumePolicy(0.0).wait_deadline(lost, server_reached=True, call_deadline=None) is None
     assert policy.wait_deadline(lost, server_reached=True, call_deadline=5.0) == 5.0  # within the call's timeout
+
+
+def test_a_stream_that_loses_its_scheduler_twice_in_a_row_without_a_message_is_not_resent_again():
+    progress = StreamProgress(generate_pb2.GenerateRequest(text="hi"))
+    lost = ServerUnavailableError(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+    progress.check_resumable(lost)  # first loss: re-sent
+    progress.saw(_response("a", [3]))
+    progress.check_resumable(lost)  # a message since: re-sent again
+    with pytest.raises(ServerUnavailableError, match="lost 2 times in a row"):
+        progress.check_resumable(lost)  # no message since the last loss: it may be what crashes the scheduler

@@ -77,6 +77,10 @@ class FirstCallOnly(ToolCallParser):
         parsed = self._parser.parse(text, final, memo)
         return ParsedOutput(parsed.content, parsed.tool_calls[:1])
 
+    def new_call_id(self) -> str:
+        """The wrapped format's ids (Mistral's templates accept only their own 9-character ones)."""
+        return self._parser.new_call_id()
+
 
 def draft_from_object(text: str, call: PartialObject, name: str | None = None) -> ToolCallDraft:
     """The call an object {"name": ..., "arguments": {...}} in `text` describes so far; `name` overrides."""

@@ -144,7 +144,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal)
         if len(request.request_id) > _MAX_REQUEST_ID_LENGTH:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: at most {_MAX_REQUEST_ID_LENGTH} characters")
-        if model.max_queued_requests is not None and engine.num_queued() >= model.max_queued_requests:
+        # A resumed stream was admitted once already (client/stream_resume.py): its scheduler's successor takes it
+        # back whatever its queue holds, since a refusal now would fail it mid-stream.
+        if (model.max_queued_requests is not None and not request.HasField("resume")
+                and engine.num_queued() >= model.max_queued_requests):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{model.max_queued_requests} sequences are already queued; retry later")
         request_id = request.request_id or uuid.uuid4().hex
