@@ -185,3 +185,29 @@ def test_a_regex_past_the_grammar_limits_is_a_400_and_the_server_keeps_serving(s
     status, _, body = http_json(f"{server.http_url}/v1/completions",
                                 {"prompt": "x", "max_tokens": 4, "guided_choice": ["fine"]})
     assert status == 200 and body["choices"][0]["text"] == "fine", body
+
+
+def test_a_grammar_that_fails_while_sampling_ends_its_request_alone_and_no_worker_restarts(model, tmp_path):
+    """With step_max_items 200 this schema's first mask (checked at the edge) fits but the masks inside its array
+    do not: the worker reports the request failed (StepResult.failed_requests), the scheduler ends it with
+    INTERNAL, and the other stream, the worker and the server go on."""
+    from client import PagedServeError
+    from tests.stream_watch import StreamWatch
+
+    schema = {"type": "array", "items": {"type": "object",
+                                         "properties": {f"k{i}": {"type": "integer"} for i in range(30)}}}
+    config = '{"disable_any_whitespace": true, "step_max_items": 200}'
+    with running_server(tmp_path, "--model", str(model), "--max-model-len", "512",
+                        "--structured-outputs-config", config) as server:
+        other = StreamWatch(server.target, [1, 2, 3], max_tokens=64, ignore_eos=True, temperature=0.0)
+        with server.client() as client:
+            with pytest.raises(PagedServeError) as failed:
+                client.generate([5, 6, 7], max_tokens=32, temperature=0.0,
+                                structured_outputs=StructuredOutputsParams(json=schema))
+            other.join(timeout=120)
+            assert other.error is None and other.num_tokens == 64
+            assert len(client.generate([5, 6, 7], max_tokens=8, temperature=0.0).token_ids) == 8
+        log = server.log()
+    assert failed.value.code.name == "INTERNAL" and "structured output failed" in failed.value.details
+    assert "Too many items" in failed.value.details and "<state>" not in failed.value.details
+    assert "restarting" not in log and "Traceback" not in log
