@@ -415,3 +415,10 @@ def test_tokenize_and_detokenize_sync_and_async(server, client, fake):
     text_request, chat_request = fake.requests[:2]
     assert text_request.text == "a b c" and text_request.return_token_strs
     assert not chat_request.chat.add_generation_prompt
+
+
+def test_the_sdk_listens_for_the_accepted_metadata_key_the_scheduler_sends():
+    from client import async_client
+    from scheduler_svc.api import grpc_server
+
+    assert grpc_server.ACCEPTED_METADATA == ((async_client._ACCEPTED_KEY, "1"),)
