@@ -21,11 +21,9 @@ import triton  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton.knobs.runtime.interpret,
                                 reason="needs a GPU, with TRITON_INTERPRET=0")
 
-from kernels.batch_invariant_layer_ops import batch_invariant_triton_layer_ops  # noqa: E402
 from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend  # noqa: E402
 from kernels.triton_batch_invariant_matmul import TILE, linear, tile_by_rows, tiles_agree  # noqa: E402
 from kernels.triton_batch_invariant_norm import log_softmax, rms_norm  # noqa: E402
-from pagedserve.testing.tiny_models import make_tiny_model  # noqa: E402
 from tests.triton_kernels import gpu_batch_invariance_check as served  # noqa: E402
 from tests.triton_kernels.batch_invariance_cases import (  # noqa: E402
     PagedPool,
@@ -35,8 +33,7 @@ from tests.triton_kernels.batch_invariance_cases import (  # noqa: E402
     ways_of_serving_one_sequence,
 )
 from tests.triton_kernels.test_batch_invariant_kernels import ATTENTION_CASES, POSITIONS, SEQ_LEN  # noqa: E402
-from tests.triton_kernels.test_batch_invariant_model import greedy_step_logits  # noqa: E402
-from worker_svc.models.model_loader import load_model  # noqa: E402
+from tests.triton_kernels.test_batch_invariant_model import assert_logits_alone_batched_and_chunked_agree  # noqa: E402
 
 DEVICE = "cuda"
 BATCH_SIZES = (1, 3, 64, 257, 2048)
@@ -87,13 +84,4 @@ def test_every_batch_invariant_op_keeps_a_rows_bits_at_served_shapes():
     ("llama", 2, torch.bfloat16),
 ])
 def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking_on_the_gpu(arch, num_layers, dtype, tmp_path):
-    path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=num_layers)
-    model, config = load_model(path, dtype, DEVICE, attention_backend=BatchInvariantTritonBackend(),
-                               layer_ops=batch_invariant_triton_layer_ops(DEVICE))
-    generator = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (19, 33, 6)]
-    alone = greedy_step_logits(model, config, prompts[:1], max_new_tokens=4)[0]
-    batched = greedy_step_logits(model, config, prompts, max_new_tokens=4, seed=1)[0]
-    chunked = greedy_step_logits(model, config, prompts[::-1], max_new_tokens=4, prefill_chunk=7, seed=2)[-1]
-    assert torch.equal(batched, alone)
-    assert torch.equal(chunked, alone)
+    assert_logits_alone_batched_and_chunked_agree(arch, num_layers, dtype, tmp_path, DEVICE)

@@ -64,9 +64,15 @@ def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=Non
     ("llama", 2, torch.bfloat16),
 ])
 def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, num_layers, dtype, tmp_path):
+    assert_logits_alone_batched_and_chunked_agree(arch, num_layers, dtype, tmp_path, "cpu")
+
+
+def assert_logits_alone_batched_and_chunked_agree(arch, num_layers, dtype, tmp_path, device) -> None:
+    """A request's greedy-step logits alone, among two others, and prefilled in chunks among them: the same bits
+    (on the CPU under the interpreter, and on a GPU in tests/test_batch_invariance_gpu.py)."""
     path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=num_layers)
-    model, config = load_model(path, dtype, "cpu", attention_backend=BatchInvariantTritonBackend(),
-                               layer_ops=batch_invariant_triton_layer_ops())
+    model, config = load_model(path, dtype, device, attention_backend=BatchInvariantTritonBackend(),
+                               layer_ops=batch_invariant_triton_layer_ops(device))
     generator = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator).tolist() for n in (19, 33, 6)]
     alone = greedy_step_logits(model, config, prompts[:1], max_new_tokens=4)[0]
