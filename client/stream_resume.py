@@ -11,10 +11,9 @@ and sends only what follows, so the caller sees one unbroken stream: greedy and 
 token-exact, with no token sent twice and none missing (the seed travels in sampling.seed; seeded draws are
 keyed by output position, and the output keeps its positions because it travels as output, not prompt).
 
-When a client waits: after an UNAVAILABLE from a scheduler it had reached before (a stream message or any
-answer on this client). It then polls health until
-SERVING, for at most `resume_timeout` seconds per loss (and within the call's own timeout), and goes on. A
-scheduler that ends work on purpose is not waited for: one shutting down, or one that stopped after losing its
+When a client waits: after an UNAVAILABLE from a scheduler it had reached before (a stream message, an
+accepted stream or any answer on this client). It then polls health until SERVING, for at most
+`resume_timeout` seconds per loss (and within the call's own timeout), and goes on. A scheduler that ends work on purpose is not waited for: one shutting down, or one that stopped after losing its
 workers for good (`the engine stopped: ...`; it exits 1, which `pagedserve serve` does not restart). A
 client that never reached a server keeps the plain retry policy (client/retry.py), so a wrong address still
 fails fast. A stream of several sequences (n > 1, best_of, beam search) that had delivered anything cannot
