@@ -189,6 +189,8 @@ def main() -> int:
         for killer in killers:
             killer.join()
         chaos_s = time.monotonic() - started
+        with server.client() as client:  # the last kill may have come just before the end: let it come back
+            client.wait_ready(timeout=600)
         stats = server.wait_all_blocks_free(timeout=60)
     report = dict(requests=args.requests, started=tally.started, kill_every_s=args.kill_every,
                   worker_kills=len(kills), kill_scheduler_every_s=args.kill_scheduler_every,
