@@ -120,6 +120,7 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
         first_scheduler = process_with_role(server.children, "scheduler")
         os.kill(first_scheduler, signal.SIGKILL)
         cut = [stream.num_tokens for stream in grpc_streams]
+        assert not grpc_serving(server.target)  # health: not SERVING until the new scheduler's workers are up
         # Sent while the scheduler is down: they wait for the new one rather than fail.
         late_http = HttpStream(server.http_port, _http_body(0))
         late = late_client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, ignore_eos=True, **_sampling(0))
@@ -127,7 +128,6 @@ def test_a_killed_scheduler_is_replaced_and_every_grpc_and_http_stream_resumes_e
         late_http.join(timeout=120)
         assert late_http.error is None and late_http.text == expected[0].text
         assert late.token_ids == expected[0].token_ids
-        assert not grpc_serving(server.target)  # health: not SERVING until the new scheduler's workers are up
         for stream in [*grpc_streams, unseeded, *http_streams]:
             stream.join(timeout=240)
         assert unseeded.error is None and unseeded.num_tokens == MAX_TOKENS
