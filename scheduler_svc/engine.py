@@ -298,10 +298,10 @@ class Engine:
             group = owners[member_id]
             if group.finished:
                 continue
-            group.abort(notify=False)
-            group.queue.put_nowait(RequestFailedError(
+            group.queue.put_nowait(RequestFailedError(  # before the StreamEnd that abort queues
                 f"the worker failed {losses} times while running this request (last: {failure}); it is not "
                 "retried"))
+            group.abort(notify=False)
             self._forget(group)
             failed += 1
         self._scheduler.hold(self._suspects.held(self._group_of))
