@@ -103,14 +103,18 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
             connecting.cancel()
             await link.shutdown_workers()
             return 0
-        stopping.cancel()
         try:
             pool = connecting.result()
-        except (WorkerFailure, TimeoutError) as failure:
-            reason = failure or f"not ready in {config.worker_ready_timeout:g} s"
-            logger.error("the workers did not come up: %s", reason)
+        except WorkerFailure as failure:  # a first worker lost while starting (killed while loading): as after a loss
+            logger.error("a worker was lost while starting (%s); waiting for its replacement", failure)
+            pool = await _replacement_pool(config, link, setup_for, stopping)
+        except TimeoutError:
+            logger.error("the workers did not come up: not ready in %g s", config.worker_ready_timeout)
+            pool = None
+        if pool is None:
             await link.shutdown_workers()
-            return 1
+            return 0 if stopping.done() else 1
+        stopping.cancel()
         max_model_len = _fit_pool(config, _max_model_len(config, pool.max_position_embeddings),
                                   pool.num_kv_blocks * config.block_size)
         limits = ServingLimits(max_model_len, pool.vocab_size, pool.num_kv_blocks * config.block_size,
@@ -180,6 +184,33 @@ async def _serve_until_stopped(config, engine: Engine, servicer, health, link: W
         link_failed.cancel()
 
 
+async def _replacement_pool(config, link: WorkerLink, setup_for, stopping) -> WorkerPool | None:
+    """A new set of workers' pool, or None when none came within --worker-ready-timeout or a stop came first. A
+    replacement that dies before it reported its pool (killed again while loading) is waited for once more, as
+    often as --max-worker-restarts allows: its supervisor starts another."""
+    for attempts_left in range(config.max_worker_restarts, -1, -1):
+        replacing = asyncio.ensure_future(
+            link.replace_workers(setup_for, config.worker_ready_timeout))
+        await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
+        if not replacing.done():
+            replacing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, WorkerFailure, TimeoutError):
+                await replacing
+            logger.error("stopped while waiting for replacement workers")
+            return None
+        try:
+            return replacing.result()
+        except WorkerFailure as error:
+            if not attempts_left:
+                logger.error("no replacement workers: %s", error)
+                return None
+            logger.error("a replacement worker was lost while starting (%s); waiting for another", error)
+        except TimeoutError:
+            logger.error("no replacement workers: not ready in %g s", config.worker_ready_timeout)
+            return None
+    return None
+
+
 async def _replace_workers(config, engine: Engine, engine_task, failure, restarts_left: int, health, link: WorkerLink,
                            stopping, setup_for) -> bool:
     """Worker crash recovery: health NOT_SERVING, the loop stopped, and once a new set of workers reported its
@@ -192,29 +223,9 @@ async def _replace_workers(config, engine: Engine, engine_task, failure, restart
     engine_task.cancel()
     with contextlib.suppress(asyncio.CancelledError, WorkerFailure):
         await engine_task
-    # A replacement that dies before it reported its pool (killed again while loading) is waited for once more,
-    # as often as --max-worker-restarts allows: its supervisor starts another.
-    for attempts_left in range(config.max_worker_restarts, -1, -1):
-        replacing = asyncio.ensure_future(
-            link.replace_workers(setup_for, config.worker_ready_timeout))
-        await asyncio.wait([replacing, stopping], return_when=asyncio.FIRST_COMPLETED)
-        if not replacing.done():
-            replacing.cancel()
-            with contextlib.suppress(asyncio.CancelledError, WorkerFailure, TimeoutError):
-                await replacing
-            logger.error("stopped while waiting for replacement workers")
-            return False
-        try:
-            pool = replacing.result()
-            break
-        except WorkerFailure as error:
-            if not attempts_left:
-                logger.error("no replacement workers: %s", error)
-                return False
-            logger.error("a replacement worker was lost while starting (%s); waiting for another", error)
-        except TimeoutError:
-            logger.error("no replacement workers: not ready in %g s", config.worker_ready_timeout)
-            return False
+    pool = await _replacement_pool(config, link, setup_for, stopping)
+    if pool is None:
+        return False
     failed = engine.recover_from_worker_loss(_block_manager(config, pool), failure, restarts_left)
     logger.warning("workers replaced (%d KV blocks): requests in flight resume by recompute%s", pool.num_kv_blocks,
                    f"; {failed} failed after repeated losses" if failed else "")
