@@ -38,7 +38,7 @@ from protos.pagedserve.v1 import worker_pb2  # noqa: E402
 from worker_svc.persistent_batch import PersistentBatch  # noqa: E402
 from worker_svc.sampling.sampler import sample  # noqa: E402
 from worker_svc.sampling.sampling_inputs import build_sampling_tensors  # noqa: E402
-from worker_svc.worker import pack_sampler_output  # noqa: E402
+from worker_svc.model_runner import pack_sampler_output  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -63,7 +63,7 @@ class PersistentBatch:
         self.block_size = block_size
         # Constrained decoding (None: the worker has no tokenizer and takes no constrained rows).
         self.grammars = grammars
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = self.max_blocks_per_seq(max_model_len, block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
@@ -99,6 +99,11 @@ class PersistentBatch:
         self._row_of: dict[str, int] = {}
         self._request_of_row: list[str | None] = [None] * max_num_seqs
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    @staticmethod
+    def max_blocks_per_seq(max_model_len: int, block_size: int) -> int:
+        """A row's block table width: enough blocks for max_model_len tokens."""
+        return -(-max_model_len // block_size)
 
     def __len__(self) -> int:
         return len(self._row_of)

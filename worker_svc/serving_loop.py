@@ -86,7 +86,7 @@ def run_worker(config: WorkerConfig) -> int:
             elif kind == "shutdown":
                 logger.info("rank %d: shutdown requested; %s; waited %.2f s for plans; %s; %s%s", config.rank,
                             worker.step_timer.summary(), waited, worker.gpu_clock.summary(),
-                            worker.device_busy.summary(), worker.grammar_summary())
+                            worker.runner.device_busy.summary(), worker.grammar_summary())
                 return 0
     except SchedulerLost as lost:
         logger.error("rank %d: %s; exiting", config.rank, lost)
@@ -110,5 +110,5 @@ def _next_plan_or_done(link: SchedulerLink, worker: Worker,
             return message
         if worker.draw_pending(step):
             worker.complete(step)
-        elif step.copied is None or step.copied.query():
+        elif step.ready():
             return None

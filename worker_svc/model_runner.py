@@ -1,0 +1,219 @@
+"""The model runner: the one object that runs the model on this worker's device.
+
+Who owns what: the runner owns the model (its weights loaded with the layers' kernels, joined to the
+tensor-parallel group), the KV and swap pools (`KVCache`: the per-layer views the attention kernels read),
+the graph dispatcher (decode graphs, piecewise graphs or eager: `graph_dispatcher.py`) with the attention
+metadata it builds, the sampling kernels and the device-side details of a step (the grammar masks' copy
+stream, the pinned copy of the sampled tokens, the device-busy clock). The worker (worker.py) owns what is
+not about the device: the plans, the persistent batch of rows, grammar matchers, overlap and results.
+
+Its surface is narrow on purpose: `allocate` (at setup: pools, warm-up, graphs), `move_blocks` (a plan's
+swaps and copies), `execute` (a prepared step's forward pass: hidden states, the sampling rows' logits,
+prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_logprobs` for beam rows.
+Where round 3's features plug in, each without a branch in the worker's step: a quantized linear method into
+the layers `load_model` builds (and so into every path the dispatcher runs); a drafter as an object the runner
+calls around `execute` (its own dispatcher); an adapter set as per-token inputs the runner passes to the
+model. Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kernels.sampling_ops import batch_invariant_sampling_ops, torch_sampling_ops, triton_sampling_ops
+from protos.pagedserve.v1 import worker_pb2
+from service_runtime.load_refusal import LoadRefused
+from service_runtime.model_source import resolve_model
+from worker_svc.attention_choice import kernel_set, make_attention_backend, make_layer_ops
+from worker_svc.compile_watch import warn_on_compiles_while_serving
+from worker_svc.config import GIB, WorkerConfig
+from worker_svc.device_busy import DeviceBusyClock
+from worker_svc.graph_dispatcher import GraphDispatcher
+from worker_svc.host_to_device import to_device
+from worker_svc.kernel_warmup import warm_up_kernels
+from worker_svc.kv_cache import KVCache, bytes_per_block
+from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.model_loader import load_model, refused_as_load_refusal
+from worker_svc.persistent_batch import PersistentBatch, StepInputs
+from worker_svc.sampling.prompt_logprobs import prompt_logprobs
+from worker_svc.sampling.sampler import SamplerOutput, SamplingTensors, sample
+from worker_svc.sampling.sampler_warmup import warm_up_sampler
+from worker_svc.tensor_parallel import init_tensor_parallel
+from worker_svc.tensor_parallel_fit import shard_refusal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What a step's forward pass leaves for sampling: the logits of the rows that sample (None when none
+    does) and the prompt logprobs its chunks scored."""
+
+    logits: torch.Tensor | None
+    prompt_logprobs: list[worker_pb2.PromptLogprobs]
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    """A draw on its way to the host. Why a record: the next step may be launched before the host has the
+    tokens, and reads them on the device (`token_ids`); the host reads `host` once `copied` has passed.
+    `host` is float64 [S, 3 + 2K] (`pack_sampler_output`); `copied` is None on the CPU (nothing in flight)."""
+
+    token_ids: torch.Tensor
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def wait(self) -> np.ndarray:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.numpy()
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.on_gpu = self.device.type == "cuda"
+        self.dtype = getattr(torch, config.torch_dtype_name)
+        model = resolve_model(config.model)
+        if config.world_size > 1:
+            # Before joining the group: every rank refuses alike, none waits for the others.
+            with refused_as_load_refusal():
+                model_config = ModelConfig.from_path(model.path)
+            refusal = shard_refusal(model_config, config.world_size, "--world-size")
+            if refusal is not None:
+                raise LoadRefused(refusal)
+            # Joining blocks until every rank has come: say where, for a rank that waits long.
+            logger.info("rank %d: joining the tensor-parallel group of %d at %s", config.rank, config.world_size,
+                        config.distributed_init_method)
+        self.tensor_parallel = init_tensor_parallel(config.rank, config.world_size, config.distributed_init_method,
+                                                    self.device, self.dtype, config.custom_all_reduce,
+                                                    fixed_order=config.batch_invariant)
+        self.layer_ops = make_layer_ops(config)
+        self.model, self.model_config = load_model(
+            model.path, self.dtype, self.device, attention_backend=make_attention_backend(config),
+            layer_ops=self.layer_ops, load_format=config.load_format, tensor_parallel=self.tensor_parallel)
+        self.model_name = model.name
+        self.kv_cache: KVCache | None = None
+        self.graphs: GraphDispatcher | None = None
+        self.device_busy = DeviceBusyClock(enabled=self.on_gpu)
+        # Grammar bitmasks (5 MB a step for 256 rows of a 152k vocabulary) go up on a stream of their own.
+        self._mask_copies = torch.cuda.Stream(self.device) if self.on_gpu else None
+        # On a GPU each sampler pass is one Triton kernel (kernels/sampling_ops.py).
+        self.sampling_ops = triton_sampling_ops() if self.on_gpu else torch_sampling_ops()
+        if config.batch_invariant:
+            self.sampling_ops = batch_invariant_sampling_ops(self.sampling_ops)
+
+    def allocate(self, setup: worker_pb2.WorkerSetup) -> KVCache:
+        """Sizes and allocates the pools (every rank the same number of blocks, the smallest any rank can hold:
+        the scheduler's block ids must mean the same slots on every rank), compiles the kernels' variants and
+        captures the graphs."""
+        config, tensor_parallel, device = self.config, self.tensor_parallel, self.device
+        blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
+                               setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
+                               self.dtype, device, tensor_parallel)
+        swap_blocks = int(config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
+                                                                     self.dtype, tensor_parallel)
+        blocks = tensor_parallel.all_reduce_min(blocks, device)
+        swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, device)
+        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, device,
+                                tensor_parallel)
+        layers = self.kv_cache.layers
+        max_blocks_per_seq = PersistentBatch.max_blocks_per_seq(setup.max_model_len, setup.block_size)
+        if self.on_gpu:
+            warm_up_sampler(self.model_config.vocab_size, self.sampling_ops, device)
+            if kernel_set(config) == "triton":
+                warm_up_kernels(self.model, layers, setup.block_size, max_blocks_per_seq, setup.max_num_seqs, device)
+        if self.on_gpu and config.cuda_graphs:
+            self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
+                                                   max_blocks_per_seq, config.world_size, config.rank)
+        else:
+            self.graphs = GraphDispatcher(self.model, layers, setup.block_size, device)
+        if self.on_gpu:
+            warn_on_compiles_while_serving()
+        logger.info("rank %d: %d KV blocks, %d swap blocks", config.rank, blocks, swap_blocks)
+        return self.kv_cache
+
+    def move_blocks(self, plan: worker_pb2.StepPlan) -> None:
+        """A plan's block moves, in the order the scheduler relies on: out to the host, in, then copies."""
+        self.kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
+        self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
+        self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
+
+    def execute(self, batch: PersistentBatch, inputs: StepInputs,
+                previous_sampled: torch.Tensor | None) -> StepOutput:
+        """Queues a prepared step's forward pass (`previous_sampled`: the sampled ids of the step in flight,
+        which this step's pending input tokens are taken from) and the sampling rows' logits."""
+        hidden = self.graphs.forward(inputs, previous_sampled)
+        logits = None
+        if len(inputs.sample_rows):
+            logits = self.model.compute_logits(hidden[to_device(inputs.logits_indices, self.device, torch.long)])
+        scored = []
+        if (batch.num_prompt_logprobs[inputs.rows] >= 0).any():
+            scored = prompt_logprobs(self.model.compute_logits, hidden, batch, inputs)
+        return StepOutput(logits, scored)
+
+    def sample(self, logits: torch.Tensor, tensors: SamplingTensors,
+               masks: tuple[np.ndarray, torch.Tensor] | None) -> DeviceSample:
+        """Draws every row of `logits` on the device and starts the step's one device-to-host copy (ids,
+        logprobs, any ranks and top-k together). `masks`: the constrained rows' grammar bitmasks (row indices
+        into `logits`, bitmask on the host), applied first: vLLM masks at the same point, so logprobs are of the
+        masked logits."""
+        if masks is not None:
+            self._apply_grammar_masks(logits, *masks)
+        out = sample(logits, tensors, self.sampling_ops)
+        packed = pack_sampler_output(out)
+        if not self.on_gpu:
+            return DeviceSample(out.token_ids, packed, None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = self.device_busy.step_ended() or torch.cuda.Event()
+        copied.record()
+        return DeviceSample(out.token_ids, host, copied)
+
+    def _apply_grammar_masks(self, logits: torch.Tensor, indices: np.ndarray, bitmask: torch.Tensor) -> None:
+        """The disallowed tokens get -inf, in place. The bitmask is filled on the host while the queued forward
+        pass runs, then copied without a sync, on its own stream beside the forward pass (queued behind it,
+        the copy would delay the draw)."""
+        if self._mask_copies is None:
+            on_device = to_device(bitmask, self.device, torch.int32)
+        else:
+            with torch.cuda.stream(self._mask_copies):
+                on_device = to_device(bitmask, self.device, torch.int32)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self._mask_copies)
+            on_device.record_stream(compute)
+        self.sampling_ops.apply_token_bitmask(logits, on_device, to_device(indices, self.device, torch.long))
+
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """Each row's `k` best log_softmax values and their token ids, on the host (beam search scores raw
+        logprobs, as Hugging Face's does)."""
+        logprobs = self.layer_ops.per_row(lambda part: torch.log_softmax(part, dim=-1), logits.float())
+        top = torch.topk(logprobs, k=min(k, logprobs.shape[-1]), dim=-1)
+        return top.values.cpu().tolist(), top.indices.cpu().tolist()
+
+    def select_rows(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """The given rows of `logits` (all of them without a copy)."""
+        if len(rows) == logits.shape[0]:
+            return logits
+        return logits[to_device(rows, self.device, torch.long)]
+
+
+def pack_sampler_output(out: SamplerOutput) -> torch.Tensor:
+    """float64 [S, 3 + 2K] on the device: token id, logprob, rank (0 when not computed), K top ids, K top
+    logprobs. Ids below 2**53 are exact in float64."""
+    columns = [out.token_ids.to(torch.float64).unsqueeze(-1), out.logprobs.to(torch.float64).unsqueeze(-1)]
+    if out.ranks is None:
+        columns.append(torch.zeros_like(columns[0]))
+    else:
+        columns += [out.ranks.to(torch.float64).unsqueeze(-1), out.top_ids.to(torch.float64),
+                    out.top_logprobs.to(torch.float64)]
+    return torch.cat(columns, dim=-1)
