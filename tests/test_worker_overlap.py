@@ -145,7 +145,7 @@ def test_a_grammar_row_launched_behind_a_step_draws_once_that_steps_token_is_con
             worker.complete(launched)
         else:
             worker.begin_masks(launched)
-            assert worker.draw_pending(launched) == (in_flight is not None) == (launched.masks is not None)
+            assert launched.draw_pending == (in_flight is not None) == (launched.masks is not None)
             if launched.masks is not None and masks == "filled inline":
                 assert launched.masks.done()
         in_flight = launched

@@ -19,7 +19,8 @@ from worker_svc.cancelled_requests import CancelledRequests
 from worker_svc.config import WorkerConfig
 from service_runtime.worker_link_auth import link_keys_from
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
-from worker_svc.worker import LaunchedStep, Worker
+from worker_svc.launched_step import LaunchedStep
+from worker_svc.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def _next_plan_or_done(link: SchedulerLink, worker: Worker,
         message = link.poll(_POLL_S)
         if message is not None:
             return message
-        if worker.draw_pending(step):
+        if step.draw_pending:
             worker.complete(step)
         elif step.ready():
             return None

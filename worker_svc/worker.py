@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
@@ -36,8 +33,9 @@ from service_runtime.step_timer import BackToBackClock, StepTimer
 from worker_svc.config import WorkerConfig
 from worker_svc.fault_injection import FaultInjectingRunner, wants_faults
 from worker_svc.grammar_matchers import GrammarMatchers, mask_threads
-from worker_svc.model_runner import DeviceSample, ModelRunner
-from worker_svc.persistent_batch import PendingTokens, PersistentBatch, StepInputs
+from worker_svc.launched_step import LaunchedStep
+from worker_svc.model_runner import ModelRunner
+from worker_svc.persistent_batch import PersistentBatch, StepInputs
 from worker_svc.sampling.sampling_inputs import build_sampling_tensors
 
 logger = logging.getLogger(__name__)
@@ -53,6 +51,7 @@ class Worker:
         # Tests that ask for faults get them around the runner (fault_injection.py); serving runs it bare.
         self.runner = FaultInjectingRunner(runner, config) if wants_faults(config) else runner
         self.model_name, self.model_config = runner.model_name, runner.model_config
+        # Made at setup, always with its grammar matchers (which take no constrained row without a tokenizer).
         self.batch: PersistentBatch | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
         self.gpu_clock = BackToBackClock()
@@ -97,12 +96,11 @@ class Worker:
         inputs = self._step_inputs(plan, rows)
         step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
         # The timers split constrained steps from the others: what a grammar costs a step, in one engine.
-        grammars = self.batch.grammars
-        constrained = grammars is not None and grammars.constrained[inputs.sample_rows].any()
+        constrained = self.batch.grammars.constrained[inputs.sample_rows].any()
         step.timed_as = step.kind + (" constrained" if constrained else "")
         timer.set_kind(step.timed_as)
         timer.mark("prepare")
-        if previous is not None and self.draw_pending(previous):
+        if previous is not None and previous.draw_pending:
             self.complete(previous)  # its draw goes on the stream before this forward pass
             timer.mark("draw_behind")  # mostly the wait for its grammar masks
         previous_sampled = previous.sampled.token_ids if previous is not None and previous.sampled else None
@@ -128,9 +126,8 @@ class Worker:
         for request_id in plan.preempted_request_ids:
             batch.remove(request_id)
         self.runner.move_blocks(plan)
-        if batch.grammars is not None:
-            batch.grammars.prepare([new.sampling.structured_grammar for new in plan.new_requests
-                                    if new.sampling.structured_grammar])
+        batch.grammars.prepare([new.sampling.structured_grammar for new in plan.new_requests
+                                if new.sampling.structured_grammar])
         rows = [batch.add(new) for new in plan.new_requests]
         return rows + [batch.update(scheduled) for scheduled in plan.scheduled_requests]
 
@@ -157,8 +154,7 @@ class Worker:
             # The sampling inputs as of now (a row's seed position is its token count before begin_step).
             tensors = build_sampling_tensors(batch, step.sampled_rows, self.runner.device)
             draw = partial(self._draw, self.runner.select_rows(logits, np.flatnonzero(~is_beam)), step, tensors)
-            if behind_another and batch.grammars is not None and batch.grammars.follows_sampled_tokens(
-                    step.sampled_rows):
+            if behind_another and batch.grammars.follows_sampled_tokens(step.sampled_rows):
                 # A grammar's mask needs the token the step in flight samples (a waiting grammar: whether it
                 # starts): queued forward first, the mask and the draw once that step is finished (`complete`),
                 # still while this step's forward runs.
@@ -177,25 +173,20 @@ class Worker:
     def _grammar_masks(self, step: LaunchedStep) -> tuple[np.ndarray, torch.Tensor] | None:
         """The constrained sampled rows' bitmasks: filled in the background while the queued forward pass ran
         (from `begin_masks`, if called), else now."""
-        grammars = self.batch.grammars
         if step.masks is None:
-            return grammars.bitmask(step.sampled_rows) if grammars is not None else None
+            return self.batch.grammars.bitmask(step.sampled_rows)
         waited = time.perf_counter()
         masks, step.masks = step.masks.result(), None
         if masks is not None:
-            grammars.timing.add("wait", len(masks[0]), time.perf_counter() - waited)
+            self.batch.grammars.timing.add("wait", len(masks[0]), time.perf_counter() - waited)
         return masks
 
     def begin_masks(self, step: LaunchedStep) -> None:
         """Starts filling the grammar masks of a step's deferred draw on llguidance's threads (see `launch`);
         call it once the step it was launched behind is finished. The caller prepares the next step
         meanwhile, and `complete` (the next `launch` calls it before its forward pass) takes the masks."""
-        if step.deferred_sample is not None and step.masks is None and self.batch.grammars is not None:
+        if step.deferred_sample is not None and step.masks is None:
             step.masks = self.batch.grammars.bitmask_in_background(step.sampled_rows)
-
-    def draw_pending(self, step: LaunchedStep) -> bool:
-        """Whether a step's deferred draw is not on the device yet (`complete` puts it there)."""
-        return step.deferred_sample is not None
 
     @torch.inference_mode()
     def complete(self, step: LaunchedStep) -> None:
@@ -217,14 +208,13 @@ class Worker:
             self.gpu_clock.on_finished(step.timed_as, step.behind_another)
             step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64)))
             timer.mark("wait_for_gpu")
-            step.result.sampled.CopyFrom(self._sampled_tokens(step, sampled))
+            step.result.sampled.CopyFrom(step.sampled_tokens(sampled))
         timer.mark("result")
         return step.result
 
     def grammar_summary(self) -> str:
         """The grammar masks' timing (`GrammarTiming`) for the shutdown log, '' without constrained rows."""
-        grammars = self.batch.grammars if self.batch is not None else None
-        summary = grammars.timing.summary() if grammars is not None else ""
+        summary = self.batch.grammars.timing.summary() if self.batch is not None else ""
         return f"; {summary}" if summary else ""
 
     def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
@@ -238,18 +228,6 @@ class Worker:
                 return False
         return True
 
-    @staticmethod
-    def _sampled_tokens(step: LaunchedStep, sampled: np.ndarray) -> worker_pb2.SampledTokens:
-        """The step's sampled rows as parallel lists: whole-column numpy, no loop over the rows."""
-        k = (sampled.shape[1] - 3) // 2
-        num_top = np.clip(step.num_logprobs, 0, k)
-        top = np.arange(k) < num_top[:, None]  # each row's first num_top columns, row after row
-        return worker_pb2.SampledTokens(
-            request_ids=step.request_ids, token_ids=sampled[:, 0].astype(np.int64).tolist(),
-            logprobs=sampled[:, 1].tolist(), ranks=np.where(step.num_logprobs >= 0, sampled[:, 2], 0).astype(np.int64).tolist(),
-            num_top=num_top.tolist(), top_token_ids=sampled[:, 3 : 3 + k][top].astype(np.int64).tolist(),
-            top_logprobs=sampled[:, 3 + k :][top].tolist())
-
     def _beam_candidates(self, logits: torch.Tensor, rows: np.ndarray) -> list[worker_pb2.BeamCandidates]:
         """Top log_softmax candidates of each beam row (`logits`: theirs, in `rows` order)."""
         batch = self.batch
@@ -262,32 +240,3 @@ class Worker:
             )
             for row, k, ids, vals in zip(rows.tolist(), counts.tolist(), indices, values)
         ]
-
-
-@dataclass
-class LaunchedStep:
-    """A step queued on the device whose sampled tokens have not been read back (see `Worker.launch`).
-
-    Why a record rather than a blocking call: the worker launches step N+1 before it waits for step N, so
-    the GPU always has the next step queued while the host reads results and builds inputs. It holds what
-    `finish` needs: the result built so far, the rows that sample, their pending tokens in the batch, and the
-    draw on its way to the host (`DeviceSample`: the sampled ids on the device, inputs of the next step).
-    """
-
-    result: worker_pb2.StepResult
-    behind_another: bool = False  # launched while another step was in flight
-    kind: str = "decode"
-    timed_as: str = "decode"  # the kind, and whether rows are constrained (the step timers' split)
-    sampled_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    request_ids: list[str] = field(default_factory=list)  # of sampled_rows, at launch
-    num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    pending: PendingTokens | None = None
-    sampled: DeviceSample | None = None
-    started: torch.cuda.Event | None = None  # before the step's first device work, when timed (device_busy.py)
-    # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
-    deferred_sample: Callable[[], None] | None = None
-    masks: Future | None = None  # the deferred draw's grammar masks, filling (`Worker.begin_masks`)
-
-    def ready(self) -> bool:
-        """Whether the step's tokens are on the host (or it sampled none)."""
-        return self.sampled is None or self.sampled.ready()

@@ -1,0 +1,94 @@
+"""The model runner's seams: one dispatcher picks how a step's forward pass runs, and test faults wrap the runner
+instead of sitting in the step (a serving worker runs the bare runner)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedserve.testing.tiny_models import make_tiny_model
+from protos.pagedserve.v1 import worker_pb2
+from worker_svc.config import WorkerConfig
+from worker_svc.fault_injection import FaultInjectingRunner, InjectedFault
+from worker_svc.graph_dispatcher import GraphDispatcher
+from worker_svc.model_runner import ModelRunner
+from worker_svc.persistent_batch import StepInputs
+from worker_svc.worker import Worker
+
+
+def step_inputs(num_scheduled: list[int]) -> StepInputs:
+    """Inputs of a step whose rows compute these many tokens each (only the shape matters here)."""
+    tokens = sum(num_scheduled)
+    starts = np.concatenate([[0], np.cumsum(num_scheduled)])
+    empty = np.zeros(0, dtype=np.int64)
+    return StepInputs(rows=np.arange(len(num_scheduled)), input_ids=np.zeros(tokens, dtype=np.int64),
+                      positions=np.zeros(tokens, dtype=np.int64), slot_mapping=np.zeros(tokens, dtype=np.int64),
+                      query_start_loc=starts, seq_lens=np.asarray(num_scheduled), block_tables=np.zeros((1, 1)),
+                      sample_rows=empty, logits_indices=empty, num_decode_seqs=num_scheduled.count(1),
+                      pending_input_indices=empty, pending_sources=empty)
+
+
+class RecordingPath:
+    """A captured path that takes the steps `takes` accepts, at a bucket of 8 tokens, and records its runs."""
+
+    def __init__(self, name: str, takes):
+        self.name, self._takes, self.runs = name, takes, []
+
+    def bucket_for(self, inputs: StepInputs) -> int | None:
+        return 8 if self._takes(inputs) else None
+
+    def run(self, inputs: StepInputs, size: int, previous_sampled) -> torch.Tensor:
+        self.runs.append((len(inputs.input_ids), size))
+        return torch.zeros(len(inputs.input_ids), 4)
+
+
+def test_the_dispatcher_gives_each_step_to_the_first_path_that_takes_it_and_eager_the_rest():
+    decode = RecordingPath("decode graph", lambda inputs: len(inputs.input_ids) == len(inputs.rows) <= 8)
+    mixed = RecordingPath("piecewise graphs", lambda inputs: len(inputs.input_ids) <= 8)
+    dispatcher = GraphDispatcher(model=None, kv_caches=[], block_size=16, device=torch.device("cpu"),
+                                 paths=(decode, mixed))
+    assert [path.name for path in dispatcher.paths] == ["decode graph", "piecewise graphs", "eager"]
+    chosen = {shape: dispatcher.choose(step_inputs(list(shape)))[0].name
+              for shape in [(1, 1, 1), (1, 5), (7,), (1,) * 9, (30, 1)]}
+    assert chosen == {(1, 1, 1): "decode graph", (1, 5): "piecewise graphs", (7,): "piecewise graphs",
+                      (1,) * 9: "eager", (30, 1): "eager"}
+    dispatcher.forward(step_inputs([1, 1]), previous_sampled=None)
+    dispatcher.forward(step_inputs([3, 4]), previous_sampled=None)
+    assert decode.runs == [(2, 8)] and mixed.runs == [(7, 8)]
+    eager_path, size = dispatcher.choose(step_inputs([30, 1]))
+    assert size == 31, "eager runs a step at its own token count"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("model"), "llama", seed=5)
+
+
+def setup_message() -> worker_pb2.WorkerSetup:
+    return worker_pb2.WorkerSetup(block_size=16, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
+
+
+def prefill(request_id: str, prompt: list[int], step_id: int) -> worker_pb2.StepPlan:
+    new = worker_pb2.NewRequest(
+        request_id=request_id, token_ids=prompt, block_ids=[step_id], num_computed_tokens=0,
+        num_scheduled_tokens=len(prompt), num_prompt_tokens=len(prompt),
+        sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, num_logprobs=-1,
+                                                 num_prompt_logprobs=-1))
+    return worker_pb2.StepPlan(step_id=step_id, new_requests=[new])
+
+
+def test_a_serving_worker_runs_the_bare_runner_and_a_faulty_one_wraps_it(model_dir):
+    serving = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), num_kv_blocks=8, swap_space=0.01))
+    assert type(serving.runner) is ModelRunner
+    faulty = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), num_kv_blocks=8, swap_space=0.01,
+                                 fail_at_step=2))
+    assert isinstance(faulty.runner, FaultInjectingRunner)
+    for worker in (serving, faulty):
+        worker.setup(setup_message())
+    # The wrapper delegates everything else: the first step samples what the bare runner samples.
+    first = [worker.execute(prefill("a", [3, 1, 4, 1, 5], 0)).sampled.token_ids for worker in (serving, faulty)]
+    assert first[0] == first[1] and len(first[0]) == 1
+    with pytest.raises(InjectedFault, match="forward pass 2"):
+        faulty.execute(prefill("b", [2, 7, 1], 1))
+    assert serving.execute(prefill("b", [2, 7, 1], 1)).sampled.request_ids == ["b"]
