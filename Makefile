@@ -1,5 +1,5 @@
 # Quickstart: `make serve` (serve the embedded default model) and `make test`. Both set themselves up
-# through `make install`, which is quick when nothing changed.
+# through `make install`, which is quick when nothing changed. `make docs` builds the manual into site/.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,10 +10,10 @@ PROMPT ?= What is the capital of France?
 ARGS ?=
 PYTEST_ARGS ?=
 # Test processes: the e2e tests spend much of their time waiting on their servers' processes, so more
-# processes than the 2 CI cores still shorten the run (measured in README.md, "Tests").
+# processes than the 2 CI cores still shorten the run (docs/tests.md).
 TEST_WORKERS ?= 3
 
-.PHONY: install protos serve test test-gpu demo test-compose compose-smoke clean
+.PHONY: install protos serve test test-gpu docs demo test-compose compose-smoke clean
 
 install: $(STAMP) $(GENERATED)
 
@@ -45,10 +45,17 @@ test: install
 test-gpu: install
 	TRITON_INTERPRET=0 $(PY) -m pytest -q tests/test_batch_invariance_gpu.py $(PYTEST_ARGS)
 
+# The manual (docs/, mkdocs.yml) as a site in site/. --strict: a broken link, a missing anchor or a page left out
+# of the nav fails the build. mkdocs-material (pyproject's `docs` extra) is installed into the venv when missing,
+# by name: the project itself is already installed.
+docs: install
+	$(PY) -c "import material" 2>/dev/null || $(PY) -m pip install -q "mkdocs-material>=9.5"
+	$(PY) -m mkdocs build --strict -d site/
+
 # Builds the CPU image from local parts and brings the CPU compose stack up for real, sends an OpenAI chat
 # request and a gRPC stream, takes it down (root, Docker; see the script's header). compose-smoke: its old name.
 test-compose compose-smoke:
 	bash scripts/compose_smoke.sh
 
 clean:
-	rm -rf $(VENV) protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi
+	rm -rf $(VENV) site protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

@@ -16,7 +16,7 @@ mix costs where it runs.
     python3 benchmarks/sampler_bench.py --decode-step-ms 12.5    # compare with a decode time measured elsewhere
     python3 benchmarks/sampler_bench.py --device cpu --batch 8 --vocab 4096 --iters 3   # smoke test
 
-Writes benchmarks/results/sampler_<device>.json.
+Writes benchmarks/results/kernels/sampler_<device>.json.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from worker_svc.sampling.sampler import sample  # noqa: E402
 from worker_svc.sampling.sampling_inputs import build_sampling_tensors  # noqa: E402
 from worker_svc.model_runner import pack_sampler_output  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent / "results" / "kernels"
 
 # Parameter mixes: WorkerSamplingParams fields given to every row (row i also gets seed i).
 MIXES = {
@@ -179,7 +179,7 @@ def main() -> int:
         in_worker = (f"; in the worker's step {worker_ms[name]:.3f} ms, {worker_ms[name] - worker_ms['greedy']:+.3f}"
                      " ms over greedy" if worker_ms else "")
         print(f"{name:20s} {ms:8.3f} ms{share}{in_worker}")
-    RESULTS.mkdir(exist_ok=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     tag = report["device"].lower().replace(" ", "_") if device.type == "cuda" else "cpu"
     path = RESULTS / f"sampler_{tag}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

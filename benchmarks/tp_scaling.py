@@ -3,7 +3,7 @@ tp_scaling.json and tp_scaling.png beside them: W1 and lone-request TPOT per sha
 ratios issue 17 sets targets for (W1 at -tp 2 >= 1.7x -tp 1, TPOT <= 0.65x), where a decode step's GPU time goes,
 and the all-reduce's latency by size. Runs anywhere (no GPU).
 
-    python benchmarks/tp_scaling.py benchmarks/results/tp_scaling_h100x2
+    python benchmarks/tp_scaling.py benchmarks/results/tensor_parallel/tp_scaling_h100x2
 """
 
 from __future__ import annotations

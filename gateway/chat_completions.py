@@ -70,7 +70,7 @@ class _ChatRelay:
         self._prompt_tokens = 0
         self._tool_plan = tools
         # A constraint (a forced tool choice's too) holds after the thought (chat_keywords' reasoning_end), so
-        # every output is split; see README "Reasoning outputs".
+        # every output is split; see docs/openai_api.md, "Reasoning outputs".
         self._reasoning = REASONING_PARSERS[config.reasoning_parser] if config.reasoning_parser else None
         self._include_reasoning = body.include_reasoning
         self._outputs: dict[int, ChatOutput] = {}

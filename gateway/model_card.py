@@ -25,7 +25,7 @@ def model_card(served_name: str, info: ModelInfo) -> dict:
         "parent": None,
         "max_model_len": info.max_model_len,
         "permission": [],
-        # Not in vLLM's card (issue 18 asks for them): what unset sampling fields take, and from where.
+        # Not in vLLM's card: what unset sampling fields take, and from where.
         "default_sampling": info.default_sampling,
         "generation_config": info.generation_config,
         "version": info.version,

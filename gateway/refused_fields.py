@@ -3,7 +3,7 @@
 Why refuse instead of ignoring: a client that asks for a structural tag or a per-request template and
 silently gets free text would trust output it did not get. A field is refused only when it
 asks for something: absent, null, or its no-op value (tool_choice "none", response_format {"type": "text"},
-include_reasoning true, ...) passes. The table is the single list the README's "Request fields" follows.
+include_reasoning true, ...) passes. The table is the single list docs/switching_from_vllm.md's "Request fields" follows.
 """
 
 from __future__ import annotations

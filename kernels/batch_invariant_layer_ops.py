@@ -1,4 +1,4 @@
-"""The batch-invariant Triton LayerOps set (--batch-invariant on a GPU, issue 21).
+"""The batch-invariant Triton LayerOps set (--batch-invariant on a GPU).
 
 Why a set of its own: in batch-invariant mode a token's logits must have the same bits whatever else is in
 the step, so every op that reduces over a row must take that row's sum in an order fixed by the row alone.

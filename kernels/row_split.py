@@ -1,9 +1,9 @@
 """How many programs share one row of a streaming pass over [N, V] values.
 
-Why: with one program per row, 256 rows give an H200's 132 SMs about two programs each. The gather
+Why: with one program per row, a few hundred rows give a GPU's SMs about two programs each. The gather
 (kernels/triton_gather.py) runs best in small programs (1024-entry blocks, 4 warps: its atomic slots take
-registers), and two of those per SM left the memory underfed: 136 us over [256, 152k] float32, against 64 us
-at three programs per row (the whole pass at full copy bandwidth takes about 40). Splitting each row into
+registers), and two of those per SM leave the memory underfed (three programs per row run the pass about twice
+as fast; docs/benchmarks.md, "Kernel tuning"). Splitting each row into
 interleaved block ranges gives every SM several programs to switch between. The passes whose per-row results
 combine by atomics or by position (the gather, the group maxes of kernels/triton_kth_largest.py) take the
 split; passes that need a row's blocks in order keep one program per row.

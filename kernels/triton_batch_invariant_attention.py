@@ -8,7 +8,7 @@ log-sum-exp) and the same token in a prefill or an extend chunk goes through the
 tile size, and with a sliding window its key tiles start at the window start of the tile's first query row,
 which depends on how the prompt was chunked). Each path is correct, but they fold the keys into the online
 softmax in different groupings, so a token's bits depend on whether it was decoded, prefilled, chunked or
-served from the prefix cache, and on the batch (--batch-invariant, issue 21).
+served from the prefix cache, and on the batch (--batch-invariant).
 
 A token's result is DEFINED by fixed groupings of its keys, the same however it is served:
 - Keys are cut in segments of `segment` keys (SEGMENT, a multiple of the tile) from key 0, and segments in

@@ -6,26 +6,23 @@ Why a kernel of its own: cuBLAS (and torch's CPU GEMMs) pick a kernel by the pro
 number of tokens) included: a decode step of 8 rows may run split-K (partial sums over K slices reduced in
 another order) where a prefill of 2,000 rows runs a plain tiled GEMM. Both are correct, but a row's fp32
 sum is taken in a different order, so the same token gets different bits depending on what else is in the
-batch (--batch-invariant, issue 21). Here everything that decides a row's reduction order is a constant:
+batch (--batch-invariant). Here everything that decides a row's reduction order is a constant:
 
 - ONE tile configuration, `TILE` below, unless the device shows that the tiles make no difference: no
   autotuning, no split-K chosen by the rows. The tile shape fixes the MMA instructions and so a product's
-  accumulation order, and the number of rows only changes how many tiles there are. On an H200 every tile we
-  tried (BLOCK_M 64 to 256, BLOCK_N 32 to 256, BLOCK_K 32 to 256, 4 or 8 warps;
-  benchmarks/batch_invariant_kernel_bench.py) gave the same bits: Hopper's MMA chains the K dimension 16
-  products at a time, in K order, whatever the tile, and on an H100 the 16- and 32-row tiles (the pre-Hopper
-  MMA) and the tiles loaded by the tensor memory accelerator (`Tile.tma`) gave those bits too. So
+  accumulation order, and the number of rows only changes how many tiles there are. On Hopper GPUs every tile
+  tried (benchmarks/batch_invariant_kernel_bench.py) gave the same bits: Hopper's MMA chains the K dimension 16
+  products at a time, in K order, whatever the tile, and the 16- and 32-row tiles (the pre-Hopper MMA) and the
+  tiles loaded by the tensor memory accelerator (`Tile.tma`) give those bits too. So
   `tile_by_rows` (ROW_TILES: small tiles for a decode's few rows, larger ones for more) is used where
   `tiles_agree` finds the same on the device at start-up (kernels/batch_invariant_layer_ops.py), and TILE
   alone everywhere else (the interpreter, whose numpy matmul sums a tile's K in its own order).
 - K is summed in one chain: each program loops over all of K in `BLOCK_K` steps into one fp32 accumulator
   (the last partial K tile reads zeros: exact zero products, which change no sum). No split-K, not even
-  one fixed for every row count: on an H100 a 16-row tile with the full K ran a decode step's linears
-  within 1.00-1.08x of cuBLAS (its own split-K included), and the fixed four-slice split this kernel had
-  before (each slice summed from zero, the slices added in order) cost 1.2x at 1 row and 1.2x more at 16k
-  rows, where the slices' nested loops restart the software pipeline (benchmarks/
-  batch_invariant_kernel_bench.py --decode; benchmarks/results/batch_invariance_h100_k1_tma/; README,
-  Batch-invariant mode).
+  one fixed for every row count: a small tile over the full K keeps a decode step's linears close to cuBLAS
+  (its own split-K included), while fixed K slices (each summed from zero, added in order) cost more at one
+  row and more again at many rows, where the slices' nested loops restart the software pipeline (benchmarks/
+  batch_invariant_kernel_bench.py --decode; figures in docs/benchmarks.md, "Batch-invariant mode").
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
   its M tile does not change its math (the MMA computes every element of a tile the same way: checked on a
   GPU by tests/test_batch_invariance_gpu.py; the interpreter's numpy matmul need not, since the host's BLAS
@@ -66,7 +63,7 @@ class Tile(NamedTuple):
 
 
 # TILE: the one tile where tiles are not known to agree. ROW_TILES: (up to this many rows, this tile), the
-# fastest for a step's linears at that many rows on an H100, in CUDA graphs (benchmarks/
+# fastest for a step's linears at that many rows on a Hopper GPU, in CUDA graphs (benchmarks/
 # batch_invariant_kernel_bench.py --decode); the last holds any number of rows.
 TILE = Tile(128, 128, 64, 8, 3)
 ROW_TILES = ((8, Tile(16, 32, 256, 4, 4)), (32, Tile(16, 32, 256, 4, 4, tma=True)),

@@ -3,7 +3,7 @@
 Torch references: kernels/rmsnorm_ref.py (`rms_norm`, `gemma_rms_norm`) and `torch.log_softmax` in fp32.
 
 Why: a row's reduction (sum of squares, max, sum of exponentials) must be taken in an order that depends on
-that row's length only, never on how many rows the batch has (--batch-invariant, issue 21). torch's
+that row's length only, never on how many rows the batch has (--batch-invariant). torch's
 reductions choose their kernel (and a split of a long row over several blocks) from the whole tensor's
 shape, so the same row can be summed in another order in another batch.
 

@@ -2,12 +2,12 @@
 
 Torch reference: kernels/paged_attention_ref.py (`paged_attention` with every query length 1).
 
-Design (KERNELS.md; tuned on an H200 with benchmarks/kernel_bench.py):
+Design (KERNELS.md; tuned with benchmarks/kernel_bench.py, figures in docs/benchmarks.md, "Kernel tuning"):
 - One program per (kv head, sequence): it packs all query heads that share the KV head into the rows of
   its tile (rows padded to >= 16 so `tl.dot` is legal), so each K/V byte is read once per sequence.
 - Online softmax in fp32 over tiles of BLOCK_N context tokens gathered through the block table; full
-  tiles load without masks, only the last tile is masked. Reads 3.8-4.5 TB/s of K/V at batch >= 64
-  (89-105% of the card's 4.27 TB/s copy rate), 3.3-3.8 TB/s at batch 8 with contexts >= 4k.
+  tiles load without masks, only the last tile is masked, so large batches read K/V at about the card's copy
+  rate.
 - Split-KV variant for small batches / long contexts, where (sequences x kv heads) programs cannot fill
   the GPU: a third grid axis cuts the context into `num_kv_splits` segments; each writes an unnormalized
   fp32 partial (acc, max, sum) and `_merge_kv_splits_kernel` combines them by log-sum-exp. The segment
@@ -15,8 +15,8 @@ Design (KERNELS.md; tuned on an H200 with benchmarks/kernel_bench.py):
   launches are CUDA-graph capturable with static (bucketed) batch sizes.
 
 - Sliding window (HAS_WINDOW, runtime W) and soft-capping (HAS_SOFTCAP) are constexpr variants: with a
-  window the loop (and the split-KV segments) covers only the window's keys, so a decode costs O(W)
-  (H100, bf16, 32k context, W 4096: 0.11-0.26 of full attention's time; benchmarks/window_attention_bench.py).
+  window the loop (and the split-KV segments) covers only the window's keys, so a decode costs O(W), not
+  O(context) (benchmarks/window_attention_bench.py).
 
 Rows of the batch with no query token (query_start_loc[i + 1] == query_start_loc[i]) write nothing; rows
 with `seq_len == 0` (CUDA-graph padding) write zeros.
@@ -201,10 +201,10 @@ def choose_num_kv_splits(
     Depends on host ints only (the batch bucket and the model), never on context lengths, so a CUDA
     graph captured for a bucket stays valid. Below `min_programs` (sequence, kv head) programs the
     single pass leaves SMs idle; then the context is cut so that about `target_programs` programs run
-    (a power of two, at most `max_splits`). Measured on an H200 (benchmarks/kernel_bench.py, 32/8
-    heads, head_dim 128, bf16, TB/s of K/V read): batch 1 x 8k 0.24 single, 1.96 with 32 splits, 2.18
-    with 64; batch 8 x 4k 1.65 single, 3.39 with 8, 3.11 with 4; batch 16 x 4k 3.04 single, 3.77 with 4;
-    batch 32 x 4k 4.18 single, 4.00 with 4; larger batches: single pass.
+    (a power of two, at most `max_splits`). Why these thresholds: splits multiply the bandwidth of a lone
+    long sequence several times and help up to about 16 sequences, while from about 32 sequences the single
+    pass already fills the card and splitting only adds the merge (benchmarks/kernel_bench.py; figures in
+    docs/benchmarks.md, "Kernel tuning").
     """
     programs = num_seqs * num_kv_heads
     if programs >= min_programs:
@@ -237,9 +237,9 @@ def decode_attention(
     No host sync: the grid is (Hkv, B[, splits]). `block_n` (context tokens a tile), `num_warps` and
     `num_stages` are tuning knobs (benchmarks/kernel_bench.py --sweep), as is `heads_fastest`: the grid
     order, kv heads varying fastest so the programs running together read the interleaved head rows of
-    the same blocks rather than one head's rows of many sequences (0.5-1.5% faster on an H200).
-    `block_n` defaults to 128 for a single pass over a 16-bit cache (H200, batch 64 x 4k: 4.3 TB/s
-    against 3.4 with 64) and 64 otherwise (split segments are short; an fp32 tile is twice as big).
+    the same blocks rather than one head's rows of many sequences (slightly faster).
+    `block_n` defaults to 128 for a single pass over a 16-bit cache (fewer, longer tiles read a large batch's
+    K/V closer to the copy rate) and 64 otherwise (split segments are short; an fp32 tile is twice as big).
     `sliding_window` W: the query sees its last W keys only, and only they are read (the split-KV segments
     cut the window, not the context). `logit_softcap` c: scores become `c * tanh(s / c)`. Each is a
     constexpr variant (HAS_WINDOW, HAS_SOFTCAP); without them the kernel is the plain one.

@@ -3,12 +3,13 @@ included, as vLLM does) and of the top logprobs.
 
 Reference: `kernels.sample_ref.kth_largest` (a sort; the kernels are exact, so the two agree bit for bit).
 
-Why not torch.topk: it takes about 0.6 ms at [256, 152k] float32 on an H200 whatever k, a full sort 2.8 ms.
+Why not torch.topk: it costs the same whatever k, a good part of a decode step at a large vocabulary, and a
+full sort several times more (docs/benchmarks.md, "Kernel tuning").
 The exact tool here is a radix select (`_radix_select_kernel`): each float32 is mapped to a uint32 key that
 sorts like the float, and four passes over the row, one per 8-bit digit from the top, count the keys that
 match the digits found so far in a 256-bin histogram; the bin where the running count from the top reaches
-k is the next digit. Its histograms cost about 0.2 ms per pass over [256, 152k], so the full row goes
-through it only as a fallback. First a filter: the rows are cut into at least 4 * k_max groups and each
+k is the next digit. Its four histogram passes over the whole row cost more than the filter below, so the
+full row goes through it only as a fallback. First a filter: the rows are cut into at least 4 * k_max groups and each
 group's max is taken (one pass); the k-th largest group max, L, is a lower bound of the k-th largest value
 (k groups have a max >= L), so the values >= L, typically a few times k of them, hold the answer. They are
 gathered (kernels/triton_gather.py) and radix-selected in a small buffer. A row whose values >= L overflow

@@ -2,8 +2,9 @@
 
 Reference: `kernels.sample_ref.logprob_details` (a compare-and-count and torch.topk).
 
-Why: torch.topk costs about 0.6 ms at [256, 152k] float32 on an H200 whatever K, and counting the better
-tokens with a comparison and a sum another 0.3 ms (it writes a [N, V] mask). Here one pass takes group maxes
+Why: torch.topk sorts far more than K values whatever K, and counting the better tokens with a comparison and
+a sum writes a [N, V] mask; together they cost a sizeable part of a decode step at a large vocabulary
+(docs/benchmarks.md, "Kernel tuning"). Here one pass takes group maxes
 for a lower bound of the K-th largest value (kernels/triton_kth_largest.py's filter), and one more counts the
 tokens above the sampled one while it gathers the tokens at or above that bound (kernels/triton_gather.py)
 into a small buffer that torch sorts. A row whose tokens at or above the bound overflow the buffer (ties)

@@ -17,8 +17,8 @@ take more; rows without a restriction take none. Top-k rows whose candidates wer
 
 Masses are sums of exp(x - max): float32 sums of the fast exp over each block, added up in float64. The
 reference sums torch's exp in float64; the two differ by about 1e-6 of the mass, so a draw can differ from
-the reference's only where the mass above a candidate lies that close to top_p of K's. (libdevice's exp and
-whole-float64 sums made this pass 2.5 times a plain pass over the logits on an H200.)
+the reference's only where the mass above a candidate lies that close to top_p of K's. (Why not libdevice's
+exp and float64 sums throughout: they made this pass several times slower than a plain pass over the logits.)
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ Design (KERNELS.md):
 Sliding window (HAS_WINDOW) and soft-capping (HAS_SOFTCAP) are constexpr variants; with a window a program
 starts at its first row's window start and masks where its rows' windows differ (`_attend_window`).
 
-Measured on an H200 (benchmarks/kernel_bench.py, bf16, 32/8 heads, head_dim 128): 294 TFLOP/s on a
-fresh 4 x 2048 prefill (57% of torch SDPA's FlashAttention on the same dense shapes), 342 on 8 chunks of
-512 over 4k contexts; BLOCK_N 64, 4 warps, 2 stages was the best of the sweep.
+Tuning: BLOCK_N 64, 4 warps, 2 stages, the best of benchmarks/kernel_bench.py's sweep; how it stands against
+torch SDPA's FlashAttention is in docs/benchmarks.md ("Kernels").
 """
 
 from __future__ import annotations
@@ -118,8 +117,8 @@ def _attend_window(
 
 # Metadata views are sliced past the step's decodes, and the block table is as wide as the step's longest
 # sequence needs, so the views' alignment, the sequence count and the table's row stride vary from step to step:
-# specialized on them (== 1, divisible by 16), the kernel would compile again while serving (measured on an
-# H100: seconds of compiles inside a benchmark run after warm-up; worker_svc/compile_watch.py names them).
+# specialized on them (== 1, divisible by 16), the kernel would compile again while serving, stalling the step
+# that meets the new variant (worker_svc/compile_watch.py names any such compile).
 @triton.jit(do_not_specialize=["num_seqs", "stride_table_seq"],
             do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"])
 def _prefill_attention_kernel(

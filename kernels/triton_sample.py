@@ -104,8 +104,8 @@ def first_pass(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same contract as kernels.sample_ref.first_pass; rows flagged in `skip_draw` (bool [N]) are drawn
     elsewhere (from their top-k candidates) and skip the noise: their token is the argmax. `block`: by default
-    8192 entries, 4096 with the noise (whose skipped blocks pay off at the finer grain: 0.19 -> 0.17 ms at
-    [256, 152k] on an H200, while the greedy pass is fastest at 8192)."""
+    8192 entries, 4096 with the noise (whose skipped blocks pay off at the finer grain, while the greedy pass
+    is fastest at 8192)."""
     num_rows, vocab_size = processed.shape
     assert processed.dtype == torch.float32 and processed.stride(1) == 1
     assert raw is None or (raw.shape == processed.shape and raw.dtype == torch.float32 and raw.stride(1) == 1)

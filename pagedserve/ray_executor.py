@@ -11,7 +11,7 @@ rendezvous listens on rank 0's host.
 The cluster: `ray.init()` joins the cluster named by RAY_ADDRESS, or one started on this host with `ray start
 --head`, or else starts a private local one (stopped with the launcher). The launcher runs where the scheduler
 runs; its host must be reachable from every worker host on the scheduler's ZeroMQ port, and rank 0's host
-from every other rank on the rendezvous port (README, "Tensor parallel and multi-host").
+from every other rank on the rendezvous port (docs/tensor_parallel.md).
 
 Ownership: the launcher owns one `RayWorkerGroup`; each `RayRankProcess` is the launcher's handle on one
 rank, with the subset of `subprocess.Popen` the launcher's supervision uses (poll, send_signal, wait, kill,

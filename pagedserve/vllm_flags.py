@@ -43,15 +43,15 @@ REFUSED_FLAGS = (
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
                 "the file); other quantized checkpoints: " + NOT_YET, accepted=("gguf",)),
     RefusedFlag(("--trust-remote-code",), "pagedserve never runs a model repository's Python code; it serves "
-                "the architectures it implements itself (README: Models), so the flag is not needed",
+                "the architectures it implements itself (docs/serving.md: Supported architectures), so the flag is not needed",
                 takes_value=False),
     RefusedFlag(("--tokenizer-mode",), "pagedserve has one tokenizer implementation (the model's tokenizer.json, "
                 "vocab/merges or GGUF vocabulary)", accepted=("auto", "hf")),
     RefusedFlag(("--revision",), f"hub revisions: {NOT_YET}; download the revision and pass its directory"),
     RefusedFlag(("--tokenizer-revision",), f"hub revisions: {NOT_YET}; download it and pass --tokenizer DIR"),
     RefusedFlag(("--download-dir",), f"{NOT_YET}; set HF_HUB_CACHE to choose where hub models are stored"),
-    RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance (README: Structured "
-                "outputs)", accepted=("auto", "guidance", "llguidance")),
+    RefusedFlag(("--guided-decoding-backend",), "structured outputs always run on llguidance "
+                "(docs/structured_outputs.md)", accepted=("auto", "guidance", "llguidance")),
     RefusedFlag(("--limit-mm-per-prompt", "--mm-processor-kwargs"), "pagedserve serves text-only models"),
     RefusedFlag(("--rope-scaling", "--rope-theta", "--hf-overrides"), f"overriding the model's config: {NOT_YET}; "
                 "edit its config.json"),
@@ -81,7 +81,7 @@ class _RefuseAction(argparse.Action):
 
 
 def add_refused_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds every flag of REFUSED_FLAGS to `parser` (hidden from --help: the README's table lists them)."""
+    """Adds every flag of REFUSED_FLAGS to `parser` (hidden from --help: docs/switching_from_vllm.md's table lists them)."""
     for refused in REFUSED_FLAGS:
         dest = refused.names[0].lstrip("-").replace("-", "_")
         parser.add_argument(*refused.names, dest=dest, action=_RefuseAction, refused=refused)

@@ -14,8 +14,8 @@ losses (a killed process, the chaos run) must not fail the requests that merely 
   `max_losses` and no other request blamed for the loss shares it. Requests that shared every step (a batch
   decoding together, then recomputed together) carry the same evidence: none is failed, they are recomputed
   one at a time (below) and the next loss singles one out. A random loss can land while one of them is
-  recomputed alone, though (without the next rule a chaos run killing the worker every 10 s on a loaded
-  machine failed 17 requests in 50 kills so), so while a restart is left, a request's first loss alone after
+  recomputed alone, though (kills from outside, as in a chaos run on a loaded machine, land there often
+  enough to fail requests that crash nothing), so while a restart is left, a request's first loss alone after
   a tie earns it one more try, first and alone.
   A poison request decoding among others is thus failed at its third loss when that used the last restart
   (the default --max-worker-restarts 3), else at its fourth; one that crashes at its admission at its second.

@@ -7,7 +7,7 @@ A tiny Llama with SmolLM2's tokenizer (the embedded GGUF's), max_model_len 8192:
 
 Why that bound and not a wall-clock one: with a fixed 200 ms (and max_model_len 512) the test failed on a
 loaded 2-core machine (the largest gap grew by 350 ms, by 410 ms at load 12; at rest from 23 to 116 ms): the
-sender's and gRPC's work on 20 MB takes CPU time from the worker itself (README, "Input bounds"); and an
+sender's and gRPC's work on 20 MB takes CPU time from the worker itself (docs/reliability.md, "Input bounds before work"); and an
 encoding on the loop then stalled it ~86 ms, under that bound. Here the stall a blocked loop would cause is
 measured in the test, on the machine as loaded as it is then (this process encoding the same text), so the
 bound grows with the load as the gaps do; and a long text, since the stall of an encoding on the loop grows

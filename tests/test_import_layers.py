@@ -1,4 +1,4 @@
-"""The floors of the code base hold: every import arrow runs down (README, "Architecture").
+"""The floors of the code base hold: every import arrow runs down (docs/architecture.md, "Packages").
 
 Read from the source (every import statement, those inside functions too), so a lazy import that runs back
 up fails here as surely as one at the top of a module. Each rule names the floor it protects; a violation

@@ -1,8 +1,8 @@
 """A warning for every Triton kernel compiled after the worker reported ready.
 
-Why: a compile takes 0.1 to 2 s on the host, and the step that meets a new kernel variant waits for it, with
-every stream in the batch (measured on an H100: 5 s of compiles inside the first benchmark run after a
-warm-up pass, decode and prefill attention variants). warm_up_kernels and the decode graphs are meant to
+Why: a compile takes a large fraction of a second or more on the host, and the step that meets a new kernel
+variant waits for it, with every stream in the batch (docs/benchmarks.md, "Online serving": compiles inside a
+measured run after the warm-up pass). warm_up_kernels and the decode graphs are meant to
 compile every variant before `ready`; a variant they missed is a bug of theirs, and this names it (the
 kernel, its launch options and the specialization of each argument) so that it can be added or
 de-specialized. Installed once serving starts; Triton calls the hook only on an in-memory cache miss, so it

@@ -1,4 +1,4 @@
-"""How much of the wall time the GPU spends on steps while decode steps follow each other (issue 20's
+"""How much of the wall time the GPU spends on steps while decode steps follow each other (the target is
 "busy at least 95% of wall time in steady decode"), from CUDA events.
 
 Why events around each step: the worker records one timing event before a step's first device work and

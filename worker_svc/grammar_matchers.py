@@ -83,7 +83,7 @@ class GrammarMatchers:
         self._num_threads = num_threads
         # Up to this many rows, masks are filled and tokens consumed on the calling thread: handing them to
         # llguidance's pool (and a fill to the background thread) wakes threads, which costs more than a row's
-        # mask (20-250 us of a core); it was most of a lone constrained request's extra time per token.
+        # mask, and would be most of a lone constrained request's extra time per token.
         self.inline_rows = inline_rows
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
@@ -141,9 +141,8 @@ class GrammarMatchers:
     def prepare(self, grammars: Sequence[str]) -> None:
         """Builds a start-state matcher for each of `grammars` (the constrained new requests of a plan) that
         no spare covers (`SpareMatchers`: finished rows' matchers, reset at `add`), on threads, for the `add`s
-        that follow. A build parses and compiles its grammar: about 0.7 ms for a small JSON schema, and the
-        threads barely overlap them (32 builds: 22 ms one by one, 20 ms on two threads on the CI machine),
-        which is why spares come first. (A copy of one built matcher would cost 30 us, but the copies share a
+        that follow. A build parses and compiles its grammar, and the threads barely overlap builds, which is
+        why spares come first. (A copy of one built matcher would be cheaper still, but the copies share a
         locked cache: their masks then fill one at a time.) Matchers built but not taken become spares at the
         next call. Where finished rows' matchers would spare builds but a background fill still holds them, it
         waits for the fill first."""

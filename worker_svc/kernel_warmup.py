@@ -2,8 +2,9 @@
 
 Why: Triton compiles a kernel the first time it sees a new specialization (integer arguments equal to 1 or
 divisible by 16, pointer alignment of a sliced metadata view, the decode split count), and a compile takes
-100 ms to a second. Left to the first requests, the first mixed prefill/decode steps of a fresh server stall
-for seconds (measured: the first W1 run 2.4x slower than the second). The decode CUDA graphs already warm
+a large fraction of a second. Left to the first requests, the first mixed prefill/decode steps of a fresh
+server stall for seconds (docs/benchmarks.md, "Host overhead": the first W1 pass after ready against the
+second). The decode CUDA graphs already warm
 the pure-decode buckets; this runs the eager path over small synthetic batches that cover the other
 specializations of a mixed step: a leading decode range of every size class the decode kernel tells apart
 (`decode_size_classes`: its split-KV count, a size of 1, a multiple of 16 or not), and none, followed by 0, 1,

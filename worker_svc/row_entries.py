@@ -1,8 +1,9 @@
 """Variable-length per-row entries (a token id and a float32 value each), kept in one flat pool per kind.
 
 Why a pool: each step gathers the entries of up to hundreds of rows (their logit_bias, their min_tokens
-masks). With one small array per row that is a Python loop over the rows (2.4 ms a step on the host at 256
-rows with a bias and a mask each; 0.05 ms with the pools). Here a row's entries are one contiguous run of
+masks). With one small array per row that is a Python loop over the rows, milliseconds of host time a step at
+a few hundred rows, where the pools take a few hundredths of that (docs/benchmarks.md, "Kernel tuning"). Here
+a row's entries are one contiguous run of
 the pool (`start`, `length` per row), so the entries of any set of rows are gathered with a few whole-array
 operations (`take`).
 

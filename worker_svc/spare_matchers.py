@@ -8,10 +8,10 @@ from llguidance import LLMatcher
 
 
 class SpareMatchers:
-    """Finished rows' matchers by grammar, for new rows of the same grammar: a reset costs about 7 us where a
-    build parses and compiles the grammar, about 0.7 ms for a small JSON schema, on one core whatever the
-    threads (llguidance's builds barely ran in parallel on the CI machine), so a plan of 32 new constrained
-    requests held its step up by about 20 ms there. A reset matcher is a start-state matcher of its own (a
+    """Finished rows' matchers by grammar, for new rows of the same grammar: a reset costs a small fraction of
+    a build, which parses and compiles the grammar on one core whatever the threads (llguidance's builds
+    barely run in parallel), so a plan of many new constrained requests would hold its step up (figures in
+    docs/benchmarks.md, "Structured outputs"). A reset matcher is a start-state matcher of its own (a
     `deep_copy` shares its source's caches, whose lock then serializes the masks). At most `capacity` are
     kept, the least recently returned grammar's dropped first."""
 

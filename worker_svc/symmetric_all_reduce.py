@@ -2,10 +2,10 @@
 `torch.distributed._symmetric_memory`), with NCCL for the rest.
 
 Why: a decode step all-reduces each layer's row-parallel output twice, and at 256 rows of an 8B model that is
-2 MiB a time, 65 times a step. Measured on two NVLinked H100s, NCCL's ring (its LL protocol at these sizes; NVLink
-multicast is off on the lent machines) took 34 us for each (benchmarks/all_reduce_bench.py), 24% of the step's
-GPU time (benchmarks/profile_decode_step.py -tp 2); the two-shot kernel here 14 us, and the step's share fell
-to 14%. A symmetric-memory all-reduce is one kernel that reads the peers'
+2 MiB a time, 65 times a step. At these sizes NCCL's ring runs its latency-bound protocol (NVLink multicast off),
+and its all-reduces take a large share of the step's GPU time; the two-shot kernel here takes well under half
+of NCCL's time for each (benchmarks/all_reduce_bench.py, benchmarks/profile_decode_step.py -tp 2; figures in
+docs/benchmarks.md, "Kernels" and "Tensor parallel"). A symmetric-memory all-reduce is one kernel that reads the peers'
 copies straight over NVLink (one-shot: every rank sums all of them; two-shot: each rank sums its slice and the
 slices are exchanged), with no protocol of NCCL's in between. It is what vLLM uses on Hopper for this
 (its "custom all-reduce", `--disable-custom-all-reduce` turns it off), and it runs inside CUDA graphs.
@@ -31,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 # Per all-reduce: up to this many bytes in one buffer (vLLM's bound for two ranks); larger goes to NCCL.
 DEFAULT_MAX_BYTES = 8 << 20
-# Below this NCCL stays: in a whole decode step of one row the symmetric path measured slower (TPOT 4.58 against
-# 4.41 ms on the 8B shape at -tp 2), though alone, in a graph of 50, it was faster at every size.
+# Below this NCCL stays: a whole decode step of one row is slower through the symmetric path (its TPOT on the 8B
+# shape at -tp 2, docs/benchmarks.md), though alone, in a graph of 50, it is faster at every size.
 DEFAULT_MIN_BYTES = 1 << 20
 
 
@@ -50,7 +50,7 @@ class SymmetricAllReduce:
                 and size >= self.min_bytes and size % 16 == 0)
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks into `tensor` (which `takes` accepted). Two-shot: on two H100s it beat one-shot
+        """Sum over the ranks into `tensor` (which `takes` accepted). Two-shot: with two ranks it beats one-shot
         at every size from 8 KiB to 8 MiB (benchmarks/all_reduce_bench.py)."""
         staged = self.buffer[: tensor.numel()]
         staged.copy_(tensor.view(-1))

@@ -95,9 +95,8 @@ def short_reason(engine_message: str, max_chars: int = 300) -> str:
 
 def _check_schema(schema: Any, field: str, max_repetition: int) -> None:
     """Every regex `pattern` of a schema, at any depth (definitions included). The count keywords (minItems,
-    maxLength, ...) are not limited: llguidance counts them without unrolling (measured: a first mask and 300
-    steps of minItems or maxItems 100,000, or maxLength 10**9, cost what a count of 1,000 does, a few ms), and
-    schemas with maxLength 65535 are common."""
+    maxLength, ...) are not limited: llguidance counts them without unrolling, so a huge count costs what a
+    small one does (docs/benchmarks.md, "Structured outputs"), and schemas with maxLength 65535 are common."""
     if isinstance(schema, list):
         for item in schema:
             _check_schema(item, field, max_repetition)

@@ -10,16 +10,16 @@ these fields' names; the other keys are vLLM's).
 The defaults (each grammar the tests and benchmarks use passes them with a wide margin):
 - max_repetition 10,000: the largest count a regex's {n,m} may ask for, in a regex constraint, a JSON schema's
   `pattern` or a Lark/GBNF grammar (nested counts multiply: (a{1000}){1000} is 1,000,000). JSON schema count
-  keywords (minItems, maxLength, ...) are not limited: llguidance counts those without unrolling. llguidance unrolls counted repetitions into lexer states as the output goes; a count of
-  10**6 made one mask take a second of a core and then broke the lexer ("too many expressions"), and a
-  count far past any context length constrains nothing an output could reach. pagedserve's own limit.
+  keywords (minItems, maxLength, ...) are not limited: llguidance counts those without unrolling. llguidance unrolls counted repetitions into lexer states as the output goes; a count
+  of a million costs one mask a long stall of a core and then breaks the lexer ("too many expressions"; figures
+  in docs/benchmarks.md, "Structured outputs"), and a count far past any context length constrains nothing an
+  output could reach. pagedserve's own limit.
 - max_grammar_size 20,000 (llguidance's default 500,000): symbols in the grammar's productions; about
-  30 per simple tool, so tool_choice "required" takes some 600 tools, while 1,000 (30,000 symbols) took
-  0.2 s to build on this machine and gave an empty output.
+  30 per simple tool, so tool_choice "required" takes some 600 tools, while 1,000 tools build slowly and
+  give an empty output.
 - max_items_in_row, initial_lexer_fuel, step_lexer_fuel, step_max_items, max_lexer_states: llguidance's
-  (2,000; 1,000,000, about 20 ms of regex analysis; 200,000, about 14 ms of lexing per mask; 50,000
-  Earley items, about 2.5 ms per mask; 250,000 lexer states, 1-2 kB each), written out so that the
-  workers use them explicitly.
+  (2,000; 1,000,000; 200,000; 50,000 Earley items; 250,000 lexer states), each bounding the work of a build or
+  a mask to milliseconds, written out so that the workers use them explicitly.
 - grammar_compile_timeout_s 1.0: the scheduler's build of a grammar and its first mask, timed; a grammar
   over it is refused (the work is bounded by the limits above; this bounds what they let through).
 """

@@ -22,8 +22,8 @@ class OutputDelta:
 
     Its owner fills it in (request_group.py adds the step's logprobs) and then hands it to the stream's queue,
     after which nobody changes it. Not frozen, and slotted: one is made per sequence per step, and a frozen
-    dataclass's __init__ and `dataclasses.replace` took a quarter of the scheduler's CPU in steady decode at
-    256 streams (py-spy, H100 host), time the engine's loop then lacked for planning the next step.
+    dataclass's __init__ and `dataclasses.replace` per token cost the scheduler's loop a large share of its CPU
+    at hundreds of streams, time it then lacks for planning the next step.
     """
 
     text: str

@@ -86,8 +86,8 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a leading BOS).
 
         A long text goes through `encode_batch`, which gives the same ids but releases the GIL while it works
-        (`encode` holds it: 165,000 characters held it for 86 ms, so a tokenizer thread still stalled the
-        event loop that relays every stream's tokens)."""
+        (`encode` holds it throughout, so a tokenizer thread would still stall the event loop that relays every
+        stream's tokens for as long as a long text takes to encode)."""
         if len(text) > GIL_FREE_ENCODE_CHARS:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -11,9 +11,10 @@ penalized rows' token ids [n, L] (L: the longest such row's prompt + output), ne
 count in a row's output is two binary searches in the row's sorted output ids; every entry (prompt and
 output) gathers its logit, computes the penalized value and scatters it back. All the entries of one token
 compute the same value, so a plain scatter's duplicate writes are harmless and the result is deterministic.
-The dense way (a [N, V] count tensor and prompt mask rebuilt each step, then several [N, V] passes) took
-2.1 ms per step (build and apply) at 256 rows x 152k vocab x 768 tokens on an H200, this one 0.9 ms; a
-persistent [max_rows, V] count tensor would cost 155 MB there, used or not, and still dense passes.
+The dense way (a [N, V] count tensor and prompt mask rebuilt each step, then several [N, V] passes) costs
+more than twice as much per step at a few hundred rows and a large vocabulary (docs/benchmarks.md, "Kernel
+tuning"); a persistent [max_rows, V] count tensor would cost a large, fixed amount of memory, used or not, and
+still dense passes.
 
 Order (vLLM V1's `Sampler.forward`): the sparse entries (bad_words and min_tokens masks, logit_bias) first,
 then the penalties, then the sampler's temperature, min_p, top-k, top-p. Definitions:
