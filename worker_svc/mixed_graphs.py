@@ -2,9 +2,9 @@
 with attention run eagerly between the pieces.
 
 Why: an eager forward of a small model is a few hundred kernel launches, and each costs the host tens of
-microseconds (Triton's launcher, torch's dispatcher): on an H200 a step of 192 decodes plus one 512-token
-prompt took 14 ms of host time to launch against about 4 ms of device time (benchmarks/mixed_step_launch.py),
-so under steady arrivals, where most steps carry a new prompt, the GPU waited for the host. Everything but
+microseconds (Triton's launcher, torch's dispatcher): a mixed step's launch took the host several times the
+device's time for it (docs/benchmarks.md, benchmarks/mixed_step_launch.py), so under steady arrivals, where
+most steps carry a new prompt, the GPU waited for the host. Everything but
 attention depends only on the number of tokens, so it is captured per padded token count (a bucket); attention
 depends on how the tokens split into sequences, so it runs eagerly: per layer the cache write and the
 attention kernels over this step's metadata, reading the piece's query/key/value and writing the buffer the
