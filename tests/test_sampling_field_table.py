@@ -21,6 +21,7 @@ from client import cli
 from client.request_builder import build_generate_request
 from client.sampling_params import SamplingParams as SdkSamplingParams
 from client.types import ModelInfo
+from gateway.errors import OpenAIError
 from gateway.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.refused_fields import REFUSED_FIELDS
 from gateway.sampling import chat_keywords, completion_keywords
@@ -94,7 +95,8 @@ def sdk_disagreements(table: Table) -> list[str]:
     """The SDK's SamplingParams has a field per row, unset (None) by default, and each row's keyword reaches
     the wire's field of the same name."""
     fields = {field.name: field for field in dataclasses.fields(SdkSamplingParams)}
-    problems = [f"{name}: an SDK SamplingParams field, not in the table" for name in fields.keys() - {r.name for r in table}]
+    problems = [f"{name}: an SDK SamplingParams field, not in the table"
+                for name in fields.keys() - {row.name for row in table}]
     for row in table:
         if row.name not in fields or fields[row.name].default is not None:
             problems.append(f"{row.name}: no SDK SamplingParams field defaulting to None")
@@ -133,13 +135,30 @@ def cli_disagreements(table: Table) -> list[str]:
     return problems
 
 
-def _gateway_keyword(model: type, openai_name: str, value: Any, row: SamplingField) -> Any:
-    if model is CompletionRequest:
-        body = CompletionRequest.model_validate({"prompt": "hi", openai_name: value})
-        return completion_keywords(body)[row.name]
-    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
-                                                 openai_name: value, **_GATEWAY_EXTRAS.get(openai_name, {})})
-    return chat_keywords(body, _MODEL, ToolPlan(None, None))[row.name]
+def _gateway_body(model: type, name: str, value: Any):
+    base = {"prompt": "hi"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "hi"}]}
+    return model.model_validate({**base, name: value, **_GATEWAY_EXTRAS.get(name, {})})
+
+
+def _served(model: type, name: str, row: SamplingField) -> bool:
+    """Whether the endpoint of `model` turns the body field `name` into the row's keyword; False where the
+    endpoint refuses the field (chat's prompt_logprobs) or does not take the value."""
+    value, reached = _GATEWAY_SAMPLES.get(name, (_sample(row), lambda keyword: keyword == _sample(row)))
+    try:
+        body = _gateway_body(model, name, value)
+        keywords = (completion_keywords(body) if model is CompletionRequest
+                    else chat_keywords(body, _MODEL, ToolPlan(None, None)))
+    except (OpenAIError, ValidationError):
+        return False
+    return reached(keywords.get(row.name))
+
+
+def _takes(model: type, name: str, value: Any) -> bool:
+    try:
+        _gateway_body(model, name, value)
+    except ValidationError:
+        return False
+    return True
 
 
 def gateway_disagreements(table: Table) -> list[str]:
@@ -152,29 +171,16 @@ def gateway_disagreements(table: Table) -> list[str]:
             models = [model for model in (CompletionRequest, ChatCompletionRequest) if name in model.model_fields]
             if not models:
                 problems.append(f"{row.name}: no gateway request field {name}")
-                continue
-            value, reached = _GATEWAY_SAMPLES.get(name, (_sample(row), lambda keyword, row=row: keyword == _sample(row)))
-            served = False
-            for model in models:
-                try:
-                    served = served or reached(_gateway_keyword(model, name, value, row))
-                except Exception:  # this endpoint refuses it (chat's prompt_logprobs): the other may serve it
-                    continue
-            if not served:
+            elif not any(_served(model, name, row) for model in models):
                 problems.append(f"{row.name}: the gateway's {name} does not reach the keyword")
             if row.wire_type in INTEGER_WIRE_RANGES:
                 past = INTEGER_WIRE_RANGES[row.wire_type][1] + 1
-                for model in models:
-                    base = {"prompt": "hi"} if model is CompletionRequest else {"messages": [
-                        {"role": "user", "content": "hi"}], **_GATEWAY_EXTRAS.get(name, {})}
-                    try:
-                        model.model_validate({**base, name: [past] if row.repeated else past})
-                        problems.append(f"{row.name}: {model.__name__}.{name} takes {past}, past {row.wire_type}")
-                    except ValidationError:
-                        pass
-        for model in (CompletionRequest, ChatCompletionRequest):
-            if row.name in model.model_fields and row.name not in row.openai_names and row.name not in REFUSED_FIELDS:
-                problems.append(f"{row.name}: {model.__name__} declares it, neither served nor refused")
+                problems += [f"{row.name}: {model.__name__}.{name} takes {past}, past {row.wire_type}"
+                             for model in models if _takes(model, name, [past] if row.repeated else past)]
+        problems += [f"{row.name}: {model.__name__} declares it, neither served nor refused"
+                     for model in (CompletionRequest, ChatCompletionRequest)
+                     if row.name in model.model_fields and row.name not in row.openai_names
+                     and row.name not in REFUSED_FIELDS]
     return problems
 
 
@@ -272,7 +278,8 @@ DRIFTS = [
     (core_disagreements, SAMPLING_FIELDS[1:], "max_tokens: a scheduler SamplingParams field, not in the table"),
     (validation_disagreements, _replaced("presence_penalty", bounds=ValueRange(-1.5, 1.5)),
      "presence_penalty=-1.51: None, the table's is 'must lie in [-1.5, 1.5]'"),
-    (validation_disagreements, _replaced("top_p", bounds=ValueRange(0.0, 1.0)), "top_p=0.0: refused (sampling.top_p: must"),
+    (validation_disagreements, _replaced("top_p", bounds=ValueRange(0.0, 1.0)),
+     "top_p=0.0: refused (sampling.top_p: must"),
     (validation_disagreements, _replaced("min_tokens", bounds=ValueRange(0, "--max-n")),
      "min_tokens=64: refused (sampling.min_tokens: must lie in [0, max_tokens] (max_tokens = 4))"),
 ]

@@ -91,12 +91,10 @@ def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -
 def _sampling_params(
     wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, limits: ServingLimits
 ) -> SamplingParams:
-    max_tokens, temperature, top_p, top_k = (_given(wire, name) for name in ("max_tokens", "temperature", "top_p",
-                                                                              "top_k"))
-    # max_tokens 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py).
-    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k)):
-        _check_range(name, value)
+    max_tokens = _checked(wire, "max_tokens")  # 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py)
+    temperature = _checked(wire, "temperature")
+    top_p = _checked(wire, "top_p")
+    top_k = _checked(wire, "top_k")
     stop = tuple(wire.stop)
     if stop and tokenizer is None:
         raise InvalidRequestError("sampling.stop", "stop strings need a tokenizer; use stop_token_ids")
@@ -105,12 +103,11 @@ def _sampling_params(
     stop_token_ids = tuple(wire.stop_token_ids)
     if any(i < 0 or i >= limits.vocab_size for i in stop_token_ids):
         raise InvalidRequestError("sampling.stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
-    n, best_of, beam_width, length_penalty = (_given(wire, name) for name in ("n", "best_of", "beam_width",
-                                                                               "length_penalty"))
-    bounds = {"--max-n": limits.request_limits.max_n, "n": n}
-    for name, value in (("n", n), ("best_of", best_of), ("beam_width", beam_width),
-                        ("length_penalty", length_penalty)):
-        _check_range(name, value, bounds)
+    max_n = {"--max-n": limits.request_limits.max_n}
+    n = _checked(wire, "n", max_n)
+    best_of = _checked(wire, "best_of", {**max_n, "n": n})
+    beam_width = _checked(wire, "beam_width", max_n)
+    length_penalty = _checked(wire, "length_penalty")
     if beam_width > 1:
         if wire.HasField("temperature") and temperature != 0.0:
             raise InvalidRequestError("sampling.temperature", "beam search is greedy: temperature must be 0")
@@ -180,12 +177,10 @@ def _penalties_and_masks(
     beam_width: int,
 ) -> dict:
     """The SamplingParams fields of min_p, the penalties, logit_bias, bad_words, min_tokens and logprobs."""
-    min_p, presence, frequency, repetition = (_given(wire, name) for name in ("min_p", "presence_penalty",
-                                                                               "frequency_penalty",
-                                                                               "repetition_penalty"))
-    for name, value in (("min_p", min_p), ("presence_penalty", presence), ("frequency_penalty", frequency),
-                        ("repetition_penalty", repetition)):
-        _check_range(name, value)
+    min_p = _checked(wire, "min_p")
+    presence = _checked(wire, "presence_penalty")
+    frequency = _checked(wire, "frequency_penalty")
+    repetition = _checked(wire, "repetition_penalty")
     logit_bias = tuple(sorted(wire.logit_bias.items()))
     if any(not 0 <= token_id < limits.vocab_size for token_id, _ in logit_bias):
         raise InvalidRequestError("sampling.logit_bias", f"token ids must lie in [0, {limits.vocab_size})")
@@ -197,11 +192,10 @@ def _penalties_and_masks(
         raise InvalidRequestError("sampling.bad_words", "bad words need a tokenizer; use logit_bias with -100")
     if any(not word.strip() for word in bad_words):
         raise InvalidRequestError("sampling.bad_words", "words must not be empty")
-    min_tokens, logprobs, prompt_logprobs = (_given(wire, name) for name in ("min_tokens", "logprobs",
-                                                                              "prompt_logprobs"))
-    bounds = {"max_tokens": max_tokens, "--max-logprobs": limits.request_limits.max_logprobs}
-    for name, value in (("min_tokens", min_tokens), ("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        _check_range(name, value, bounds)
+    min_tokens = _checked(wire, "min_tokens", {"max_tokens": max_tokens})
+    max_logprobs = {"--max-logprobs": limits.request_limits.max_logprobs}
+    logprobs = _checked(wire, "logprobs", max_logprobs)
+    prompt_logprobs = _checked(wire, "prompt_logprobs", max_logprobs)
     if beam_width > 1:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
@@ -228,9 +222,10 @@ def _given(wire: generate_pb2.SamplingParams, name: str):
     return getattr(wire, name) if wire.HasField(name) else SAMPLING_FIELDS_BY_NAME[name].default
 
 
-def _check_range(name: str, value, bounds: Mapping[str, float] = MappingProxyType({})) -> None:
-    """Refuses `value` (None: unset, nothing to check) outside the table's range of the field, naming the field
-    and the range; `bounds` gives the server limits and other fields the range names."""
-    row = SAMPLING_FIELDS_BY_NAME[name]
+def _checked(wire: generate_pb2.SamplingParams, name: str, bounds: Mapping[str, float] = MappingProxyType({})):
+    """`_given`, refused naming the field and the range where it lies outside the table's range of the field
+    (None, unset, is never refused); `bounds`: the values of the server limits and other fields the range names."""
+    value, row = _given(wire, name), SAMPLING_FIELDS_BY_NAME[name]
     if value is not None and not row.bounds.contains(value, bounds):
         raise InvalidRequestError(f"sampling.{name}", row.requirement(bounds))
+    return value
