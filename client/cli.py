@@ -3,6 +3,10 @@
 stdout gets the generated text only, as it arrives (so it pipes cleanly); stderr gets the finish reason and
 token counts, or one line saying what went wrong. Exit status: 0 done, 1 the server or the connection
 failed, 2 the request was invalid (bad flags, or refused by the server as INVALID_ARGUMENT), 130 Ctrl-C.
+
+The plain numeric sampling flags (--temperature T, --top-p P, ...) are made from the table of sampling fields
+(protos/pagedserve/v1/sampling_fields.py): a row with a `cli_metavar` gets its flag, type and help from there.
+Lists, switches and constraints have their own flags below.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from collections.abc import Generator, Sequence
 from client.errors import InvalidRequestError, PagedServeError
 from client.sync_client import Client
 from client.types import GenerateChunk
+from protos.pagedserve.v1.sampling_fields import SAMPLING_FIELDS
 
 EXIT_FAILED = 1
 EXIT_INVALID_REQUEST = 2
@@ -28,29 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         structured_outputs = _structured_outputs(args)
     except OSError as error:
         return _fail(f"--json-schema: {error}", EXIT_INVALID_REQUEST)
-    sampling = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "stop": args.stop,
-        "min_p": args.min_p,
-        "presence_penalty": args.presence_penalty,
-        "frequency_penalty": args.frequency_penalty,
-        "repetition_penalty": args.repetition_penalty,
-        "logit_bias": dict(args.logit_bias) if args.logit_bias else None,
-        "bad_words": args.bad_words,
-        "min_tokens": args.min_tokens,
-        "stop_token_ids": args.stop_token_ids,
-        "ignore_eos": args.ignore_eos or None,
-        "include_stop_str_in_output": args.include_stop_str_in_output or None,
-        "logprobs": args.logprobs,
-        "prompt_logprobs": args.prompt_logprobs,
-        "skip_special_tokens": False if args.keep_special_tokens else None,
-        "spaces_between_special_tokens": False if args.no_spaces_between_special_tokens else None,
-        "structured_outputs": structured_outputs,
-    }
+    sampling = sampling_keywords(args, structured_outputs)
     with Client(args.target, api_key=args.api_key, root_certificates=args.tls_root_cert) as client:
         try:
             if args.wait is not None:
@@ -69,6 +52,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The reader went away (`| head`): stop quietly, and keep Python from failing again at exit.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return EXIT_FAILED
+
+
+def sampling_keywords(args: argparse.Namespace, structured_outputs: dict | None = None) -> dict:
+    """The SDK's sampling keywords of the parsed flags (unset flags as None: the server's defaults)."""
+    return {
+        **{row.name: getattr(args, row.name) for row in SAMPLING_FIELDS if row.cli_metavar},
+        "stop": args.stop,
+        "logit_bias": dict(args.logit_bias) if args.logit_bias else None,
+        "bad_words": args.bad_words,
+        "stop_token_ids": args.stop_token_ids,
+        "ignore_eos": args.ignore_eos or None,
+        "include_stop_str_in_output": args.include_stop_str_in_output or None,
+        "skip_special_tokens": False if args.keep_special_tokens else None,
+        "spaces_between_special_tokens": False if args.no_spaces_between_special_tokens else None,
+        "structured_outputs": structured_outputs,
+    }
 
 
 def _print_stream(stream: Generator[GenerateChunk, None, None], show_logprobs: bool = False) -> int:
@@ -143,7 +142,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m client",
         description="Stream a generation from a pagedserve server: text to stdout, finish reason and token "
-        "counts to stderr. Unset sampling flags take the server's defaults (vLLM's).",
+        "counts to stderr (and, with --logprobs or --prompt-logprobs, the logprobs). Unset sampling flags take "
+        "the server's defaults (vLLM's).",
     )
     parser.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
     parser.add_argument("--target", default="127.0.0.1:50051", help="server address (default: %(default)s)")
@@ -151,29 +151,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-root-cert", default=None, metavar="PEM",
                         help="connect over TLS, trusting this certificate")
     parser.add_argument("--chat", action="store_true", help="send the prompt as one user message of a chat")
-    parser.add_argument("--max-tokens", type=int, metavar="N")
-    parser.add_argument("--temperature", type=float, metavar="T", help="0 = greedy")
-    parser.add_argument("--top-p", type=float, metavar="P")
-    parser.add_argument("--top-k", type=int, metavar="K")
-    parser.add_argument("--seed", type=int, metavar="S")
+    for row in SAMPLING_FIELDS:
+        if row.cli_metavar:
+            parser.add_argument(row.cli_flag, type=row.python_type, metavar=row.cli_metavar, help=row.help)
     parser.add_argument(
         "--stop", nargs="+", action="extend", metavar="STR", help="stop strings (put the prompt before them)"
     )
-    parser.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P x the best one's probability")
-    parser.add_argument("--presence-penalty", type=float, metavar="X")
-    parser.add_argument("--frequency-penalty", type=float, metavar="X")
-    parser.add_argument("--repetition-penalty", type=float, metavar="X", help="1 = off (transformers' definition)")
     parser.add_argument("--logit-bias", nargs="+", action="extend", type=_token_bias, metavar="ID=BIAS",
                         help="add BIAS to token ID's logit")
     parser.add_argument("--bad-words", nargs="+", action="extend", metavar="WORD", help="words never generated")
-    parser.add_argument("--min-tokens", type=int, metavar="N", help="no EOS or stop before N tokens")
     parser.add_argument("--stop-token-ids", nargs="+", action="extend", type=int, metavar="ID")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--include-stop-str-in-output", action="store_true")
-    parser.add_argument("--logprobs", type=int, metavar="K",
-                        help="print each token's logprob, rank and top K alternatives to stderr")
-    parser.add_argument("--prompt-logprobs", type=int, metavar="K",
-                        help="print each prompt token's logprob, rank and top K alternatives to stderr")
     parser.add_argument("--keep-special-tokens", action="store_true", help="skip_special_tokens=False")
     parser.add_argument("--no-spaces-between-special-tokens", action="store_true")
     constraint = parser.add_mutually_exclusive_group()

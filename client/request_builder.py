@@ -13,15 +13,13 @@ from typing import Any
 
 from client.structured_outputs import StructuredOutputsParams
 from protos.pagedserve.v1 import generate_pb2
+from protos.pagedserve.v1.sampling_fields import SAMPLING_FIELDS
 
-# Keywords named as vLLM's SamplingParams (each a SamplingParams field), plus the request's own id.
-SAMPLING_KEYWORDS = frozenset(
-    {"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-     "best_of", "beam_width", "length_penalty", "early_stopping", "presence_penalty", "frequency_penalty",
-     "repetition_penalty", "logit_bias", "bad_words", "min_tokens", "include_stop_str_in_output", "logprobs",
-     "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "request_id", "priority",
-     "return_prompt", "add_special_tokens", "strict_context_length", "structured_outputs"}
-)
+# The GenerateRequest's own fields, taken as keywords beside the sampling ones.
+REQUEST_KEYWORDS = frozenset({"request_id", "priority", "return_prompt", "add_special_tokens",
+                              "strict_context_length"})
+# Keywords named as vLLM's SamplingParams (each a row of the table of sampling fields), plus the request's own.
+SAMPLING_KEYWORDS = frozenset(row.name for row in SAMPLING_FIELDS) | REQUEST_KEYWORDS
 # vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
 CHAT_KEYWORDS = frozenset({"add_generation_prompt", "continue_final_message", "chat_template_kwargs", "documents",
                            "tools"})

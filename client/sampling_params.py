@@ -3,7 +3,8 @@
 Why a class when the clients take keywords: the offline `LLM.generate(prompts, sampling_params)` applies one
 set of parameters to many prompts (or one per prompt), as vLLM's does, so code moving over from vLLM keeps
 its shape. Fields left None stay unset on the wire and take the server's defaults (max_tokens 16,
-temperature 1.0, top_p 1.0, top_k off, n 1), exactly as with the keyword API.
+temperature 1.0, top_p 1.0, top_k off, n 1), exactly as with the keyword API. The fields are the rows of
+protos/pagedserve/v1/sampling_fields.py (tests/test_sampling_field_table.py checks they stay so).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from client.structured_outputs import StructuredOutputsParams
+from protos.pagedserve.v1.sampling_fields import SAMPLING_FIELDS
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Lists are accepted as vLLM's are, and kept as tuples so the object stays hashable and immutable.
-        for name in ("stop", "stop_token_ids", "bad_words"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
+        for row in SAMPLING_FIELDS:
+            value = getattr(self, row.name)
+            if row.repeated and isinstance(value, list):
+                object.__setattr__(self, row.name, tuple(value))
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple(sorted((int(k), v) for k, v in self.logit_bias.items())))
 

@@ -14,11 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from protos.pagedserve.v1.sampling_fields import INTEGER_WIRE_RANGES
+
 # Integers as the gRPC wire carries them (protobuf int32 / uint32 / uint64): a value past its range is a 400
-# naming the field here, not a protobuf error naming none later.
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
-UInt32 = Annotated[int, Field(ge=0, le=2**32 - 1)]
-UInt64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
+# naming the field here, not a protobuf error naming none later. Which sampling field has which type is the
+# table's (protos/pagedserve/v1/sampling_fields.py; tests/test_sampling_field_table.py checks the fields here).
+Int32 = Annotated[int, Field(ge=INTEGER_WIRE_RANGES["int32"][0], le=INTEGER_WIRE_RANGES["int32"][1])]
+UInt32 = Annotated[int, Field(ge=INTEGER_WIRE_RANGES["uint32"][0], le=INTEGER_WIRE_RANGES["uint32"][1])]
+UInt64 = Annotated[int, Field(ge=INTEGER_WIRE_RANGES["uint64"][0], le=INTEGER_WIRE_RANGES["uint64"][1])]
 # OpenAI's roles, and Llama 3.1's `ipython` (its chat template's tool-output role).
 Role = Literal["system", "developer", "user", "assistant", "tool", "function", "ipython"]
 

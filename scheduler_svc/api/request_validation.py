@@ -2,15 +2,19 @@
 
 All checks happen here, at the gRPC edge, before the request touches the engine: a bad request costs nobody
 else anything. Every refusal names the offending field and the allowed range, and never echoes the input.
+Unset fields take the defaults, and set ones are held to the ranges (with the refusals' texts), of the table of
+sampling fields (protos/pagedserve/v1/sampling_fields.py); what ties fields together is written here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from protos.pagedserve.v1 import generate_pb2
+from protos.pagedserve.v1.sampling_fields import SAMPLING_FIELDS_BY_NAME
 from scheduler_svc.api.grammar_limits import GrammarLimits
 from scheduler_svc.api.prompt_encoding import encode_prompt
 from scheduler_svc.api.request_limits import RequestLimits, check_prompt_tokens, check_wire_limits
@@ -20,11 +24,6 @@ from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.validated_request import InvalidRequestError, ValidatedRequest
 from scheduler_svc.text.bad_words import bad_words_token_ids
 from scheduler_svc.text.tokenizer import Tokenizer
-
-
-MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI's range)
-MAX_REPETITION_PENALTY = 2.0
-MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range
 
 
 @dataclass(frozen=True)
@@ -92,20 +91,10 @@ def context_length_error(max_model_len: int, prompt_len: int, max_tokens: int) -
 def _sampling_params(
     wire: generate_pb2.SamplingParams, tokenizer: Tokenizer | None, limits: ServingLimits
 ) -> SamplingParams:
-    defaults = SamplingParams()
-    max_tokens = wire.max_tokens if wire.HasField("max_tokens") else defaults.max_tokens
-    temperature = wire.temperature if wire.HasField("temperature") else defaults.temperature
-    top_p = wire.top_p if wire.HasField("top_p") else defaults.top_p
-    top_k = wire.top_k if wire.HasField("top_k") else defaults.top_k
-    if max_tokens < 0:
-        # 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py).
-        raise InvalidRequestError("sampling.max_tokens", "must be at least 0")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequestError("sampling.temperature", "must be a finite number >= 0")
-    if not (0.0 < top_p <= 1.0):
-        raise InvalidRequestError("sampling.top_p", "must lie in (0, 1]")
-    if top_k < -1:
-        raise InvalidRequestError("sampling.top_k", "must be -1 (off), 0 (off) or a positive count")
+    max_tokens = _checked(wire, "max_tokens")  # 0: the prompt alone, with its prompt logprobs (groups/prompt_only.py)
+    temperature = _checked(wire, "temperature")
+    top_p = _checked(wire, "top_p")
+    top_k = _checked(wire, "top_k")
     stop = tuple(wire.stop)
     if stop and tokenizer is None:
         raise InvalidRequestError("sampling.stop", "stop strings need a tokenizer; use stop_token_ids")
@@ -114,19 +103,11 @@ def _sampling_params(
     stop_token_ids = tuple(wire.stop_token_ids)
     if any(i < 0 or i >= limits.vocab_size for i in stop_token_ids):
         raise InvalidRequestError("sampling.stop_token_ids", f"ids must lie in [0, {limits.vocab_size})")
-    n = wire.n if wire.HasField("n") else 1
-    best_of = wire.best_of if wire.HasField("best_of") else None
-    beam_width = wire.beam_width if wire.HasField("beam_width") else 1
-    length_penalty = wire.length_penalty if wire.HasField("length_penalty") else 1.0
-    max_n = limits.request_limits.max_n  # --max-n
-    if not 1 <= n <= max_n:
-        raise InvalidRequestError("sampling.n", f"must lie in [1, {max_n}]")
-    if best_of is not None and not n <= best_of <= max_n:
-        raise InvalidRequestError("sampling.best_of", f"must lie in [n, {max_n}] (n = {n})")
-    if not 1 <= beam_width <= max_n:
-        raise InvalidRequestError("sampling.beam_width", f"must lie in [1, {max_n}]")
-    if not math.isfinite(length_penalty):
-        raise InvalidRequestError("sampling.length_penalty", "must be a finite number")
+    max_n = {"--max-n": limits.request_limits.max_n}
+    n = _checked(wire, "n", max_n)
+    best_of = _checked(wire, "best_of", {**max_n, "n": n})
+    beam_width = _checked(wire, "beam_width", max_n)
+    length_penalty = _checked(wire, "length_penalty")
     if beam_width > 1:
         if wire.HasField("temperature") and temperature != 0.0:
             raise InvalidRequestError("sampling.temperature", "beam search is greedy: temperature must be 0")
@@ -150,14 +131,13 @@ def _sampling_params(
         temperature=temperature,
         top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
-        seed=wire.seed if wire.HasField("seed") else None,
+        seed=_given(wire, "seed"),
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=wire.ignore_eos,
         include_stop_str_in_output=wire.include_stop_str_in_output,
-        skip_special_tokens=wire.skip_special_tokens if wire.HasField("skip_special_tokens") else True,
-        spaces_between_special_tokens=(wire.spaces_between_special_tokens
-                                       if wire.HasField("spaces_between_special_tokens") else True),
+        skip_special_tokens=_given(wire, "skip_special_tokens"),
+        spaces_between_special_tokens=_given(wire, "spaces_between_special_tokens"),
         structured_grammar=grammar,
         **extra,
     )
@@ -197,36 +177,25 @@ def _penalties_and_masks(
     beam_width: int,
 ) -> dict:
     """The SamplingParams fields of min_p, the penalties, logit_bias, bad_words, min_tokens and logprobs."""
-    min_p = wire.min_p if wire.HasField("min_p") else 0.0
-    if not 0.0 <= min_p <= 1.0:  # also false for NaN
-        raise InvalidRequestError("sampling.min_p", "must lie in [0, 1]")
-    presence = wire.presence_penalty if wire.HasField("presence_penalty") else 0.0
-    frequency = wire.frequency_penalty if wire.HasField("frequency_penalty") else 0.0
-    repetition = wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
-            raise InvalidRequestError(f"sampling.{name}", f"must lie in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]")
-    if not 0.0 < repetition <= MAX_REPETITION_PENALTY:
-        raise InvalidRequestError("sampling.repetition_penalty", f"must lie in (0, {MAX_REPETITION_PENALTY:g}]")
+    min_p = _checked(wire, "min_p")
+    presence = _checked(wire, "presence_penalty")
+    frequency = _checked(wire, "frequency_penalty")
+    repetition = _checked(wire, "repetition_penalty")
     logit_bias = tuple(sorted(wire.logit_bias.items()))
     if any(not 0 <= token_id < limits.vocab_size for token_id, _ in logit_bias):
         raise InvalidRequestError("sampling.logit_bias", f"token ids must lie in [0, {limits.vocab_size})")
-    if any(not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS for _, bias in logit_bias):
-        raise InvalidRequestError("sampling.logit_bias", f"biases must lie in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+    logit_bias_row = SAMPLING_FIELDS_BY_NAME["logit_bias"]  # its range is each bias's
+    if any(not logit_bias_row.bounds.contains(bias) for _, bias in logit_bias):
+        raise InvalidRequestError("sampling.logit_bias", f"biases {logit_bias_row.requirement()}")
     bad_words = tuple(wire.bad_words)
     if bad_words and tokenizer is None:
         raise InvalidRequestError("sampling.bad_words", "bad words need a tokenizer; use logit_bias with -100")
     if any(not word.strip() for word in bad_words):
         raise InvalidRequestError("sampling.bad_words", "words must not be empty")
-    min_tokens = wire.min_tokens if wire.HasField("min_tokens") else 0
-    if min_tokens > max_tokens:
-        raise InvalidRequestError("sampling.min_tokens", f"must lie in [0, max_tokens] (max_tokens = {max_tokens})")
-    logprobs = wire.logprobs if wire.HasField("logprobs") else None
-    prompt_logprobs = wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None
-    max_logprobs = limits.request_limits.max_logprobs  # --max-logprobs
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and value > max_logprobs:
-            raise InvalidRequestError(f"sampling.{name}", f"must lie in [0, {max_logprobs}] (--max-logprobs)")
+    min_tokens = _checked(wire, "min_tokens", {"max_tokens": max_tokens})
+    max_logprobs = {"--max-logprobs": limits.request_limits.max_logprobs}
+    logprobs = _checked(wire, "logprobs", max_logprobs)
+    prompt_logprobs = _checked(wire, "prompt_logprobs", max_logprobs)
     if beam_width > 1:
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None:
@@ -246,3 +215,17 @@ def _penalties_and_masks(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _given(wire: generate_pb2.SamplingParams, name: str):
+    """The request's value of a singular field, or the table's default (vLLM's) where the field is unset."""
+    return getattr(wire, name) if wire.HasField(name) else SAMPLING_FIELDS_BY_NAME[name].default
+
+
+def _checked(wire: generate_pb2.SamplingParams, name: str, bounds: Mapping[str, float] = MappingProxyType({})):
+    """`_given`, refused naming the field and the range where it lies outside the table's range of the field
+    (None, unset, is never refused); `bounds`: the values of the server limits and other fields the range names."""
+    value, row = _given(wire, name), SAMPLING_FIELDS_BY_NAME[name]
+    if value is not None and not row.bounds.contains(value, bounds):
+        raise InvalidRequestError(f"sampling.{name}", row.requirement(bounds))
+    return value
