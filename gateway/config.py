@@ -59,7 +59,8 @@ class GatewayConfig:
                                         help="put the model's thought in reasoning_content: "
                                              f"{', '.join(sorted(REASONING_PARSERS))}")
     # Seconds a client is told to wait (Retry-After) when the scheduler is overloaded or not ready.
-    retry_after_s: int = flag("--retry-after", default=1, metavar="RETRY_AFTER", help="Retry-After seconds on 429 and 503", shared=False)
+    retry_after_s: int = flag("--retry-after", default=1, metavar="RETRY_AFTER",
+                              help="Retry-After seconds on 429 and 503", shared=False)
     # Seconds in-flight HTTP requests get to finish on SIGTERM (`serve` gives its scheduler's).
     shutdown_timeout: float = flag("--shutdown-timeout", default=30.0, help="drain time on SIGTERM", shared=False)
     # Seconds a stream in flight, or a new request, waits for a lost scheduler to serve again (its supervisor

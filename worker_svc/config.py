@@ -83,7 +83,8 @@ class WorkerConfig:
             raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
         if self.swap_space < 0 or self.cpu_kv_cache_space <= 0:
             raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
-        if self.crash_at_output_token is not None and (self.crash_on_token_id is None or self.crash_at_output_token < 1):
+        if self.crash_at_output_token is not None and (self.crash_on_token_id is None
+                                                       or self.crash_at_output_token < 1):
             raise SystemExit("--crash-at-output-token needs --crash-on-token-id and must be at least 1")
         if self.heartbeat_interval <= 0:
             raise SystemExit("--heartbeat-interval must be > 0")
@@ -91,7 +92,8 @@ class WorkerConfig:
             raise SystemExit(f"--rank {self.rank} is not a rank of --world-size {self.world_size} "
                              "(0 <= rank < world size)")
         if self.world_size > 1 and self.distributed_init_method is None:
-            raise SystemExit("--world-size > 1 needs --distributed-init-method tcp://HOST:PORT (reachable by every rank)")
+            raise SystemExit("--world-size > 1 needs --distributed-init-method tcp://HOST:PORT (reachable by every "
+                             "rank)")
 
     @property
     def torch_dtype_name(self) -> str:
