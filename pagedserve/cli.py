@@ -6,8 +6,8 @@
 the gRPC API's (127.0.0.1:50051). The vLLM flags it does not support are refused by name (vllm_flags.py).
 
 `scheduler`, `worker` and `gateway` are each service's own entry point (`scheduler_svc/main.py`, ...: the
-same flags as `python -m scheduler_svc`); `serve` parses the flags of all three and forwards each child its
-share (launcher.py), the same command lines docker compose uses.
+same flags as `python -m scheduler_svc`); `serve` parses the flags of all three (its table: serve_flags.py)
+and forwards each child its share (launcher.py), the same command lines docker compose uses.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import argparse
 import sys
 
 from gateway import main as gateway_main
-from gateway.config import add_gateway_access_arguments, output_parsing_error
+from gateway.config import output_parsing_error
 from pagedserve.bench.cli import add_bench_commands, run_bench
-from pagedserve.vllm_flags import add_refused_vllm_flags
+from pagedserve.serve_flags import SERVE_HELP, add_serve_arguments
 from scheduler_svc import main as scheduler_main
-from scheduler_svc.config import add_scheduler_arguments
 from service_runtime.service_process import add_exit_with_parent_argument, start_service_process
 from worker_svc import main as worker_main
-from worker_svc.config import add_worker_arguments
 
 SERVICES = {"scheduler": scheduler_main, "worker": worker_main, "gateway": gateway_main}
 
@@ -32,31 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="vLLM-style LLM serving over gRPC")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="start the scheduler, its worker and the HTTP gateway as processes")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model directory, .gguf file or hub id, as --model (default: SmolLM2-135M-Instruct)")
-    add_scheduler_arguments(serve)
-    add_worker_arguments(serve)
-    serve.add_argument("--worker-address", default=None,
-                       help="ZeroMQ address between scheduler and worker (default: a private ipc socket)")
-    serve.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
-                       help="worker processes (one per GPU) the model is split over; must divide its attention heads")
-    serve.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
-                       help="how the ranks are started: mp, local processes (ray: not supported yet)")
-    serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    serve.add_argument("--max-scheduler-restarts", type=int, default=3,
-                       help="times a dead scheduler is restarted (with fresh workers) before the stack stops; "
-                            "streams in flight resume on the new one")
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="bind address of the OpenAI-compatible HTTP server (vLLM's default is every "
-                            "interface; ours is loopback: pass 0.0.0.0 to serve the network)")
-    serve.add_argument("--port", "--http-port", dest="port", type=int, default=8000,
-                       help="port of the OpenAI-compatible HTTP server (--http-port: deprecated, the same)")
-    serve.add_argument("--grpc-host", default="127.0.0.1", help="bind address of the gRPC API")
-    serve.add_argument("--grpc-port", type=int, default=50051, help="port of the gRPC API")
-    serve.add_argument("--no-http", dest="enable_http", action="store_false", help="start no HTTP gateway")
-    add_gateway_access_arguments(serve)
-    add_refused_vllm_flags(serve)
+    add_serve_arguments(commands.add_parser("serve", help=SERVE_HELP))
 
     for name, service in SERVICES.items():
         service_parser = commands.add_parser(name, help=service.DESCRIPTION)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -35,18 +34,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+from gateway.config import GatewayConfig
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
-from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS
+from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_key_from, child_environment
 from service_runtime.api_key_source import open_bind_warning
+from service_runtime.config_flags import config_argv, flag_values
 from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
+from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig, find_gguf_file
 from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
@@ -245,46 +248,14 @@ def max_num_batched_tokens(args) -> int:
 
 
 def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
-    argv = [*model_argv, "--grpc-host", args.grpc_host, "--grpc-port", str(args.grpc_port), "--worker-address", address,
-            "--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens(args)),
-            "--preemption-mode", args.preemption_mode, "--shutdown-timeout", str(args.shutdown_timeout),
-            "--heartbeat-interval", str(args.heartbeat_interval), "--heartbeat-grace", str(args.heartbeat_grace),
-            "--max-worker-restarts", str(args.max_worker_restarts),
-            "--num-workers", str(args.tensor_parallel_size)]
-    if args.max_model_len is not None:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    if not args.enable_prefix_caching:
-        argv.append("--no-enable-prefix-caching")
-    if not args.enable_chunked_prefill:
-        argv.append("--no-enable-chunked-prefill")
-    for flag in ("tokenizer", "chat_template"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
-    argv += ["--generation-config", args.generation_config, "--seed", str(args.seed)]
-    if args.override_generation_config:
-        argv += ["--override-generation-config", json.dumps(args.override_generation_config)]
-    if args.structured_outputs_config:
-        argv += ["--structured-outputs-config", json.dumps(args.structured_outputs_config)]
-    if args.plan_log:
-        argv += ["--plan-log", args.plan_log]
-    if not args.async_scheduling:
-        argv.append("--no-async-scheduling")
-    argv += ["--stream-messages-per-step", str(args.stream_messages_per_step),
-             "--max-steps-in-flight", str(args.max_steps_in_flight)]
-    return argv + _protection_argv(args)
-
-
-def _protection_argv(args) -> list[str]:
-    """The scheduler's admission limits, size limits and TLS files, as `serve` was given them (the API key
-    goes through the environment: child_environment)."""
-    argv = []
-    for flag in ("max_queued_requests", "max_prompt_tokens", "max_n", "max_tokens_limit", "max_stop_strings",
-                 "max_stop_string_length", "max_logprobs", "max_message_bytes", "tls_cert_file", "tls_key_file"):
-        value = getattr(args, flag)
-        if value is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(value)]
-    return argv
+    """The scheduler's flags: every scheduler flag `serve` shares, forwarded from its declaration
+    (scheduler_svc/config.py), and where it listens, binds and how many ranks it waits for, set here. The
+    API key goes through the environment (child_environment); the flag is never forwarded."""
+    values = flag_values(SchedulerConfig, args, shared_only=True)
+    del values["model"]  # in model_argv: the path resolved once, as the workers get it
+    values.update(host=args.grpc_host, port=args.grpc_port, worker_address=address,
+                  num_workers=args.tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens(args))
+    return [*model_argv, *config_argv(SchedulerConfig, values)]
 
 
 def refuse_bad_text_options(args, model_path: str) -> None:
@@ -365,52 +336,30 @@ def worker_rank_argvs(args, model_argv: list[str], address: str, init_method: st
     devices = rank_devices(args)
     if size == 1:
         return [_worker_argv(args, model_argv, address, devices[0])]
-    return [[*_worker_argv(args, model_argv, address, devices[rank], rank == size - 1),
-             "--rank", str(rank), "--world-size", str(size), "--distributed-init-method", init_method]
+    return [_worker_argv(args, model_argv, address, devices[rank], rank == size - 1,
+                         rank=rank, world_size=size, distributed_init_method=init_method)
             for rank in range(size)]
 
 
-def _worker_argv(args, model_argv: list[str], address: str, device: str, injects_fault: bool = True) -> list[str]:
-    """One worker's flags. `injects_fault`: whether this rank gets --fail-at-step (tests): the last rank, so
-    that with several ranks the fault is a non-zero rank's."""
-    argv = [*model_argv, "--scheduler-address", address, "--device", device, "--dtype", args.dtype,
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-            "--cpu-kv-cache-space", str(args.cpu_kv_cache_space), "--swap-space", str(args.swap_space),
-            "--load-format", args.load_format, "--attention-backend", args.attention_backend,
-            "--heartbeat-interval", str(args.heartbeat_interval)]
-    if not args.cuda_graphs:
-        argv.append("--no-cuda-graphs")
-    if not args.custom_all_reduce:
-        argv.append("--disable-custom-all-reduce")
-    if args.batch_invariant:
-        argv.append("--batch-invariant")
-    if args.num_kv_blocks is not None:
-        argv += ["--num-kv-blocks", str(args.num_kv_blocks)]
-    if args.fail_at_step is not None and injects_fault:
-        argv += ["--fail-at-step", str(args.fail_at_step)]
-    if args.crash_on_token_id is not None and injects_fault:
-        argv += ["--crash-on-token-id", str(args.crash_on_token_id)]
-        if args.crash_at_output_token is not None:
-            argv += ["--crash-at-output-token", str(args.crash_at_output_token)]
-    if args.prefill_seconds_per_token:
-        argv += ["--prefill-seconds-per-token", str(args.prefill_seconds_per_token)]
-    return argv
+def _worker_argv(args, model_argv: list[str], address: str, device: str, injects_fault: bool = True,
+                 **place: Any) -> list[str]:
+    """One worker's flags: every worker flag `serve` shares (hidden fault injection included), forwarded
+    from its declaration (worker_svc/config.py), with its address, device and place in the rank set (`place`:
+    rank, world size and rendezvous, written even at rank 0) set here. `injects_fault`: whether this rank
+    gets the fault-injection flags (tests): the last rank, so that with several ranks the fault is a non-zero
+    rank's."""
+    values = flag_values(WorkerConfig, args, shared_only=True)
+    values.update(scheduler_address=address, device=device, **place)
+    if not injects_fault:
+        values.update(fail_at_step=None, crash_on_token_id=None, crash_at_output_token=None)
+    return [*model_argv, *config_argv(WorkerConfig, values, keep_defaults=place.keys())]
 
 
 def _gateway_argv(args) -> list[str]:
-    argv = ["--grpc-target", _local_address(args.grpc_host, args.grpc_port), "--host", args.host,
-            "--port", str(args.port), "--shutdown-timeout", str(args.shutdown_timeout),
-            "--uvicorn-log-level", args.uvicorn_log_level,
-            "--max-request-body-bytes", str(args.max_request_body_bytes)]
-    if not args.log_requests:
-        argv.append("--disable-log-requests")
-    if args.tls_cert_file:
-        argv += ["--grpc-root-cert", args.tls_cert_file]
-    if args.served_model_name:
-        argv += ["--served-model-name", args.served_model_name]
-    if args.enable_auto_tool_choice:
-        argv.append("--enable-auto-tool-choice")
-    for flag, value in (("--tool-call-parser", args.tool_call_parser), ("--reasoning-parser", args.reasoning_parser)):
-        if value is not None:
-            argv += [flag, value]
-    return argv
+    """The gateway's flags: every gateway flag `serve` shares, forwarded from its declaration
+    (gateway/config.py), and the scheduler to reach, where to listen and how long to drain, set here from
+    serve's own flags. The API keys go through the environment."""
+    values = flag_values(GatewayConfig, args, shared_only=True)
+    values.update(grpc_target=_local_address(args.grpc_host, args.grpc_port), host=args.host, port=args.port,
+                  shutdown_timeout=args.shutdown_timeout, grpc_root_cert=args.tls_cert_file)
+    return config_argv(GatewayConfig, values)

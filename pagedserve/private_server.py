@@ -22,6 +22,7 @@ from typing import Any
 
 from client.sync_client import Client
 from pagedserve.free_port import free_port
+from pagedserve.serve_flags import serve_parser
 from service_runtime.api_key_source import API_KEY_ENV, child_environment
 
 _READY_POLL_S = 1.0
@@ -74,13 +75,11 @@ class PrivateServer:
 
 
 def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
-    """`pagedserve serve` flags for LLM's keywords, checked against the real parser (so a misspelt or
+    """`pagedserve serve` flags for LLM's keywords, checked against serve's own parser (so a misspelt or
     unknown option fails here, naming the known ones, rather than in the child). A keyword is a flag's
     destination (`enable_prefix_caching=False`) or, for a switch, the switch's name (`enforce_eager=True`, as
     vLLM's LLM takes it). `api_key` is left out: it goes through the environment (PrivateServer)."""
-    from pagedserve.cli import build_parser
-
-    serve = _serve_parser(build_parser())
+    serve = serve_parser()
     actions = {action.dest: action for action in serve._actions if action.option_strings}
     switches = {option.lstrip("-").replace("-", "_"): option for action in serve._actions
                 if action.option_strings and action.nargs == 0 for option in action.option_strings
@@ -114,13 +113,6 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
 
 def _negative_flag(action: argparse.BooleanOptionalAction) -> str:
     return next(option for option in action.option_strings if option.startswith("--no-"))
-
-
-def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices["serve"]
-    raise RuntimeError("pagedserve's parser has no serve command")
 
 
 def _stop_server(process: subprocess.Popen, log, log_path: str) -> None:

@@ -8,26 +8,16 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from scheduler_svc.config import (
-    add_api_key_argument,
-    add_grpc_listen_arguments,
-    add_scheduler_arguments,
-    scheduler_config_from_args,
-)
+from scheduler_svc.config import add_scheduler_arguments, scheduler_config_from_args
 from service_runtime.service_process import service_main
-from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS
 
 DESCRIPTION = "start the scheduler service alone"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The standalone scheduler's flags: the scheduler flags `serve` shares, plus its own API key, the
-    ZeroMQ address to bind and how many worker ranks to wait for."""
-    add_scheduler_arguments(parser)
-    add_grpc_listen_arguments(parser)
-    add_api_key_argument(parser)
-    parser.add_argument("--worker-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to bind")
-    parser.add_argument("--num-workers", type=int, default=1, help="worker ranks to wait for")
+    """The standalone scheduler's flags: every flag of its config (scheduler_svc/config.py), its own API key,
+    where it listens, the ZeroMQ address to bind and how many worker ranks to wait for among them."""
+    add_scheduler_arguments(parser, shared_only=False)
 
 
 # The exit code of a scheduler that crashed (an exception nothing handled), as of one killed by a signal: its

@@ -1,4 +1,4 @@
-"""The flags both ends of the scheduler <-> worker ZeroMQ link must agree on, defined once for both parsers.
+"""The flags both ends of the scheduler <-> worker ZeroMQ link must agree on, defined once for both configs.
 
 Why here and not in either service: the scheduler binds the address the workers connect to, and each side
 times the other out after three of its heartbeat intervals; `pagedserve serve` gives both children the same
@@ -8,13 +8,12 @@ defaults on both sides.
 
 from __future__ import annotations
 
-import argparse
+from service_runtime.config_flags import Flag
 
 DEFAULT_WORKER_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_HEARTBEAT_INTERVAL = 2.0
 
-
-def add_heartbeat_argument(parser: argparse.ArgumentParser) -> None:
-    """--heartbeat-interval, shared by the scheduler, the worker and `pagedserve serve` (which gives both the
-    same value)."""
-    parser.add_argument("--heartbeat-interval", type=float, default=2.0,
-                        help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")
+# --heartbeat-interval, a field of the scheduler's config and the worker's (config_flags.shared_flag_field):
+# `pagedserve serve` takes it once and gives both children the same value.
+HEARTBEAT_INTERVAL = Flag(("--heartbeat-interval",),
+                          help="seconds between heartbeats over ZeroMQ; a peer silent for 3 intervals is dead")

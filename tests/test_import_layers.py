@@ -131,3 +131,63 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch):
         assert violations("worker_svc", PACKAGE_FLOORS["worker_svc"]) == ["worker_svc/bad.py imports pagedserve.cli"]
     finally:
         imports_of.cache_clear()
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """{module: the package's modules it imports} for every module of `package`, from every import statement
+    (those inside functions too: the circle this guards against, cli -> bench -> LLM -> private_server ->
+    cli, closed through an import inside a function). `from pkg import name` counts as an import of the
+    module pkg.name where there is one."""
+    modules = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                named = {f"{node.module}.{alias.name}" for alias in node.names}
+                imported |= {module if module in modules else node.module for module in named}
+        graph[name] = {module for module in imported if module in modules and module != name}
+    return graph
+
+
+def first_import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (a depth-first search that keeps its path)."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        for imported in sorted(graph[module]):
+            if (cycle := visit(imported, [*path, module])) is not None:
+                return cycle
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if (cycle := visit(module, [])) is not None:
+            return cycle
+    return None
+
+
+def test_pagedserve_has_no_import_cycle():
+    cycle = first_import_cycle(import_graph("pagedserve"))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_check_names_a_cycle_closed_inside_a_function(tmp_path, monkeypatch):
+    (tmp_path / "pagedserve" / "bench").mkdir(parents=True)
+    for relative, source in (("pagedserve/__init__.py", ""), ("pagedserve/bench/__init__.py", ""),
+                             ("pagedserve/cli.py", "from pagedserve.bench import latency\n"),
+                             ("pagedserve/bench/latency.py", "from pagedserve.llm import LLM\n"),
+                             ("pagedserve/llm.py", "def argv():\n    from pagedserve.cli import build_parser\n")):
+        (tmp_path / relative).write_text(source)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert first_import_cycle(import_graph("pagedserve")) == [
+        "pagedserve.bench.latency", "pagedserve.llm", "pagedserve.cli", "pagedserve.bench.latency"]

@@ -1,10 +1,14 @@
-"""The worker service's one configuration, parsed from its command line in one place (frozen)."""
+"""The worker service's one configuration (frozen). Each field declares its own flag (service_runtime/
+config_flags.py): `pagedserve worker` parses them all, `pagedserve serve` takes the shared ones and forwards
+them to each rank from this declaration (pagedserve/launcher.py)."""
 
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
+
+from service_runtime.config_flags import add_config_arguments, flag, flag_values, shared_flag_field
+from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_WORKER_ADDRESS, HEARTBEAT_INTERVAL
 
 GIB = 1 << 30
 # vLLM's --dtype spellings: half is float16, float is float32.
@@ -13,46 +17,83 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    scheduler_address: str
-    model: str | None
-    device: str = "cpu"
+    # `serve` passes --model itself (the one model both children load) and each rank's address and place.
+    model: str | None = flag("--model", default=None, help="model directory, .gguf file or hub id", shared=False)
+    scheduler_address: str = flag("--scheduler-address", default=DEFAULT_WORKER_ADDRESS,
+                                  help="ZeroMQ address to connect", shared=False)
+    device: str = flag("--device", default="cpu", help="cpu, cuda or cuda:N")
     # "auto": bfloat16 on a GPU, float32 on the CPU.
-    dtype: str = "auto"
+    dtype: str = flag("--dtype", default="auto", choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
+                      help="weights and activations (half = float16, float = float32; auto: bfloat16 on a "
+                           "GPU, float32 on the CPU)")
     # Set: exactly this many KV blocks. None: sized from memory (gpu_memory_utilization on a GPU,
     # cpu_kv_cache_space on the CPU).
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_space: float = 1.0  # GiB
-    swap_space: float = 4.0  # GiB of (pinned) host memory for swapped-out blocks
-    # Tensor parallel: this process's rank of `world_size`, and where the ranks meet to form their
-    # torch.distributed group (tcp://HOST:PORT that every rank reaches; rank 0 listens there). None: one rank.
-    rank: int = 0
-    world_size: int = 1
-    distributed_init_method: str | None = None
+    num_kv_blocks: int | None = flag("--num-kv-blocks", default=None, help="KV pool size in blocks (overrides sizing)")
+    gpu_memory_utilization: float = flag("--gpu-memory-utilization", default=0.9,
+                                         help="fraction of GPU memory for weights, activations and the KV pool")
+    cpu_kv_cache_space: float = flag("--cpu-kv-cache-space", default=1.0, help="GiB of KV pool on the CPU")
+    # GiB of (pinned) host memory for swapped-out blocks.
+    swap_space: float = flag("--swap-space", default=4.0, help="GiB of host swap pool per worker")
     # "auto": the checkpoint; "dummy": random weights (benchmarks of a model's shape from its config.json).
-    load_format: str = "auto"
+    load_format: str = flag("--load-format", default="auto", choices=("auto", "dummy"),
+                            help="dummy: random weights of the model's shape (benchmarks)")
     # "auto": Triton kernels on a GPU, the torch reference on the CPU.
-    attention_backend: str = "auto"
+    attention_backend: str = flag("--attention-backend", default="auto", choices=("auto", "torch", "triton"),
+                                  help="auto: triton on a GPU, the torch reference on the CPU")
     # Decode steps replay CUDA graphs (GPU only).
-    cuda_graphs: bool = True
+    cuda_graphs: bool = flag("--no-cuda-graphs", "--enforce-eager", default=True, switch="off",
+                             help="run decode steps eagerly on a GPU, without CUDA graphs (vLLM's --enforce-eager)")
     # Tensor parallel on CUDA: small all-reduces through symmetric memory instead of NCCL (vLLM's custom
     # all-reduce; worker_svc/symmetric_all_reduce.py).
-    custom_all_reduce: bool = True
+    custom_all_reduce: bool = flag("--disable-custom-all-reduce", default=True, switch="off",
+                                   help="tensor parallel: every all-reduce through NCCL, none through symmetric "
+                                        "memory (vLLM's flag)")
     # Every op's result for a row independent of the other rows (kernels/batch_invariant_ref.py): a request
     # gives the same bits alone or in any batch, chunked or cached alike.
-    batch_invariant: bool = False
-    # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
-    heartbeat_interval: float = 2.0
+    batch_invariant: bool = flag("--batch-invariant", default=False, switch="on",
+                                 env_switch="VLLM_BATCH_INVARIANT",
+                                 help="batch-invariant kernels: a greedy or seeded request gives bitwise the same "
+                                      "tokens and logprobs whatever else is in the batch (slower; see the README). "
+                                      "Default: on when $VLLM_BATCH_INVARIANT is set and not 0, as vLLM's switch")
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
-    fail_at_step: int | None = None
+    fail_at_step: int | None = flag("--fail-at-step", default=None, hidden=True)
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).
-    crash_on_token_id: int | None = None
+    crash_on_token_id: int | None = flag("--crash-on-token-id", default=None, hidden=True)
     # With crash_on_token_id: exit instead when a row whose prompt holds that id is about to sample its N-th
     # output token (a poison request that crashes mid-decode, again at the same point after a recompute).
-    crash_at_output_token: int | None = None
+    crash_at_output_token: int | None = flag("--crash-at-output-token", default=None, hidden=True)
     # Test only: each step takes at least this many seconds per prompt token it computes (a slow CPU's
     # prefill, at a tiny model's cost: the abort-latency tests).
-    prefill_seconds_per_token: float = 0.0
+    prefill_seconds_per_token: float = flag("--prefill-seconds-per-token", default=0.0, hidden=True)
+    # Tensor parallel: this process's rank of `world_size`, and where the ranks meet to form their
+    # torch.distributed group (tcp://HOST:PORT that every rank reaches; rank 0 listens there). None: one rank.
+    rank: int = flag("--rank", default=0, help="this worker's tensor-parallel rank", shared=False)
+    world_size: int = flag("--world-size", default=1, help="tensor-parallel ranks in all", shared=False)
+    distributed_init_method: str | None = flag(
+        "--distributed-init-method", default=None, shared=False,
+        help="tcp://HOST:PORT where the ranks form their torch.distributed group (rank 0 listens)")
+    # Seconds between heartbeats to the scheduler; a scheduler silent for 3 of its own intervals is gone.
+    heartbeat_interval: float = shared_flag_field(DEFAULT_HEARTBEAT_INTERVAL, HEARTBEAT_INTERVAL)
+
+    def __post_init__(self) -> None:
+        """The checks that span fields, as usage errors naming the flags."""
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise SystemExit("--num-kv-blocks must be at least 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
+        if self.swap_space < 0 or self.cpu_kv_cache_space <= 0:
+            raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
+        if self.crash_at_output_token is not None and (self.crash_on_token_id is None
+                                                       or self.crash_at_output_token < 1):
+            raise SystemExit("--crash-at-output-token needs --crash-on-token-id and must be at least 1")
+        if self.heartbeat_interval <= 0:
+            raise SystemExit("--heartbeat-interval must be > 0")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise SystemExit(f"--rank {self.rank} is not a rank of --world-size {self.world_size} "
+                             "(0 <= rank < world size)")
+        if self.world_size > 1 and self.distributed_init_method is None:
+            raise SystemExit("--world-size > 1 needs --distributed-init-method tcp://HOST:PORT (reachable by every "
+                             "rank)")
 
     @property
     def torch_dtype_name(self) -> str:
@@ -61,75 +102,13 @@ class WorkerConfig:
         return "bfloat16" if self.device.startswith("cuda") else "float32"
 
 
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    """Worker flags, shared by `pagedserve worker` and `pagedserve serve` (which passes --model itself)."""
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
-                        help="weights and activations (half = float16, float = float32; auto: bfloat16 on a "
-                             "GPU, float32 on the CPU)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides sizing)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory for weights, activations and the KV pool")
-    parser.add_argument("--cpu-kv-cache-space", type=float, default=1.0, help="GiB of KV pool on the CPU")
-    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap pool per worker")
-    parser.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                        help="dummy: random weights of the model's shape (benchmarks)")
-    parser.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                        help="auto: triton on a GPU, the torch reference on the CPU")
-    parser.add_argument("--no-cuda-graphs", "--enforce-eager", dest="cuda_graphs", action="store_false",
-                        help="run decode steps eagerly on a GPU, without CUDA graphs (vLLM's --enforce-eager)")
-    parser.add_argument("--disable-custom-all-reduce", dest="custom_all_reduce", action="store_false",
-                        help="tensor parallel: every all-reduce through NCCL, none through symmetric memory "
-                             "(vLLM's flag)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        default=os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0"),
-                        help="batch-invariant kernels: a greedy or seeded request gives bitwise the same tokens and "
-                             "logprobs whatever else is in the batch (slower; see the README). Default: on when "
-                             "$VLLM_BATCH_INVARIANT is set and not 0, as vLLM's switch")
-    # Hidden: fault injection for the reliability tests, never for serving.
-    parser.add_argument("--fail-at-step", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--crash-on-token-id", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--crash-at-output-token", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--prefill-seconds-per-token", type=float, default=0.0, help=argparse.SUPPRESS)
+def add_worker_arguments(parser: argparse.ArgumentParser, *, shared_only: bool = True) -> None:
+    """Worker flags: those `pagedserve serve` shares (the default), or all of them (`pagedserve worker`)."""
+    add_config_arguments(parser, WorkerConfig, shared_only=shared_only)
 
 
 def worker_config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise SystemExit("--num-kv-blocks must be at least 1")
-    if not 0.0 < args.gpu_memory_utilization <= 1.0:
-        raise SystemExit("--gpu-memory-utilization must lie in (0, 1]")
-    if args.swap_space < 0 or args.cpu_kv_cache_space <= 0:
-        raise SystemExit("--swap-space must be >= 0 and --cpu-kv-cache-space > 0")
-    if args.crash_at_output_token is not None and (args.crash_on_token_id is None or args.crash_at_output_token < 1):
-        raise SystemExit("--crash-at-output-token needs --crash-on-token-id and must be at least 1")
-    if args.heartbeat_interval <= 0:
-        raise SystemExit("--heartbeat-interval must be > 0")
-    rank, world_size = getattr(args, "rank", 0), getattr(args, "world_size", 1)
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise SystemExit(f"--rank {rank} is not a rank of --world-size {world_size} (0 <= rank < world size)")
-    init_method = getattr(args, "distributed_init_method", None)
-    if world_size > 1 and init_method is None:
-        raise SystemExit("--world-size > 1 needs --distributed-init-method tcp://HOST:PORT (reachable by every rank)")
-    return WorkerConfig(
-        scheduler_address=args.scheduler_address,
-        model=args.model,
-        device=args.device,
-        dtype=DTYPE_ALIASES.get(args.dtype, args.dtype),
-        num_kv_blocks=args.num_kv_blocks,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        cpu_kv_cache_space=args.cpu_kv_cache_space,
-        swap_space=args.swap_space,
-        rank=rank,
-        world_size=world_size,
-        distributed_init_method=init_method,
-        load_format=args.load_format,
-        attention_backend=args.attention_backend,
-        cuda_graphs=args.cuda_graphs,
-        custom_all_reduce=args.custom_all_reduce,
-        batch_invariant=args.batch_invariant,
-        heartbeat_interval=args.heartbeat_interval,
-        fail_at_step=args.fail_at_step,
-        crash_on_token_id=args.crash_on_token_id,
-        crash_at_output_token=args.crash_at_output_token,
-        prefill_seconds_per_token=args.prefill_seconds_per_token,
-    )
+    """The config of parsed worker flags; vLLM's dtype spellings become torch's."""
+    values = flag_values(WorkerConfig, args)
+    values["dtype"] = DTYPE_ALIASES.get(values["dtype"], values["dtype"])
+    return WorkerConfig(**values)

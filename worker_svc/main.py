@@ -11,7 +11,6 @@ from typing import NoReturn
 from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE, LoadRefused
 from service_runtime.quiet_exit import exit_after_flush
 from service_runtime.service_process import service_main
-from service_runtime.worker_link_flags import DEFAULT_WORKER_ADDRESS, add_heartbeat_argument
 from worker_svc.config import add_worker_arguments, worker_config_from_args
 from worker_svc.stop_signal import leave_with_the_scheduler_on_sigterm
 
@@ -19,16 +18,9 @@ DESCRIPTION = "start one worker process alone"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The standalone worker's flags: the worker flags `serve` shares, plus the model, the scheduler's
-    ZeroMQ address and this process's place in its tensor-parallel group."""
-    parser.add_argument("--model", default=None, help="model directory, .gguf file or hub id")
-    parser.add_argument("--scheduler-address", default=DEFAULT_WORKER_ADDRESS, help="ZeroMQ address to connect")
-    add_worker_arguments(parser)
-    parser.add_argument("--rank", type=int, default=0, help="this worker's tensor-parallel rank")
-    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks in all")
-    parser.add_argument("--distributed-init-method", default=None,
-                        help="tcp://HOST:PORT where the ranks form their torch.distributed group (rank 0 listens)")
-    add_heartbeat_argument(parser)
+    """The standalone worker's flags: every flag of its config (worker_svc/config.py), the model, the
+    scheduler's ZeroMQ address and this process's place in its tensor-parallel group among them."""
+    add_worker_arguments(parser, shared_only=False)
 
 
 def run(args: argparse.Namespace) -> NoReturn:
