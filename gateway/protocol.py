@@ -4,7 +4,7 @@ Fields are OpenAI's (API reference) and vLLM's extras (vLLM's protocol.py names)
 neither knows is a 400 naming it (extra="forbid"; app.py gives it OpenAI's error shape), because a typo such
 as `max_token` silently ignored would serve a request the client did not ask for. Fields declared here but
 not served (guided decoding, suffix, ...) are refused in refused_fields.py with a 400 naming them;
-fields served are mapped to the SDK in sampling.py. README "Switching from vLLM" > "Request fields" lists
+fields served are mapped to the SDK in sampling.py. docs/switching_from_vllm.md ("Request fields") lists
 each field's fate.
 """
 
@@ -200,7 +200,7 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Any]] | None = None
     # false: at most one tool call (tool_choice.py says how).
     parallel_tool_calls: bool | None = None
-    # OpenAI fields with no effect here: accepted as OpenAI documents them (see README).
+    # OpenAI fields with no effect here: accepted as OpenAI documents them (docs/switching_from_vllm.md, "Request fields").
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None

@@ -26,9 +26,9 @@ from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAUL
 
 
 # The step token budget (vLLM's max_num_batched_tokens) when none is given. A step is the unit an abort waits
-# for and a new request's first token queues behind, so on the CPU it is sized in time: one step of the
-# embedded SmolLM2-135M at 128 prompt tokens measured 0.19 s on 2 cores at the start of a prompt and 0.63 s at
-# position 2,000 (README, "Reliability"); at 2048 tokens, 13 s and more. `pagedserve serve --device cpu` takes
+# for and a new request's first token queues behind, so on the CPU it is sized in time: 128 prompt tokens of the
+# embedded model keep a step under a second on 2 cores even deep into a long prompt, 2048 take many seconds
+# (docs/benchmarks.md has the figures). `pagedserve serve --device cpu` takes
 # the CPU one; the scheduler alone cannot know its workers' device and takes the GPU one.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 CPU_MAX_NUM_BATCHED_TOKENS = 128
@@ -146,13 +146,13 @@ class SchedulerConfig:
                                   help="wait for each step's result before planning the next (default: plan step "
                                        "N+1 while the worker runs step N)")
     # With async scheduling: how many planned steps may wait for their results (2: one step ahead of the
-    # worker's results; 3, the default, absorbs the scheduler's jitter: measured 12% more W1 throughput).
+    # worker's results; 3, the default, absorbs the scheduler's jitter: more W1 throughput, docs/benchmarks.md).
     max_steps_in_flight: int = flag("--max-steps-in-flight", default=3,
                                     help="with async scheduling: planned steps whose results are not back yet (2: "
                                          "plan one step ahead; 3 absorbs the scheduler's jitter, at up to one more "
                                          "wasted token per stop)")
     # Beyond this many streams, each stream's tokens are handed to gRPC every k-th step (stream_pacing.py).
-    # 16: W1 at 256 streams on an H200 kept the device 99% busy in steady decode, against 88-92% with 64.
+    # 16 keeps the device busier in steady decode at W1's 256 streams than 64 does (docs/benchmarks.md).
     stream_messages_per_step: int = flag("--stream-messages-per-step", default=16,
                                          help="streams given new tokens per step; with more streams each one gets a "
                                               "few tokens per message every few steps (the event loop also runs the "
