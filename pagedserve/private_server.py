@@ -22,7 +22,6 @@ from typing import Any
 
 from client.sync_client import Client
 from pagedserve.free_port import free_port
-from pagedserve.serve_flags import serve_parser
 from service_runtime.api_key_source import API_KEY_ENV, child_environment
 
 _READY_POLL_S = 1.0
@@ -79,6 +78,8 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
     unknown option fails here, naming the known ones, rather than in the child). A keyword is a flag's
     destination (`enable_prefix_caching=False`) or, for a switch, the switch's name (`enforce_eager=True`, as
     vLLM's LLM takes it). `api_key` is left out: it goes through the environment (PrivateServer)."""
+    from pagedserve.serve_flags import serve_parser  # lazy: importing pagedserve loads no service config
+
     serve = serve_parser()
     actions = {action.dest: action for action in serve._actions if action.option_strings}
     switches = {option.lstrip("-").replace("-", "_"): option for action in serve._actions

@@ -92,3 +92,42 @@ def test_a_serving_worker_runs_the_bare_runner_and_a_faulty_one_wraps_it(model_d
     with pytest.raises(InjectedFault, match="forward pass 2"):
         faulty.execute(prefill("b", [2, 7, 1], 1))
     assert serving.execute(prefill("b", [2, 7, 1], 1)).sampled.request_ids == ["b"]
+
+
+class Exited(Exception):
+    """What the fault wrapper's os._exit raises here, so the test process survives the crash it asks for."""
+
+
+def test_a_poison_token_crashes_the_worker_when_its_request_arrives_and_each_time_it_is_re_added(
+        model_dir, monkeypatch):
+    import worker_svc.fault_injection as fault_injection
+
+    monkeypatch.setattr(fault_injection.os, "_exit", lambda code: (_ for _ in ()).throw(Exited(code)))
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), num_kv_blocks=8, swap_space=0.01,
+                                 crash_on_token_id=9))
+    worker.setup(setup_message())
+    worker.execute(prefill("clean", [3, 1, 4], 0))
+    with pytest.raises(Exited, match="70"):
+        worker.execute(prefill("poison", [2, 9, 1], 1))
+    # Its row holds the poison now; a later step of the clean request alone does not crash again (checked at
+    # arrival only), but the poison request re-added after a preemption does.
+    decode = worker_pb2.StepPlan(step_id=2, scheduled_requests=[
+        worker_pb2.ScheduledRequest(request_id="clean", num_scheduled_tokens=1)], preempted_request_ids=["poison"])
+    assert worker.execute(decode).sampled.request_ids == ["clean"]
+    with pytest.raises(Exited):
+        worker.execute(prefill("poison", [2, 9, 1], 3))
+
+
+def test_a_poison_token_with_an_output_position_crashes_only_there(model_dir, monkeypatch):
+    import worker_svc.fault_injection as fault_injection
+
+    monkeypatch.setattr(fault_injection.os, "_exit", lambda code: (_ for _ in ()).throw(Exited(code)))
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), num_kv_blocks=8, swap_space=0.01,
+                                 crash_on_token_id=9, crash_at_output_token=3))
+    worker.setup(setup_message())
+    worker.execute(prefill("poison", [2, 9, 1], 0))  # samples output token 1: no crash at arrival
+    step = worker_pb2.StepPlan(step_id=1, scheduled_requests=[
+        worker_pb2.ScheduledRequest(request_id="poison", num_scheduled_tokens=1)])
+    worker.execute(step)  # output token 2
+    with pytest.raises(Exited):
+        worker.execute(step)  # output token 3

@@ -37,7 +37,7 @@ class FaultInjectingRunner:
         self._runner = runner
         self._config = config
         self.num_forward_passes = 0  # counts towards config.fail_at_step
-        self._seen_rows: set[tuple[int, int]] = set()  # (row, generation): requests already checked at arrival
+        self._checked_generation: dict[int, int] = {}  # row -> the generation of its request checked at arrival
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
@@ -64,10 +64,10 @@ class FaultInjectingRunner:
                 os._exit(_CRASH_EXIT_CODE)
             return
         for row in inputs.rows.tolist():
-            arrival = (row, int(batch.generation[row]))
-            if arrival in self._seen_rows:
+            generation = int(batch.generation[row])
+            if self._checked_generation.get(row) == generation:
                 continue
-            self._seen_rows.add(arrival)
+            self._checked_generation[row] = generation
             if np.any(batch.token_ids[row, : batch.num_tokens[row]] == config.crash_on_token_id):
                 os._exit(_CRASH_EXIT_CODE)
 

@@ -10,7 +10,7 @@ not about the device: the plans, the persistent batch of rows, grammar matchers,
 Its surface is narrow on purpose: `allocate` (at setup: pools, warm-up, graphs), `move_blocks` (a plan's
 swaps and copies), `execute` (a prepared step's forward pass: hidden states, the sampling rows' logits,
 prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_logprobs` for beam rows.
-Where round 3's features plug in, each without a branch in the worker's step: a quantized linear method into
+Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a drafter as an object the runner
 calls around `execute` (its own dispatcher); an adapter set as per-token inputs the runner passes to the
 model. Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
