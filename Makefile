@@ -41,9 +41,10 @@ demo: install
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# On a GPU machine: the batch-invariant kernels' bit checks compiled (skipped under `make test`'s interpreter).
+# On a GPU machine (two GPUs for the all-reduce test): tests/gpu/, the tests marked `gpu`, which `make test`
+# skips (docs/develop/gpu_tests.md). On a lent machine without our venv: scripts/gpu_tests.sh.
 test-gpu: install
-	TRITON_INTERPRET=0 $(PY) -m pytest -q tests/test_batch_invariance_gpu.py $(PYTEST_ARGS)
+	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu tests/gpu $(PYTEST_ARGS)
 
 # The manual (docs/, mkdocs.yml) as a site in site/. --strict: a broken link, a missing anchor or a page left out
 # of the nav fails the build. mkdocs-material (pyproject's `docs` extra) is installed into the venv when missing,

@@ -7,7 +7,8 @@ Builds a small random Qwen2/Llama checkpoint, serves it through the real process
   - bfloat16: the same requests run to completion, every block is free afterwards.
 Steps with prefill replay piecewise CUDA graphs at -tp 1 (reported as mixed_step_graphs), so float32 checks
 them against transformers too.
-Writes a JSON summary to $OUT (or ./gpu_serve_check.json).
+Writes a JSON summary to $OUT (or ./gpu_serve_check.json). tests/gpu/test_gpu_serve_check.py runs the float32 runs
+(`make test-gpu`).
 
 With `-tp N` every run is served by N workers, one per GPU (the tiny model's 8 heads and 2 KV heads split).
 
@@ -61,26 +62,26 @@ def _hf_greedy_cuda(model_dir, prompt):
     return out[0, len(prompt):].tolist()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    tp = parser.parse_args().tensor_parallel_size
-    out_dir = Path(os.environ.get("OUT", "."))
-    work = Path(tempfile.mkdtemp())
+# (name, server flags, whether its tokens must equal transformers' greedy tokens): the float32 runs are the
+# token-exactness check (tests/gpu/test_gpu_serve_check.py runs them), bfloat16 only has to complete.
+FLOAT32_RUNS = [
+    ("float32_profiled_pool", ["--dtype", "float32", "--gpu-memory-utilization", "0.3"], True),
+    ("float32_swap_preemption", ["--dtype", "float32", "--num-kv-blocks", "12", "--preemption-mode", "swap",
+                                 "--swap-space", "0.5"], True),
+]
+RUNS = FLOAT32_RUNS + [("bfloat16_profiled_pool", ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"], False)]
+
+
+def run_checks(work: Path, runs, tp: int = 1) -> dict[str, dict]:
+    """Serves the tiny checkpoint (made under `work`) once per run with -tp `tp` and checks its 16 requests:
+    each run's figures by name, `passed` among them."""
     model_dir = make_tiny_model(work, "qwen2", seed=7, hidden_size=256, intermediate_size=768,
                                 num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=4096,
                                 max_position_embeddings=1024)
     rng = random.Random(0)
     prompts = [[rng.randrange(4096) for _ in range(rng.randrange(3, 90))] for _ in range(NUM_REQUESTS)]
     expected = [_hf_greedy_cuda(model_dir, p) for p in prompts]
-    summary = {"device": torch.cuda.get_device_name(0), "tensor_parallel_size": tp, "checks": {}}
-    runs = [
-        ("float32_profiled_pool", ["--dtype", "float32", "--gpu-memory-utilization", "0.3"], True),
-        ("float32_swap_preemption", ["--dtype", "float32", "--num-kv-blocks", "12", "--preemption-mode", "swap",
-                                     "--swap-space", "0.5"], True),
-        ("bfloat16_profiled_pool", ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"], False),
-    ]
-    ok = True
+    checks = {}
     for name, flags, exact in runs:
         started = time.monotonic()
         with running_server(work, "--model", str(model_dir), "--device", "cuda", "-tp", str(tp), *flags) as server:
@@ -96,14 +97,24 @@ def main() -> int:
         matches = sum(list(r.token_ids) == e for r, e in zip(results, expected))
         all_free = stats.num_free_kv_blocks == stats.num_kv_blocks and stats.num_free_swap_blocks == stats.num_swap_blocks
         passed = all_free and all(len(r.token_ids) == MAX_TOKENS for r in results) and (matches == len(prompts) or not exact)
-        ok &= passed
-        summary["checks"][name] = {
+        checks[name] = {
             "passed": passed, "exact_matches": f"{matches}/{len(prompts)}", "num_kv_blocks": info.num_kv_blocks,
             "num_swap_blocks": info.num_swap_blocks, "preemptions": stats.num_preemptions,
             "swapped_out_blocks": stats.num_swapped_out_blocks, "all_blocks_free": all_free,
             "startup_s": round(ready, 1), "generate_s": round(elapsed, 2), "mixed_step_graphs": mixed_graphs,
         }
-        print(name, json.dumps(summary["checks"][name]), flush=True)
+        print(name, json.dumps(checks[name]), flush=True)
+    return checks
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    tp = parser.parse_args().tensor_parallel_size
+    out_dir = Path(os.environ.get("OUT", "."))
+    checks = run_checks(Path(tempfile.mkdtemp()), RUNS, tp)
+    summary = {"device": torch.cuda.get_device_name(0), "tensor_parallel_size": tp, "checks": checks}
+    ok = all(check["passed"] for check in checks.values())
     (out_dir / f"gpu_serve_check{f'_tp{tp}' if tp > 1 else ''}.json").write_text(json.dumps(summary, indent=2))
     print("PASSED" if ok else "FAILED")
     return 0 if ok else 1

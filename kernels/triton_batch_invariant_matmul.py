@@ -25,7 +25,7 @@ batch (--batch-invariant). Here everything that decides a row's reduction order 
   batch_invariant_kernel_bench.py --decode; figures in docs/benchmarks.md, "Batch-invariant mode").
 - Each output element depends only on its row of `hidden` and its row of `weight`: a row's position inside
   its M tile does not change its math (the MMA computes every element of a tile the same way: checked on a
-  GPU by tests/test_batch_invariance_gpu.py; the interpreter's numpy matmul need not, since the host's BLAS
+  GPU by tests/gpu/test_batch_invariance_gpu.py; the interpreter's numpy matmul need not, since the host's BLAS
   may give a row other bits by its position, so the CPU tests sum the interpreter's dots in K order).
 
 Rounding: the fp32 accumulator plus the bias (added in fp32, before the one rounding, as cuBLAS's bias

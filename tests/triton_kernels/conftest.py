@@ -15,7 +15,7 @@ EPYC) a row's bits depend on its position in the tile, so the batch-invariance t
 with OPENBLAS_CORETYPE=Sandybridge. The second fixture below sums every dot product in K order with numpy's
 elementwise ops (IEEE, no BLAS), the same for every row and column: the bits then follow from what the kernel
 feeds each tile (which rows, which K range, in which order), which is what these tests can check on any CPU.
-Whether the GPU's MMA keeps a row's bits is checked on a GPU (tests/test_batch_invariance_gpu.py).
+Whether the GPU's MMA keeps a row's bits is checked on a GPU (tests/gpu/test_batch_invariance_gpu.py).
 """
 
 from __future__ import annotations

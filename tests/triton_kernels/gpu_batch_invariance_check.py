@@ -62,7 +62,7 @@ def serving_invariant(backend, options, shapes, group_size=4, num_kv_heads=None)
 
 def checks(shapes, segment: int) -> dict[str, tuple[bool, Callable[[], str]]]:
     """Each check by name: whether it must hold (False: a non-invariant counterpart, run for information), and
-    the check, which returns "invariant" or what differed. Shared with tests/test_batch_invariance_gpu.py."""
+    the check, which returns "invariant" or what differed. Shared with tests/gpu/test_batch_invariance_gpu.py."""
     device, batch_sizes, hidden_size, inter, vocab_size, _, _, _, _ = shapes
     rows = batch_sizes[-1]
     ops = batch_invariant_triton_layer_ops(device)

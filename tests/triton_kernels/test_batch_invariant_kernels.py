@@ -9,7 +9,7 @@ non-invariant paths they replace.
 Under the interpreter a tile's `tl.dot` is summed in K order (conftest.py; numpy's matmul left it to the
 host's BLAS, which failed these checks on some CPUs), so here they prove what each kernel feeds its tiles:
 the same rows, K ranges and order whatever the batch. What the GPU's MMA does with a tile is checked on a
-GPU by tests/test_batch_invariance_gpu.py, which runs the same bit checks on CUDA tensors.
+GPU by tests/gpu/test_batch_invariance_gpu.py, which runs the same bit checks on CUDA tensors.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from worker_svc.models.model_loader import load_model
 def greedy_step_logits(model, config, prompts, max_new_tokens, prefill_chunk=None, seed=0, block_size=16):
     """Per prompt, the logits [steps, vocab] of each token it generated greedily, all prompts batched each step
     (at most `prefill_chunk` new tokens a sequence a step: chunked prefills beside decodes), on the model's
-    device (tests/test_batch_invariance_gpu.py runs this on a GPU)."""
+    device (tests/gpu/test_batch_invariance_gpu.py runs this on a GPU)."""
     rng = random.Random(seed)
     device = next(model.parameters()).device
     capacity = [-(-(len(p) + max_new_tokens) // block_size) for p in prompts]
@@ -69,7 +69,7 @@ def test_a_requests_logits_do_not_depend_on_its_batch_or_chunking(arch, num_laye
 
 def assert_logits_alone_batched_and_chunked_agree(arch, num_layers, dtype, tmp_path, device) -> None:
     """A request's greedy-step logits alone, among two others, and prefilled in chunks among them: the same bits
-    (on the CPU under the interpreter, and on a GPU in tests/test_batch_invariance_gpu.py)."""
+    (on the CPU under the interpreter, and on a GPU in tests/gpu/test_batch_invariance_gpu.py)."""
     path = make_tiny_model(tmp_path, arch=arch, seed=0, num_hidden_layers=num_layers)
     model, config = load_model(path, dtype, device, attention_backend=BatchInvariantTritonBackend(),
                                layer_ops=batch_invariant_triton_layer_ops(device))

@@ -5,9 +5,7 @@ logits alone or batched) on CUDA tensors, and at served shapes (gpu_batch_invari
 Why here, and only on a GPU: under the interpreter (CPU CI) `tl.dot` is a product that tests/triton_kernels/
 conftest.py sums in K order, so those tests prove what the kernels feed each tile, not what the GPU's MMA does
 with it; that, the point of --batch-invariant, can only be seen on the GPU. Skipped without CUDA, and under the
-interpreter, which tests/conftest.py turns on by default. On a GPU machine, from the repo root:
-
-    TRITON_INTERPRET=0 python -m pytest -q tests/test_batch_invariance_gpu.py
+interpreter, which tests/conftest.py turns on by default (tests/gpu/conftest.py); `make test-gpu` runs them.
 """
 
 from __future__ import annotations
@@ -16,10 +14,6 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-import triton  # noqa: E402
-
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or triton.knobs.runtime.interpret,
-                                reason="needs a GPU, with TRITON_INTERPRET=0")
 
 from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend  # noqa: E402
 from kernels.triton_batch_invariant_matmul import TILE, linear, tile_by_rows, tiles_agree  # noqa: E402
