@@ -5,8 +5,9 @@ grammar bitmask to the device on a stream of its own beside the forward pass and
 Why this shape: the grammar `(a[0-9])+` allows "a" and the ten digits in turn, so each step's allowed set is
 the one the step before disallowed, and a draw that read a mask still holding the last step's bits (a copy not
 waited for) samples a rejected token; the logits favour 100 tokens the grammar never allows by +10 (logit_bias),
-so a draw that read no mask, or a partly copied one, samples one of them. A vocabulary of 65,536 makes each
-step's bitmask 2 MiB, a copy long enough to still run when the draw starts. Every row is checked by its text
+so a draw that read no mask, or a partly copied one, samples one of them. A vocabulary of 262,144 makes each
+step's bitmask 8 MiB, a copy that takes a few hundred microseconds: without the wait the draw would start
+while it still runs (the forward pass of the tiny model is done by then). Every row is checked by its text
 against the regular expression, independently of llguidance, and the worker reports no grammar failure.
 """
 
@@ -26,7 +27,7 @@ from worker_svc.worker import Worker
 
 GRAMMAR_REGEX = "(a[0-9])+"
 OUTPUT = re.compile("(a[0-9])*a?")  # every prefix of the grammar's strings
-VOCAB_SIZE = 65536
+VOCAB_SIZE = 262144
 EOS = 2  # </s>
 NUM_ROWS = 256
 NUM_DECODE_STEPS = 48
