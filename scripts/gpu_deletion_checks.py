@@ -51,10 +51,10 @@ DELETIONS = [
     Deletion("symmetric all-reduce's kernel", "worker_svc/symmetric_all_reduce.py",
              "        torch.ops.symm_mem.two_shot_all_reduce_(staged, \"sum\", self.group_name)\n", "",
              ("tests/gpu/test_symmetric_all_reduce_gpu.py",)),
-    Deletion("grammar bitmask applied", "worker_svc/worker.py",
-             "        self.sampling_ops.apply_token_bitmask(logits, on_device, _to_device(indices, torch.long, "
-             "self.device))\n", "", ("tests/gpu/test_grammar_mask_stream.py",)),
-    Deletion("draw waits for the mask copy stream", "worker_svc/worker.py",
+    Deletion("grammar bitmask applied", "worker_svc/model_runner.py",
+             "        self.sampling_ops.apply_token_bitmask(logits, on_device, to_device(indices, self.device, "
+             "torch.long))\n", "", ("tests/gpu/test_grammar_mask_stream.py",)),
+    Deletion("draw waits for the mask copy stream", "worker_svc/model_runner.py",
              "            compute.wait_stream(self._mask_copies)\n", "",
              ("tests/gpu/test_grammar_mask_stream.py",)),
     Deletion("device busy clock's end events", "worker_svc/device_busy.py",

@@ -1,4 +1,5 @@
-"""The worker's steady-decode busy clock (worker_svc/device_busy.py) on CUDA events, through `Worker.execute`:
+"""The worker's steady-decode busy clock (worker_svc/device_busy.py, `Worker.runner.device_busy`, whose summary
+the serving loop logs at shutdown) on CUDA events, through `Worker.execute`:
 it counts every decode step that follows a decode step, its busy fraction lies strictly between 0 and 1, and
 the idle time it reports between steps holds the time the host kept the GPU waiting: a known sleep between
 steps shows up as at least that much idle per step, and no more than the wall time between the steps.
@@ -25,7 +26,7 @@ SUMMARY = re.compile(r"over (\d+) steps \(idle ([\d.]+) ms between steps, span (
 
 def clock_totals(worker: Worker) -> tuple[int, float, float]:
     """(decode steps counted, idle ms, span ms) so far, from the clock's summary line (what the worker logs)."""
-    summary = worker.device_busy.summary()
+    summary = worker.runner.device_busy.summary()
     found = SUMMARY.search(summary)
     assert found, f"the clock measured nothing: {summary!r}"
     steps, idle, span = int(found[1]), float(found[2]), float(found[3])
@@ -58,8 +59,8 @@ def test_the_busy_clock_counts_decode_steps_and_the_idle_time_between_them(worke
         worker.execute(decode_step(step_id))
     steps, idle_ms, span_ms = clock_totals(worker)
     assert steps == BACK_TO_BACK_STEPS - 1, "the first decode step follows a prefill: not counted"
-    busy = worker.device_busy.busy_fraction()
-    assert 0.0 < busy < 1.0 and span_ms > 0.0 and idle_ms > 0.0, worker.device_busy.summary()
+    busy = worker.runner.device_busy.busy_fraction()
+    assert 0.0 < busy < 1.0 and span_ms > 0.0 and idle_ms > 0.0, worker.runner.device_busy.summary()
 
     walls = []
     for step_id in range(BACK_TO_BACK_STEPS + 1, BACK_TO_BACK_STEPS + SLEPT_STEPS + 1):
@@ -73,4 +74,4 @@ def test_the_busy_clock_counts_decode_steps_and_the_idle_time_between_them(worke
     assert 1e3 * SLEEP_S <= idle_per_step <= 1e3 * max(walls), (
         f"{idle_per_step:.3f} ms idle a step, the host slept {1e3 * SLEEP_S:.0f} ms and each step took at most "
         f"{1e3 * max(walls):.3f} ms of wall time")
-    assert worker.device_busy.busy_fraction() < busy, "idle steps must lower the busy fraction"
+    assert worker.runner.device_busy.busy_fraction() < busy, "idle steps must lower the busy fraction"

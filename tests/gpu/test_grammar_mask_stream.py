@@ -1,6 +1,6 @@
 """A constrained row never samples a token its grammar masks out on a GPU, where the worker copies each step's
 grammar bitmask to the device on a stream of its own beside the forward pass and the draw waits for that copy
-(worker_svc/worker.py, `_mask_by_grammar`): 256 rows for 48 steps, through `Worker.execute` alone.
+(worker_svc/model_runner.py, `_apply_grammar_masks`): 256 rows for 48 steps, through `Worker.execute` alone.
 
 Why this shape: the grammar `(a[0-9])+` allows "a" and the ten digits in turn, so each step's allowed set is
 the one the step before disallowed, and a draw that read a mask still holding the last step's bits (a copy not
