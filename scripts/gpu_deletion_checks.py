@@ -60,6 +60,9 @@ DELETIONS = [
     Deletion("device busy clock's end events", "worker_svc/device_busy.py",
              "        return torch.cuda.Event(enable_timing=True) if self.enabled else None\n", "        return None\n",
              ("tests/gpu/test_device_busy_gpu.py",)),
+    Deletion("device busy clock off", "worker_svc/model_runner.py",
+             "        self.device_busy = DeviceBusyClock(enabled=self.on_gpu)\n",
+             "        self.device_busy = DeviceBusyClock(enabled=False)\n", ("tests/gpu/test_device_busy_gpu.py",)),
 ]
 
 
