@@ -124,3 +124,14 @@ def eager_hidden(model, kv_caches: list[torch.Tensor], step: Step, num_tokens: i
     )
     with torch.inference_mode():
         return model(padded(step.input_ids, tokens, 0), padded(inputs.positions, tokens, 0), kv_caches, metadata)
+
+
+def assert_replay_is_eager(replayed: torch.Tensor, padded: torch.Tensor, alone: torch.Tensor, what: str) -> None:
+    """A replay's hidden states against the eager forward's: bit for bit over the same padding (`padded`, the
+    replay's token count, of which its real rows come first), within TOLERANCE over the real tokens alone."""
+    real = padded[: len(replayed)]
+    assert replayed.shape == alone.shape
+    assert torch.equal(replayed, real), (
+        f"{what}: the replay differs from the eager forward over the same padded bucket by up to "
+        f"{(replayed - real).abs().max().item():.3g}")
+    torch.testing.assert_close(replayed, alone, **TOLERANCE, msg=lambda message: f"{what}: {message}")

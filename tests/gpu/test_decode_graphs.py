@@ -13,7 +13,7 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from tests.gpu.graph_steps import (
     BLOCK_SIZE,
     DEVICE,
-    TOLERANCE,
+    assert_replay_is_eager,
     build_step,
     eager_hidden,
     load_cuda_model,
@@ -53,13 +53,8 @@ def test_each_replay_gives_the_eager_forwards_hidden_states(captured):
             replayed = graphs.run(step.inputs, bucket, step.previous_sampled).clone()
         padded = eager_hidden(model, kv_caches, step, num_tokens=bucket, num_seqs=bucket,
                               table_width=MAX_BLOCKS_PER_SEQ)
-        alone = eager_hidden(model, kv_caches, step)
-        assert replayed.shape == alone.shape
-        assert torch.equal(replayed, padded[:num_seqs]), (
-            f"{num_seqs} rows in bucket {bucket}: the replay differs from the eager forward over the same "
-            f"padded bucket by up to {(replayed - padded[:num_seqs]).abs().max().item():.3g}")
-        torch.testing.assert_close(replayed, alone, **TOLERANCE,
-                                   msg=lambda m: f"{num_seqs} rows in bucket {bucket}: {m}")
+        assert_replay_is_eager(replayed, padded, eager_hidden(model, kv_caches, step),
+                               f"{num_seqs} rows in bucket {bucket}")
 
 
 def test_a_step_with_prefill_or_too_many_rows_is_not_a_graphs(captured):

@@ -15,7 +15,7 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from tests.gpu.graph_steps import (
     BLOCK_SIZE,
     DEVICE,
-    TOLERANCE,
+    assert_replay_is_eager,
     build_step,
     eager_hidden,
     load_cuda_model,
@@ -70,13 +70,9 @@ def test_each_replay_gives_the_eager_forwards_hidden_states(captured):
                 block_size=BLOCK_SIZE, num_decode_seqs=inputs.num_decode_seqs)
             replayed = graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, bucket).clone()
         padded = eager_hidden(model, kv_caches, step, num_tokens=bucket)
-        alone = eager_hidden(model, kv_caches, step)
-        assert replayed.shape == alone.shape == (num_tokens, config.hidden_size)
-        assert torch.equal(replayed, padded[:num_tokens]), (
-            f"{num_tokens} tokens in bucket {bucket}: the replay differs from the eager forward over the same "
-            f"padded tokens by up to {(replayed - padded[:num_tokens]).abs().max().item():.3g}")
-        torch.testing.assert_close(replayed, alone, **TOLERANCE,
-                                   msg=lambda m: f"{num_tokens} tokens in bucket {bucket}: {m}")
+        assert replayed.shape == (num_tokens, config.hidden_size)
+        assert_replay_is_eager(replayed, padded, eager_hidden(model, kv_caches, step),
+                               f"{num_tokens} tokens in bucket {bucket}")
 
 
 def test_steps_past_the_largest_bucket_run_eagerly(captured):
