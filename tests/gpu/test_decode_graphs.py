@@ -57,7 +57,7 @@ def test_each_replay_gives_the_eager_forwards_hidden_states(captured):
                                f"{num_seqs} rows in bucket {bucket}")
 
 
-def test_a_step_with_prefill_or_too_many_rows_is_not_a_graphs(captured):
+def test_a_step_with_prefill_or_too_many_rows_replays_no_graph(captured):
     config, graphs = captured[1], captured[3]
     rng = np.random.default_rng(1)
     chunk = build_step([0, 5], [1, 7], pending=[0], num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, rng=rng)
