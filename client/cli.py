@@ -38,7 +38,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.wait is not None:
                 client.wait_ready(timeout=args.wait)
-            return _print_stream(client.generate_stream(**prompt, **sampling), show_logprobs=args.logprobs is not None or args.prompt_logprobs is not None)
+            show_logprobs = args.logprobs is not None or args.prompt_logprobs is not None
+            return _print_stream(client.generate_stream(**prompt, **sampling), show_logprobs=show_logprobs)
         except (InvalidRequestError, TypeError, ValueError) as error:
             return _fail(f"invalid request: {_first_line(error)}", EXIT_INVALID_REQUEST)
         except PagedServeError as error:

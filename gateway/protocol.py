@@ -200,7 +200,8 @@ class ChatCompletionRequest(SamplingFields):
     documents: list[dict[str, Any]] | None = None
     # false: at most one tool call (tool_choice.py says how).
     parallel_tool_calls: bool | None = None
-    # OpenAI fields with no effect here: accepted as OpenAI documents them (docs/switching_from_vllm.md, "Request fields").
+    # OpenAI fields with no effect here: accepted as OpenAI documents them (docs/switching_from_vllm.md,
+    # "Request fields").
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     prompt_cache_key: str | None = None

@@ -43,7 +43,8 @@ REFUSED_FLAGS = (
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
                 "the file); other quantized checkpoints: " + NOT_YET, accepted=("gguf",)),
     RefusedFlag(("--trust-remote-code",), "pagedserve never runs a model repository's Python code; it serves "
-                "the architectures it implements itself (docs/serving.md: Supported architectures), so the flag is not needed",
+                "the architectures it implements itself (docs/serving.md: Supported architectures), so the flag "
+                "is not needed",
                 takes_value=False),
     RefusedFlag(("--tokenizer-mode",), "pagedserve has one tokenizer implementation (the model's tokenizer.json, "
                 "vocab/merges or GGUF vocabulary)", accepted=("auto", "hf")),
@@ -81,7 +82,8 @@ class _RefuseAction(argparse.Action):
 
 
 def add_refused_vllm_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds every flag of REFUSED_FLAGS to `parser` (hidden from --help: docs/switching_from_vllm.md's table lists them)."""
+    """Adds every flag of REFUSED_FLAGS to `parser` (hidden from --help: docs/switching_from_vllm.md's table
+    lists them)."""
     for refused in REFUSED_FLAGS:
         dest = refused.names[0].lstrip("-").replace("-", "_")
         parser.add_argument(*refused.names, dest=dest, action=_RefuseAction, refused=refused)

@@ -53,8 +53,9 @@ class WorkerConfig:
     batch_invariant: bool = flag("--batch-invariant", default=False, switch="on",
                                  env_switch="VLLM_BATCH_INVARIANT",
                                  help="batch-invariant kernels: a greedy or seeded request gives bitwise the same "
-                                      "tokens and logprobs whatever else is in the batch (slower; docs/batch_invariant.md). "
-                                      "Default: on when $VLLM_BATCH_INVARIANT is set and not 0, as vLLM's switch")
+                                      "tokens and logprobs whatever else is in the batch (slower; "
+                                      "docs/batch_invariant.md). Default: on when $VLLM_BATCH_INVARIANT is set and "
+                                      "not 0, as vLLM's switch")
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = flag("--fail-at-step", default=None, hidden=True)
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).

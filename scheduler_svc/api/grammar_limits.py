@@ -10,7 +10,8 @@ these fields' names; the other keys are vLLM's).
 The defaults (each grammar the tests and benchmarks use passes them with a wide margin):
 - max_repetition 10,000: the largest count a regex's {n,m} may ask for, in a regex constraint, a JSON schema's
   `pattern` or a Lark/GBNF grammar (nested counts multiply: (a{1000}){1000} is 1,000,000). JSON schema count
-  keywords (minItems, maxLength, ...) are not limited: llguidance counts those without unrolling. llguidance unrolls counted repetitions into lexer states as the output goes; a count
+  keywords (minItems, maxLength, ...) are not limited: llguidance counts those without unrolling. llguidance
+  unrolls counted repetitions into lexer states as the output goes; a count
   of a million costs one mask a long stall of a core and then breaks the lexer ("too many expressions"; figures
   in docs/benchmarks.md, "Structured outputs"), and a count far past any context length constrains nothing an
   output could reach. pagedserve's own limit.
