@@ -4,9 +4,9 @@ Why two kinds of check: llguidance builds lazily (its lexer states and parser it
 so a grammar that validates in microseconds may cost a worker seconds per mask later, or break mid-output.
 What can be read from the constraint itself is checked first, cheaply: the counts of its regex repetitions
 (`check_repetition`; llguidance unrolls a regex's {n,m} into lexer states as the output goes). Then the grammar
-is built and its first mask computed under the same llguidance limits the workers use, timed (`try_grammar`):
-a grammar that cannot be built, starts in error (a `$ref` cycle with nothing to generate), reaches a limit or overruns the time budget is
-refused here, at the edge, with the limit it broke, and a worker never sees it.
+is built and its first mask computed under the same llguidance limits the workers use, timed (`try_grammar`): a
+grammar that cannot be built, starts in error (a `$ref` cycle with nothing to generate), reaches a limit or
+overruns the time budget is refused here, at the edge, with the limit it broke, and a worker never sees it.
 """
 
 from __future__ import annotations
