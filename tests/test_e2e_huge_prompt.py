@@ -48,7 +48,7 @@ with Client(sys.argv[1], max_retries=0) as client:
             continue
         sys.exit("not refused")
 '''
-STREAM = dict(max_tokens=300, ignore_eos=True, temperature=0.0)
+STREAM = dict(max_tokens=1000, ignore_eos=True, temperature=0.0)  # outlasts the huge prompts on a loaded host
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,8 @@ class SchedulerLink:
                         else:
                             self._inbox.put(message)
                 now = time.monotonic()
+                if now - awake > 2 * self._interval:  # stopped between the poll and here: the same as above
+                    last_heard = max(last_heard, now)
                 if now >= next_beat:
                     _send_unless_full(dealer, heartbeat)
                     next_beat = now + self._interval
