@@ -1,20 +1,22 @@
 """A huge text prompt stalls nobody (issue 22 item 3), through the real processes: a text longer than
 max_model_len can hold is refused before it is tokenized (prompt_encoding.check_prompt_chars), a long text
 under that bound is tokenized on a worker thread, and 4 streams running meanwhile see their largest gap
-between tokens grow by less than a quarter of what tokenizing that text on the event loop would stall them.
+between tokens grow by less than a third of what tokenizing that text on the event loop would stall them.
 A tiny Llama with SmolLM2's tokenizer (the embedded GGUF's), max_model_len 8192: the bound is
 8192 * 81 * 4 = 2,654,208 characters, a text that takes ~1.4 s to encode at rest.
 
 Why that bound and not a wall-clock one: with a fixed 200 ms (and max_model_len 512) the test failed on a
 loaded 2-core machine (the largest gap grew by 350 ms, by 410 ms at load 12; at rest from 23 to 116 ms): the
-sender's and gRPC's work on 20 MB takes CPU time from the worker itself (docs/reliability.md, "Input bounds before work"); and an
+sender's and gRPC's work on 20 MB takes CPU time from the worker itself (docs/reliability.md, "Input bounds
+before work"); and an
 encoding on the loop then stalled it ~86 ms, under that bound. Here the stall a blocked loop would cause is
 measured in the test, on the machine as loaded as it is then (this process encoding the same text), so the
 bound grows with the load as the gaps do; and a long text, since the stall of an encoding on the loop grows
 with the text while the gaps' growth from an encoding on a thread (a core taken) does not. Measured as
 growth / encoding time: with max_model_len 4096 on a thread 0.01 at rest, 0.12 at load 7, on the loop
 (OFF_LOOP_PROMPT_CHARS raised past the text) 0.61 at rest, 0.35 at load 7.5; with 8192 at load 7, 0.02 on a
-thread and 0.46 on the loop (2.0 s against a bound of 1.09 s: the test failed)."""
+thread and 0.46 on the loop (2.0 s against a bound of 1.09 s: the test failed); on a thread in a full `make
+test` run, 0.25 once (a quarter failed it), hence a third: still under the least seen on the loop (0.35)."""
 
 from __future__ import annotations
 
@@ -131,4 +133,4 @@ def test_huge_prompts_next_to_4_streams_delay_their_tokens_less_than_encoding_on
     on_the_loop = _seconds_to_encode_on_the_loop()
     print(f"largest gap per stream: alone {[round(g, 3) for g in baseline]} s, next to the huge prompts "
           f"{[round(g, 3) for g in loaded]} s; encoding it on the loop would stall it {on_the_loop:.3f} s")
-    assert max(loaded) - max(baseline) < on_the_loop / 4, (baseline, loaded, on_the_loop)
+    assert max(loaded) - max(baseline) < on_the_loop / 3, (baseline, loaded, on_the_loop)
