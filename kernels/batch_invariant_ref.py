@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kernels import fused_moe_ref, gelu_and_mul_ref, paged_attention_ref, rmsnorm_ref, rotary_ref, silu_and_mul_ref
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales
 from kernels.layer_ops import LayerOps
 
 
@@ -77,10 +78,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> torch.Tensor:
-    """kernels/paged_attention_ref.py's attention, one query at a time over the keys 0 .. its position."""
+    """kernels/paged_attention_ref.py's attention, one query at a time over the keys 0 .. its position (an fp8
+    cache dequantized elementwise with `kv_scales`)."""
     output = torch.zeros_like(query)
-    for start, end, key, value in paged_attention_ref.sequences(kv_cache, metadata):
+    for start, end, key, value in paged_attention_ref.sequences(kv_cache, metadata, kv_scales, query.dtype):
         first_position = key.shape[0] - (end - start)
         for j in range(end - start):
             seen = first_position + j + 1
@@ -92,11 +95,12 @@ def paged_attention(
 class BatchInvariantTorchBackend:
     """The AttentionBackend of `--batch-invariant` on the CPU (kernels/attention_backend.py's protocol)."""
 
-    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
-        paged_attention_ref.write_kv_cache(key, value, kv_cache, slot_mapping)
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping, kv_scales=UNIT_KV_SCALES) -> None:
+        paged_attention_ref.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
 
-    def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None):
-        return paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap)
+    def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None,
+                        kv_scales=UNIT_KV_SCALES):
+        return paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap, kv_scales)
 
 
 def batch_invariant_torch_layer_ops() -> LayerOps:

@@ -8,6 +8,8 @@ Rounding follows flash attention, which is what transformers' sdpa runs on a GPU
 our Triton kernels do): scores and softmax in fp32, the unnormalized probabilities `exp(s - max)` rounded
 to the cache dtype for the P @ V product (fp32 accumulation), the fp32 row sum of the unrounded
 probabilities dividing the result, one rounding of the output. In fp32 the rounding is the identity.
+An fp8 cache (kernels/kv_quant.py) is written quantized with the layer's K/V scales and read dequantized to the
+query's dtype; attention then runs as over a cache of that dtype.
 Why it matters: a bf16 model amplifies any one-ulp difference to bf16's whole error, so a reference that
 kept P in fp32 is as far from transformers' bf16 as bf16 is from fp32. A kernel rounds P against its
 running max, tile by tile; this reference uses the row max (one tile spanning the whole context).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, dequantize, quantize
 
 
 def write_kv_cache(
@@ -25,26 +28,30 @@ def write_kv_cache(
     value: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> None:
-    """Store key/value `[T, Hkv, D]` into their slots of `kv_cache` in place; slots < 0 are padding."""
+    """Store key/value `[T, Hkv, D]` into their slots of `kv_cache` in place; slots < 0 are padding. An fp8
+    cache stores them quantized with `kv_scales`."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     flat_cache = kv_cache.view(2, -1, num_kv_heads, head_dim)  # view, not reshape: writes must land
     is_real = slot_mapping >= 0
     slots = slot_mapping[is_real]
-    flat_cache[0, slots] = key[is_real].to(kv_cache.dtype)
-    flat_cache[1, slots] = value[is_real].to(kv_cache.dtype)
+    flat_cache[0, slots] = quantize(key[is_real], kv_scales.k, kv_cache.dtype)
+    flat_cache[1, slots] = quantize(value[is_real], kv_scales.v, kv_cache.dtype)
 
 
 def gather_context(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, kv_scales: KVScales = UNIT_KV_SCALES,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V `[seq_len, Hkv, D]` of one sequence's context, read through its block table."""
+    """K and V `[seq_len, Hkv, D]` of one sequence's context, read through its block table (an fp8 cache's
+    dequantized to `dtype` with `kv_scales`)."""
     block_size = kv_cache.shape[2]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].long()
     key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
     value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-    return key, value
+    return dequantize(key, kv_scales.k, dtype), dequantize(value, kv_scales.v, dtype)
 
 
 def paged_attention(
@@ -54,6 +61,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries `[T, Hq, D]` over its paged context.
 
@@ -61,22 +69,25 @@ def paged_attention(
     sees keys `0 ..` that position, or with a `sliding_window` W only the last W of them (keys
     `p - W + 1 .. p`, transformers' sliding-window mask). Query head h reads KV head `h // (Hq // Hkv)`
     (GQA, as HF's repeat_kv). `logit_softcap` c (Gemma 2) bounds the scaled scores: `c * tanh(s / c)`,
-    before the mask. Tokens outside every sequence (padding) get zeros.
+    before the mask. Tokens outside every sequence (padding) get zeros. An fp8 cache is read with `kv_scales`.
     """
     output = torch.zeros_like(query)
-    for start, end, key, value in sequences(kv_cache, metadata):
+    for start, end, key, value in sequences(kv_cache, metadata, kv_scales, query.dtype):
         output[start:end] = attend(query[start:end], key, value, scale, sliding_window, logit_softcap)
     return output
 
 
-def sequences(kv_cache: torch.Tensor, metadata: AttentionMetadata):
+def sequences(kv_cache: torch.Tensor, metadata: AttentionMetadata, kv_scales: KVScales = UNIT_KV_SCALES,
+              dtype: torch.dtype | None = None):
     """(start, end, key, value) of each sequence with new tokens: its rows [start, end) of the step's tokens,
-    and its whole context's K and V `[L, Hkv, D]` read through its block table."""
+    and its whole context's K and V `[L, Hkv, D]` read through its block table (an fp8 cache's dequantized to
+    `dtype`, the query's)."""
     starts = metadata.query_start_loc.tolist()
     for seq_index, seq_len in enumerate(metadata.seq_lens.tolist()):
         start, end = starts[seq_index], starts[seq_index + 1]
         if end > start:
-            yield start, end, *gather_context(kv_cache, metadata.block_tables[seq_index], seq_len)
+            yield start, end, *gather_context(kv_cache, metadata.block_tables[seq_index], seq_len, kv_scales,
+                                              dtype)
 
 
 def attend(

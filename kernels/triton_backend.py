@@ -25,7 +25,9 @@ the graph's pool) can be captured. Warm up every bucket eagerly before capturing
 separate compile, and Triton also specializes on pointer alignment (a sliced metadata view starting at
 an odd sequence is a second variant).
 
-Requirements: query, key/value and the cache share one dtype (fp32, fp16 or bf16); head_dim and
+Requirements: query, key/value and the cache share one dtype (fp32, fp16 or bf16), or the cache is fp8
+(kernels/kv_quant.py: written quantized, read dequantized to the query's dtype with the layer's scales,
+host floats that a captured graph keeps); head_dim and
 block_size are any sizes (powers of two are fastest); the cache's last axis is contiguous.
 """
 
@@ -35,6 +37,7 @@ import torch
 
 from kernels import triton_cache_write, triton_decode_attention, triton_prefill_attention
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, is_fp8
 
 
 def count_leading_decodes(metadata: AttentionMetadata) -> int:
@@ -65,8 +68,9 @@ class TritonAttentionBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        triton_cache_write.write_kv_cache(key, value, kv_cache, slot_mapping)
+        triton_cache_write.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
 
     def paged_attention(
         self,
@@ -77,13 +81,14 @@ class TritonAttentionBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         output: torch.Tensor | None = None,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros.
         A `sliding_window` or `logit_softcap` selects the kernels' HAS_WINDOW / HAS_SOFTCAP variants (each
         combination a compile of its own: worker_svc/kernel_warmup.py warms the model's). With `output` (like
         `query`), the result goes there and rows of tokens outside every sequence keep what they held (a CUDA
         graph's buffer whose padding rows nobody reads: worker_svc/mixed_graphs.py)."""
-        assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
+        assert query.dtype == kv_cache.dtype or is_fp8(kv_cache.dtype), "query and KV cache must share a dtype"
         if output is None:
             output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
@@ -102,7 +107,7 @@ class TritonAttentionBackend:
                 metadata.seq_lens[:num_decodes],
                 metadata.block_tables[:num_decodes],
                 scale, output, num_kv_splits,
-                sliding_window=sliding_window, logit_softcap=logit_softcap,
+                sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scales=kv_scales,
             )
         if num_decodes < num_seqs:
             triton_prefill_attention.prefill_attention(
@@ -111,6 +116,6 @@ class TritonAttentionBackend:
                 metadata.seq_lens[num_decodes:],
                 metadata.block_tables[num_decodes:],
                 scale, output, num_query_tokens=query.shape[0],
-                sliding_window=sliding_window, logit_softcap=logit_softcap,
+                sliding_window=sliding_window, logit_softcap=logit_softcap, kv_scales=kv_scales,
             )
         return output

@@ -69,6 +69,7 @@ import triton.language as tl
 
 from kernels import triton_cache_write
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, is_fp8
 from kernels.triton_backend import count_leading_decodes
 from kernels.triton_numerics import dot_precision, needs_upcast
 from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
@@ -120,6 +121,8 @@ def _batch_invariant_attention_kernel(
     partial_sum_ptr,
     scale_log2,
     softcap_log2,
+    k_scale,
+    v_scale,
     sliding_window,
     num_seqs,
     num_splits,
@@ -146,6 +149,7 @@ def _batch_invariant_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """One program: TOKENS_PER_TILE query tokens of one sequence x the QUERIES_PER_KV query heads of one KV
     head, row r = (token r // QUERIES_PER_KV, head r % QUERIES_PER_KV), BLOCK_M rows (the unused tail masked).
@@ -218,7 +222,8 @@ def _batch_invariant_attention_kernel(
             running_max, running_sum, acc = attend_paged_tile(
                 query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
                 stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
-                scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
+                scale_log2, softcap_log2, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True,
+                HAS_SOFTCAP, KV_FP8, query_ptr.dtype.element_ty,
             )
         if SPLIT:
             tl.store(partial_max_ptr + partial + segment, running_max, mask=row_valid)
@@ -331,9 +336,11 @@ class BatchInvariantTritonBackend:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> None:
-        """A copy of each token's K/V into its slot: no reduction, invariant as it is."""
-        triton_cache_write.write_kv_cache(key, value, kv_cache, slot_mapping)
+        """A copy of each token's K/V into its slot (quantized elementwise into an fp8 cache): no reduction,
+        invariant as it is."""
+        triton_cache_write.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
 
     def paged_attention(
         self,
@@ -344,13 +351,15 @@ class BatchInvariantTritonBackend:
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
         output: torch.Tensor | None = None,
+        kv_scales: KVScales = UNIT_KV_SCALES,
     ) -> torch.Tensor:
         """Same contract as kernels/paged_attention_ref.py; tokens outside every sequence get zeros.
         The first `metadata.num_decode_seqs` sequences (found with one host sync when None) run the decode
         variants, the rest the prefill variant: the same math for every token. With `output` (like `query`), the
         result goes there and rows of tokens outside every sequence keep what they held, as in
-        kernels/triton_backend.py (a piecewise CUDA graph's buffer: worker_svc/mixed_graphs.py)."""
-        assert query.dtype == kv_cache.dtype, "query and KV cache must share a dtype"
+        kernels/triton_backend.py (a piecewise CUDA graph's buffer: worker_svc/mixed_graphs.py). An fp8 cache is
+        dequantized elementwise with `kv_scales` as it is loaded, which keeps every token's result invariant."""
+        assert query.dtype == kv_cache.dtype or is_fp8(kv_cache.dtype), "query and KV cache must share a dtype"
         if output is None:
             output = torch.zeros_like(query)
         num_seqs = metadata.num_seqs
@@ -380,6 +389,7 @@ class BatchInvariantTritonBackend:
                 *(partials or (output, output, output)),
                 scale * LOG2_E,
                 0.0 if logit_softcap is None else logit_softcap * LOG2_E,
+                kv_scales.k, kv_scales.v,
                 0 if sliding_window is None else sliding_window,
                 seqs.stop - seqs.start, num_splits, max_segments,
                 query.stride(0), query.stride(1), output.stride(0), output.stride(1),
@@ -395,9 +405,10 @@ class BatchInvariantTritonBackend:
                 DECODE=decode,
                 SPLIT=partials is not None,
                 UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
-                DOT_PRECISION=dot_precision(kv_cache.dtype),
+                DOT_PRECISION=dot_precision(query.dtype),
                 HAS_WINDOW=sliding_window is not None,
                 HAS_SOFTCAP=logit_softcap is not None,
+                KV_FP8=is_fp8(kv_cache.dtype),
                 num_warps=self.num_warps,
                 num_stages=self.num_stages,
                 enable_fp_fusion=False,

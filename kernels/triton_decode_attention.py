@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, is_fp8
 from kernels.triton_numerics import dot_precision, needs_upcast
 from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
 
@@ -48,6 +49,8 @@ def _decode_attention_kernel(
     partial_sum_ptr,
     scale_log2,
     softcap_log2,
+    k_scale,
+    v_scale,
     sliding_window,
     num_query_heads,
     stride_q_token,
@@ -70,6 +73,7 @@ def _decode_attention_kernel(
     HEADS_FASTEST: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -124,8 +128,9 @@ def _decode_attention_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < context_end,
             positions[None, :] < context_end, kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
+            KV_FP8, query_ptr.dtype.element_ty,
         )
     if full_end < context_end:
         positions = full_end + tile
@@ -133,8 +138,9 @@ def _decode_attention_kernel(
         running_max, running_sum, acc = attend_paged_tile(
             query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
             in_context[None, :], kv_head, stride_cache_block, stride_cache_token,
-            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
+            stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
             HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
+            KV_FP8, query_ptr.dtype.element_ty,
         )
 
     if NUM_KV_SPLITS == 1:
@@ -228,6 +234,7 @@ def decode_attention(
     heads_fastest: bool = True,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> None:
     """Write decode attention of `seq_lens.shape[0]` sequences into `output` [T, Hq, D] in place.
 
@@ -242,7 +249,8 @@ def decode_attention(
     K/V closer to the copy rate) and 64 otherwise (split segments are short; an fp32 tile is twice as big).
     `sliding_window` W: the query sees its last W keys only, and only they are read (the split-KV segments
     cut the window, not the context). `logit_softcap` c: scores become `c * tanh(s / c)`. Each is a
-    constexpr variant (HAS_WINDOW, HAS_SOFTCAP); without them the kernel is the plain one.
+    constexpr variant (HAS_WINDOW, HAS_SOFTCAP); without them the kernel is the plain one. An fp8 `kv_cache`
+    (KV_FP8) is dequantized with `kv_scales` to the query's dtype as it is loaded.
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
@@ -273,6 +281,7 @@ def decode_attention(
         partial_acc, partial_max, partial_sum,
         scale * LOG2_E,
         0.0 if logit_softcap is None else logit_softcap * LOG2_E,
+        kv_scales.k, kv_scales.v,
         0 if sliding_window is None else sliding_window,
         num_query_heads,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
@@ -285,10 +294,11 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_KV_SPLITS=num_kv_splits,
         UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
-        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
         HEADS_FASTEST=heads_fastest,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None,
+        KV_FP8=is_fp8(kv_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -12,6 +12,9 @@ numerically identical and the traps handled in one place:
   function in that domain with the cap `c * log2(e)`, so the kernels take `softcap_log2` and stay in it.
   tanh is built from exp2 in fp32 (`soft_cap`): libdevice's tanh does not exist in the interpreter.
 
+- An fp8 cache (KV_FP8, kernels/kv_quant.py) is dequantized right after the load: `float(x) * scale`, rounded
+  to KV_DTYPE (the query's dtype), so the tile then goes through the same softmax step as a cache of that dtype.
+
 Cache layout read here: `[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last axis
 (the K or V half of the per-layer `[2, ...]` tensor).
 """
@@ -140,6 +143,8 @@ def attend_paged_tile(
     acc,
     scale_log2,
     softcap_log2,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -147,16 +152,22 @@ def attend_paged_tile(
     DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_DTYPE: tl.constexpr,
 ):
     """Gather the K/V of context `positions` through the block table and fold them into the state.
 
-    Without MASKED every position is in the context and visible to every row (no masks at all).
+    Without MASKED every position is in the context and visible to every row (no masks at all). With KV_FP8
+    the cache holds fp8 and `k_scale` / `v_scale` dequantize it to KV_DTYPE.
     """
     offsets = paged_token_offsets(
         table_row_ptr, positions, in_context, kv_head, stride_block, stride_token, stride_head, BLOCK_SIZE, MASKED
     )
     key = load_kv_tile(key_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
     value = load_kv_tile(value_cache_ptr, offsets, in_context, dims, HEAD_DIM, BLOCK_D, MASKED)
+    if KV_FP8:
+        key = (key.to(tl.float32) * k_scale).to(KV_DTYPE)
+        value = (value.to(tl.float32) * v_scale).to(KV_DTYPE)
     return online_softmax_step(
         query, key, value, visible, running_max, running_sum, acc, scale_log2, softcap_log2,
         UPCAST, DOT_PRECISION, MASKED, HAS_SOFTCAP,

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, is_fp8
 from kernels.triton_numerics import dot_precision, needs_upcast
 from kernels.triton_paged_kv import LOG2_E, attend_paged_tile
 
@@ -54,9 +55,10 @@ def _find_sequence(query_start_loc_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
 def _attend_window_stretch(
     start, end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end, sliding_window,
     kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
-    running_max, running_sum, acc, scale_log2, softcap_log2,
+    running_max, running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_DTYPE: tl.constexpr,
 ):
     """Fold key tiles `start`, `start + BLOCK_N`, ... below `end`; MASKED: each row sees its causal window."""
     tile = tl.arange(0, BLOCK_N)
@@ -70,7 +72,8 @@ def _attend_window_stretch(
         running_max, running_sum, acc = attend_paged_tile(
             query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context, visible, kv_head,
             stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
-            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, MASKED, HAS_SOFTCAP,
+            scale_log2, softcap_log2, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, MASKED,
+            HAS_SOFTCAP, KV_FP8, KV_DTYPE,
         )
     return running_max, running_sum, acc
 
@@ -79,9 +82,10 @@ def _attend_window_stretch(
 def _attend_window(
     query, key_cache_ptr, value_cache_ptr, table_row, query_positions, first_position, last_position,
     causal_end, sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims,
-    running_max, running_sum, acc, scale_log2, softcap_log2,
+    running_max, running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_DTYPE: tl.constexpr,
 ):
     """Fold the keys a tile of query rows sees through a sliding window W: the rows' windows start at
     different keys (row at position p sees p - W + 1 .. p), so the loop starts at the first row's window
@@ -97,20 +101,20 @@ def _attend_window(
     running_max, running_sum, acc = _attend_window_stretch(
         window_first, masked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
         sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
-        running_sum, acc, scale_log2, softcap_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+        running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True, KV_FP8, KV_DTYPE,
     )
     running_max, running_sum, acc = _attend_window_stretch(
         masked_end, unmasked_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
         sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
-        running_sum, acc, scale_log2, softcap_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, False,
+        running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, False, KV_FP8, KV_DTYPE,
     )
     running_max, running_sum, acc = _attend_window_stretch(
         unmasked_end, causal_end, query, key_cache_ptr, value_cache_ptr, table_row, query_positions, causal_end,
         sliding_window, kv_head, stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max,
-        running_sum, acc, scale_log2, softcap_log2,
-        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True,
+        running_sum, acc, scale_log2, softcap_log2, k_scale, v_scale,
+        HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP, True, KV_FP8, KV_DTYPE,
     )
     return running_max, running_sum, acc
 
@@ -131,6 +135,8 @@ def _prefill_attention_kernel(
     block_tables_ptr,
     scale_log2,
     softcap_log2,
+    k_scale,
+    v_scale,
     sliding_window,
     num_seqs,
     stride_q_token,
@@ -151,6 +157,7 @@ def _prefill_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile_index = tl.program_id(0)
     head = tl.program_id(1)
@@ -193,7 +200,8 @@ def _prefill_attention_kernel(
             query, key_cache_ptr, value_cache_ptr, table_row, query_positions, context_before + row_start,
             context_before + tl.minimum(row_start + BLOCK_M, query_len) - 1, causal_end, sliding_window, kv_head,
             stride_cache_block, stride_cache_token, stride_cache_head, dims, running_max, running_sum, acc,
-            scale_log2, softcap_log2, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION, HAS_SOFTCAP,
+            scale_log2, softcap_log2, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, UPCAST, DOT_PRECISION,
+            HAS_SOFTCAP, KV_FP8, query_ptr.dtype.element_ty,
         )
     else:
         for tile_start in range(0, unmasked_end, BLOCK_N):
@@ -201,8 +209,9 @@ def _prefill_attention_kernel(
             running_max, running_sum, acc = attend_paged_tile(
                 query, key_cache_ptr, value_cache_ptr, table_row, positions, positions < seq_len,
                 positions[None, :] < seq_len, kv_head, stride_cache_block, stride_cache_token,
-                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
+                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2, k_scale,
+                v_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, False, HAS_SOFTCAP,
+                KV_FP8, query_ptr.dtype.element_ty,
             )
         for tile_start in range(unmasked_end, causal_end, BLOCK_N):
             positions = tile_start + tile
@@ -211,8 +220,9 @@ def _prefill_attention_kernel(
             running_max, running_sum, acc = attend_paged_tile(
                 query, key_cache_ptr, value_cache_ptr, table_row, positions, in_context,
                 visible, kv_head, stride_cache_block, stride_cache_token,
-                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
+                stride_cache_head, dims, running_max, running_sum, acc, scale_log2, softcap_log2, k_scale,
+                v_scale, HEAD_DIM, BLOCK_D, BLOCK_SIZE, UPCAST, DOT_PRECISION, True, HAS_SOFTCAP,
+                KV_FP8, query_ptr.dtype.element_ty,
             )
 
     output = acc / tl.where(running_sum == 0.0, 1.0, running_sum)[:, None]
@@ -238,6 +248,7 @@ def prefill_attention(
     num_stages: int = 2,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
+    kv_scales: KVScales = UNIT_KV_SCALES,
 ) -> None:
     """Write causal attention of `seq_lens.shape[0]` sequences' query chunks into `output` in place.
 
@@ -249,7 +260,8 @@ def prefill_attention(
     fp32 64 x 64 x 128 pipeline would not fit in shared memory); it, `num_warps` and `num_stages` are
     tuning knobs (benchmarks/kernel_bench.py --sweep). `sliding_window` W and `logit_softcap` c are
     constexpr variants (HAS_WINDOW, HAS_SOFTCAP) as in decode_attention; with a window a tile reads the
-    keys from its first row's window start on (O(W + BLOCK_M) keys, not the whole prefix).
+    keys from its first row's window start on (O(W + BLOCK_M) keys, not the whole prefix). An fp8 `kv_cache`
+    (KV_FP8) is dequantized with `kv_scales` to the query's dtype as it is loaded.
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:
@@ -266,6 +278,7 @@ def prefill_attention(
         query_start_loc, seq_lens, block_tables,
         scale * LOG2_E,
         0.0 if logit_softcap is None else logit_softcap * LOG2_E,
+        kv_scales.k, kv_scales.v,
         0 if sliding_window is None else sliding_window,
         num_seqs,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
@@ -277,9 +290,10 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         UPCAST=needs_upcast(query.dtype) or needs_upcast(kv_cache.dtype),
-        DOT_PRECISION=dot_precision(kv_cache.dtype),
+        DOT_PRECISION=dot_precision(query.dtype),
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=logit_softcap is not None,
+        KV_FP8=is_fp8(kv_cache.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
     )
