@@ -4,7 +4,9 @@ fails on the first one we cannot honour instead of running with it silently igno
 Why a table and not argparse's "unrecognized arguments": these are flags a vLLM user is likely to bring
 along, and the refusal says why and what to do instead. A flag of vLLM's that is in neither this table nor
 the parser still fails, with argparse's message. Some flags are refused only for values other than the one
-pagedserve has (`--pipeline-parallel-size 1`, `--kv-cache-dtype auto` are fine).
+pagedserve has (`--pipeline-parallel-size 1`, `--cpu-offload-gb 0` are fine). `--kv-cache-dtype` is a worker flag
+(worker_svc/config.py): auto, fp8 and fp8_e4m3 are served, and its parser refuses vLLM's other values naming
+these.
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--lora-modules",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--max-loras",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--max-lora-rank",), f"LoRA adapters: {NOT_YET}"),
-    RefusedFlag(("--kv-cache-dtype",), "the KV cache has the model's dtype (--dtype); quantized KV caches: "
-                f"{NOT_YET}", accepted=("auto",)),
     RefusedFlag(("--cpu-offload-gb",), f"weight offloading to the CPU: {NOT_YET}", accepted=("0",)),
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
                 "the file); other quantized checkpoints: " + NOT_YET, accepted=("gguf",)),

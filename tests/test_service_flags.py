@@ -29,7 +29,8 @@ KEY_VARIABLES = ("PAGEDSERVE_API_KEY", "VLLM_API_KEY", "PAGEDSERVE_GRPC_API_KEY"
 
 EXAMPLES = {
     WorkerConfig: WorkerConfig(
-        model="some/model", scheduler_address="ipc://workers", device="cuda:1", dtype="float16", num_kv_blocks=64,
+        model="some/model", scheduler_address="ipc://workers", device="cuda:1", dtype="float16", kv_cache_dtype="fp8",
+        num_kv_blocks=64,
         gpu_memory_utilization=0.5, cpu_kv_cache_space=2.0, swap_space=1.0, load_format="dummy",
         attention_backend="torch", cuda_graphs=False, custom_all_reduce=False, batch_invariant=True,
         fail_at_step=7, crash_on_token_id=42, crash_at_output_token=3, prefill_seconds_per_token=0.01, rank=1,

@@ -13,6 +13,16 @@ from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAUL
 GIB = 1 << 30
 # vLLM's --dtype spellings: half is float16, float is float32.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# --kv-cache-dtype values we serve (kernels/kv_quant.py): the model's dtype, or fp8 e4m3 (vLLM's "fp8").
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def kv_cache_dtype_name(value: str) -> str:
+    """--kv-cache-dtype's value, refusing vLLM's others (fp8_e5m2, fp8_inc, ...) with the ones we serve."""
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not supported; supported: {', '.join(KV_CACHE_DTYPES)} "
+                                         "(auto: the model's dtype; fp8 = fp8_e4m3, docs/kv_cache_fp8.md)")
+    return value
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,10 @@ class WorkerConfig:
     dtype: str = flag("--dtype", default="auto", choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
                       help="weights and activations (half = float16, float = float32; auto: bfloat16 on a "
                            "GPU, float32 on the CPU)")
+    # The KV pool's dtype: the model's ("auto") or float8_e4m3fn with per-layer scales (half the bytes a block).
+    kv_cache_dtype: str = flag("--kv-cache-dtype", default="auto", parse=kv_cache_dtype_name,
+                               help="KV cache dtype: auto (the model's dtype) or fp8 (= fp8_e4m3: float8 e4m3 with the "
+                                    "checkpoint's per-layer k/v scales, else 1.0; twice the blocks)")
     # Set: exactly this many KV blocks. None: sized from memory (gpu_memory_utilization on a GPU,
     # cpu_kv_cache_space on the CPU).
     num_kv_blocks: int | None = flag("--num-kv-blocks", default=None, help="KV pool size in blocks (overrides sizing)")
@@ -78,6 +92,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         """The checks that span fields, as usage errors naming the flags."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise SystemExit(f"--kv-cache-dtype {self.kv_cache_dtype}: supported: {', '.join(KV_CACHE_DTYPES)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise SystemExit("--num-kv-blocks must be at least 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

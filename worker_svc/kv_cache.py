@@ -4,12 +4,17 @@ Owned by the worker process alone; the scheduler only ever sees block ids. Layou
 `[2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]` (this rank's KV heads under tensor parallel;
 block ids mean the same slots on every rank), the same in both pools, so a swap or a copy is
 one indexed copy per layer over all moved blocks at once.
+
+The pools' dtype is the KV cache's (`--kv-cache-dtype`: the model's, or float8_e4m3fn, kernels/kv_quant.py);
+bytes per block follow its element size, so an fp8 pool holds twice the blocks of a bf16 one in the same
+memory. Swaps and copies move an fp8 pool's raw bytes (a uint8 view), so every move keeps the bits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_fp8
 from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
@@ -53,7 +58,7 @@ class KVCache:
         src, dst = _indices(moves, self.device)
         dst_cpu = dst.cpu()
         for layer, swap_layer in zip(self.layers, self.swap_layers):
-            swap_layer[:, dst_cpu] = layer[:, src].to("cpu")
+            _raw(swap_layer)[:, dst_cpu] = _raw(layer)[:, src].to("cpu")
 
     def swap_in(self, moves: list[tuple[int, int]]) -> None:
         """Swap blocks -> device blocks, (src swap block, dst device block) pairs."""
@@ -62,7 +67,7 @@ class KVCache:
         src, dst = _indices(moves, self.device)
         src_cpu = src.cpu()
         for layer, swap_layer in zip(self.layers, self.swap_layers):
-            layer[:, dst] = swap_layer[:, src_cpu].to(self.device, non_blocking=True)
+            _raw(layer)[:, dst] = _raw(swap_layer)[:, src_cpu].to(self.device, non_blocking=True)
 
     def copy(self, moves: list[tuple[int, int]]) -> None:
         """Device block -> device block (copy-on-write of a shared partial block)."""
@@ -70,7 +75,13 @@ class KVCache:
             return
         src, dst = _indices(moves, self.device)
         for layer in self.layers:
-            layer[:, dst] = layer[:, src]
+            _raw(layer)[:, dst] = _raw(layer)[:, src]
+
+
+def _raw(pool: torch.Tensor) -> torch.Tensor:
+    """The pool itself, or an fp8 pool's bytes: indexed copies of float8 tensors are not implemented on every
+    device and torch version, byte copies are (and keep the bits)."""
+    return pool.view(torch.uint8) if is_fp8(pool.dtype) else pool
 
 
 def _indices(moves: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

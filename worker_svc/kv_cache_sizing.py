@@ -2,7 +2,8 @@
 
 On a GPU, DESIGN.md's rule: after the weights are loaded, run one forward pass at the largest batch the
 scheduler may send (max_num_batched_tokens tokens, max_num_seqs sampled rows), read the peak memory, and give
-what is left of `total * gpu_memory_utilization` to the pool. On the CPU, a fixed budget in GiB.
+what is left of `total * gpu_memory_utilization` to the pool. On the CPU, a fixed budget in GiB. Blocks are
+counted in the pool's dtype (`kv_dtype`: an fp8 pool gets twice a bf16 one's blocks in the same memory).
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ def num_kv_blocks(
     max_num_batched_tokens: int,
     max_num_seqs: int,
     max_model_len: int,
-    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
     device: torch.device,
     tensor_parallel: TensorParallel = SINGLE_RANK,
 ) -> int:
-    per_block = bytes_per_block(model_config, block_size, dtype, tensor_parallel)
+    per_block = bytes_per_block(model_config, block_size, kv_dtype, tensor_parallel)
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type != "cuda":
@@ -42,7 +43,7 @@ def num_kv_blocks(
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     _profile_forward(model, model_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks, block_size,
-                     dtype, device, tensor_parallel.kv_heads(model_config.num_key_value_heads))
+                     kv_dtype, device, tensor_parallel.kv_heads(model_config.num_key_value_heads))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     profile_cache_bytes = profile_blocks * per_block
@@ -60,10 +61,11 @@ def num_kv_blocks(
 
 @torch.inference_mode()
 def _profile_forward(model, model_config: ModelConfig, num_tokens: int, num_seqs: int, num_blocks: int,
-                     block_size: int, dtype, device, num_kv_heads: int) -> None:
-    """One sequence of num_tokens tokens through a throwaway cache, then the logits of num_seqs rows."""
+                     block_size: int, kv_dtype, device, num_kv_heads: int) -> None:
+    """One sequence of num_tokens tokens through a throwaway cache (of the pool's dtype), then the logits of
+    num_seqs rows."""
     shape = (2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
-    kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_hidden_layers)]
+    kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(model_config.num_hidden_layers)]
     positions = torch.arange(num_tokens, device=device)
     metadata = AttentionMetadata(
         slot_mapping=positions.clone(),

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales
 from worker_svc.host_to_device import to_device
 from worker_svc.layers.fused_moe import FusedMoE
 
@@ -61,6 +62,7 @@ class _AttentionCall:
     scale: float
     sliding_window: int | None
     logit_softcap: float | None
+    kv_scales: KVScales
 
 
 class _SplitBackend:
@@ -80,18 +82,21 @@ class _SplitBackend:
         graph.capture_begin(pool=self.pool)
         self.pieces.append(graph)
 
-    def write_kv_cache(self, key, value, kv_cache, slot_mapping) -> None:
+    def write_kv_cache(self, key, value, kv_cache, slot_mapping, kv_scales=UNIT_KV_SCALES) -> None:
         if not self.capturing:
-            return self.real.write_kv_cache(key, value, kv_cache, slot_mapping)
+            return self.real.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
         self._pending = (key, value, kv_cache)
 
-    def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None):
+    def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None,
+                        kv_scales=UNIT_KV_SCALES):
         if not self.capturing:
-            return self.real.paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap)
+            return self.real.paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap,
+                                             kv_scales=kv_scales)
         self.pieces[-1].capture_end()
         key, value, cache = self._pending
         output = torch.zeros_like(query)
-        self.calls.append(_AttentionCall(key, value, cache, query, output, scale, sliding_window, logit_softcap))
+        self.calls.append(_AttentionCall(key, value, cache, query, output, scale, sliding_window, logit_softcap,
+                                         kv_scales))
         self.begin()
         return output
 
@@ -195,7 +200,7 @@ class MixedGraphs:
             piece.replay()
             if index < len(bucket.calls):
                 call = bucket.calls[index]
-                backend.write_kv_cache(call.key, call.value, call.kv_cache, slots)
+                backend.write_kv_cache(call.key, call.value, call.kv_cache, slots, call.kv_scales)
                 backend.paged_attention(call.query, call.kv_cache, metadata, call.scale, call.sliding_window,
-                                        call.logit_softcap, output=call.output)
+                                        call.logit_softcap, output=call.output, kv_scales=call.kv_scales)
         return bucket.output[:num_tokens]

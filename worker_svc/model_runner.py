@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.kv_quant import kv_cache_dtype
 from kernels.sampling_ops import batch_invariant_sampling_ops, torch_sampling_ops, triton_sampling_ops
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
@@ -83,6 +84,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.on_gpu = self.device.type == "cuda"
         self.dtype = getattr(torch, config.torch_dtype_name)
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         model = resolve_model(config.model)
         if config.world_size > 1:
             # Before joining the group: every rank refuses alike, none waits for the others.
@@ -119,12 +121,12 @@ class ModelRunner:
         config, tensor_parallel, device = self.config, self.tensor_parallel, self.device
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
-                               self.dtype, device, tensor_parallel)
+                               self.kv_dtype, device, tensor_parallel)
         swap_blocks = int(config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
-                                                                     self.dtype, tensor_parallel)
+                                                                     self.kv_dtype, tensor_parallel)
         blocks = tensor_parallel.all_reduce_min(blocks, device)
         swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, device)
-        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.dtype, device,
+        self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.kv_dtype, device,
                                 tensor_parallel)
         layers = self.kv_cache.layers
         max_blocks_per_seq = PersistentBatch.max_blocks_per_seq(setup.max_model_len, setup.block_size)

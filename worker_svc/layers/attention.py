@@ -7,6 +7,7 @@ from torch import nn
 
 from kernels.attention_backend import AttentionBackend
 from kernels.attention_metadata import AttentionMetadata
+from kernels.kv_quant import UNIT_KV_SCALES
 from kernels.layer_ops import LayerOps
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.rms_norm import RMSNorm
@@ -30,7 +31,10 @@ class Attention(nn.Module):
     Per layer, from the model file: `sliding_window` (this layer attends to the last W positions only),
     `logit_softcap` (Gemma 2's tanh bound on the scores) and `scale` (default head_dim^-0.5; Gemma's is
     query_pre_attn_scalar^-0.5), `qkv_bias` (default: the config's attention_bias; OPT's enable_bias). `forward`
-    takes rotary None for models with other positions (OPT)."""
+    takes rotary None for models with other positions (OPT).
+
+    `kv_scales`: this layer's K/V scales for an fp8 KV cache (kernels/kv_quant.py), 1.0 unless the checkpoint
+    has them (worker_svc/models/kv_scales.py sets them after loading)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, output_bias: bool, tp: TensorParallel,
                  qk_norm: LayerOps | None = None, *, sliding_window: int | None = None,
@@ -44,6 +48,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
         self.backend = backend
+        self.kv_scales = UNIT_KV_SCALES
         hidden = config.hidden_size
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -74,8 +79,8 @@ class Attention(nn.Module):
             key = self.k_norm(key.reshape(-1, self.head_dim))[0].view(num_tokens, self.num_kv_heads, self.head_dim)
         if rotary is not None:
             query, key = rotary(positions, query, key)
-        self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        self.backend.write_kv_cache(key, value, kv_cache, metadata.slot_mapping, self.kv_scales)
         output = self.backend.paged_attention(
-            query, kv_cache, metadata, self.scale, self.sliding_window, self.logit_softcap
+            query, kv_cache, metadata, self.scale, self.sliding_window, self.logit_softcap, kv_scales=self.kv_scales
         )
         return self.o_proj(output.reshape(num_tokens, self.q_size))

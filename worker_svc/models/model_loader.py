@@ -23,6 +23,7 @@ from service_runtime.load_refusal import LoadRefused
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.kv_scales import apply_kv_scales, split_kv_scales
 from worker_svc.models.registry import build_model
 from worker_svc.models.weight_loader import iter_checkpoint
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
@@ -45,7 +46,8 @@ def load_model(
     Every parameter is overwritten by the checkpoint (`load_weights` raises on missing ones), so the
     uninitialized allocation is never read. load_format "dummy" (as in vLLM) fills the weights with random
     values instead: benchmarks of a model's shape need only its config.json. Under tensor parallel each
-    rank builds and fills only its shards (`tensor_parallel`), reading its slices of the checkpoint.
+    rank builds and fills only its shards (`tensor_parallel`), reading its slices of the checkpoint. The
+    checkpoint's KV cache scales, if any, go to the attention layers (models/kv_scales.py).
     """
     with refused_as_load_refusal():
         config = ModelConfig.from_path(path)
@@ -60,7 +62,9 @@ def load_model(
         _fill_random(model)
     else:
         with refused_as_load_refusal():
-            model.load_weights(iter_checkpoint(path, config))
+            kv_scales: dict[int, dict[str, float]] = {}
+            model.load_weights(split_kv_scales(iter_checkpoint(path, config), kv_scales))
+            apply_kv_scales(model, kv_scales)
     return model.eval(), config
 
 
