@@ -48,13 +48,15 @@ def test_warm_up_launches_every_attention_variant_a_windowed_model_serves(tmp_pa
     so each layer's variant meets every decode split class and the prefill kernel before serving. Qwen2 with
     layer 0 full and layers 1-2 sliding; serving = greedy decoding with chunked prefills, mixed batches."""
     from kernels.attention_backend import TorchReferenceBackend
+    from kernels.kv_quant import UNIT_KV_SCALES
     from pagedserve.testing.paged_runner import greedy_generate_paged
     from pagedserve.testing.tiny_models import QWEN2_SLIDING_WINDOW
 
     launched: set[tuple] = set()
 
     class RecordingBackend(TorchReferenceBackend):
-        def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None):
+        def paged_attention(self, query, kv_cache, metadata, scale, sliding_window=None, logit_softcap=None,
+                            kv_scales=UNIT_KV_SCALES):
             query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).tolist()
             decodes = metadata.num_decode_seqs
             if decodes is None:
@@ -64,7 +66,8 @@ def test_warm_up_launches_every_attention_variant_a_windowed_model_serves(tmp_pa
                 launched.add(("decode", splits, sliding_window, logit_softcap))
             if decodes < len(query_lens):
                 launched.add(("prefill", sliding_window, logit_softcap))
-            return super().paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap)
+            return super().paged_attention(query, kv_cache, metadata, scale, sliding_window, logit_softcap,
+                                           kv_scales)
 
     path = make_tiny_model(tmp_path, arch="qwen2", seed=0, **QWEN2_SLIDING_WINDOW)
     model, config = load_model(path, torch.float32, "cpu", attention_backend=RecordingBackend())
