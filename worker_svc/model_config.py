@@ -4,7 +4,7 @@ Why our own frozen dataclass instead of transformers' config: the worker must no
 one type covers both checkpoint formats, and refusing unsupported features (unknown rope scaling, a
 quantization_config, what a model file cannot honour: models/feature_refusals.py) happens here, once, with a
 clear message instead of silently wrong tokens or a worker's traceback later. The quantization the linear
-layers apply (models/quantization_config.py) is parsed here too, from config.json and `--quantization`.
+layers apply (worker_svc/quantization_config.py) is parsed here too, from config.json and `--quantization`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from worker_svc.models.feature_refusals import feature_refusal
-from worker_svc.models.quantization_config import GGUF, QuantizationScheme, parse_quantization
+from worker_svc.quantization_config import GGUF, QuantizationScheme, parse_quantization
 from worker_svc.models.registry import MODEL_CLASSES
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear_ref import FP8_DTYPE, fp8_linear_ref, quantize_weight_per_channel
-from worker_svc.models.quantization_config import ONLINE_FP8, QuantizationScheme
+from worker_svc.quantization_config import ONLINE_FP8, QuantizationScheme
 
 Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
                      torch.Tensor]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from worker_svc.layers.fp8_linear import Fp8Linear, has_fp8_tensor_cores
-from worker_svc.models.quantization_config import QuantizationScheme
+from worker_svc.quantization_config import QuantizationScheme
 
 
 class LinearMethod(Protocol):

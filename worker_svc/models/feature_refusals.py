@@ -6,8 +6,8 @@ feature refused only when the worker builds the model surfaced as the worker's t
 and the gateway had started, once per restart. So this module imports nothing heavy, and the model files take
 what passes here as given.
 
-Quantization (a checkpoint's `quantization_config`, `--quantization`) is decided beside this, in
-models/quantization_config.py: compressed-tensors FP8 is served, every other method refused.
+Quantization (a checkpoint's `quantization_config`, `--quantization`) is decided in
+worker_svc/quantization_config.py: compressed-tensors FP8 is served, every other method refused.
 
 `FAMILY_REFUSALS`: per model file (models/registry.py's module names), the config.json keys it cannot honour,
 each found by a function of (config.json as read, tie_word_embeddings as ModelConfig resolved it) that
