@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.fp8_linear_ref import FP8_MAX, quantize_to_fp8
+from worker_svc.quantization_config import COMPRESSED_TENSORS, QuantizationScheme
 
 # The Linear layers of the decoder layers (Llama family, OPT); embeddings, norms and lm_head stay as they are.
 LINEAR_WEIGHT = re.compile(r".*\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$|.*\.layers\.\d+\.fc[12]\.weight$")
@@ -45,6 +46,7 @@ def _scheme(weight_strategy: str, dynamic: bool) -> dict:
 def write_fp8_checkpoint(source: Path, target: Path, weight_strategy: str = "channel", dynamic: bool = True,
                          ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """Writes `source` (an HF directory, one or more safetensors files) quantized to FP8 W8A8 into `target`."""
+    ignored = QuantizationScheme(COMPRESSED_TENSORS, ignore=ignore).ignores  # names or "re:" expressions
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.suffix != ".safetensors" and file.name != "config.json":
@@ -54,7 +56,7 @@ def write_fp8_checkpoint(source: Path, target: Path, weight_strategy: str = "cha
         out = {}
         for name, tensor in tensors.items():
             layer = name.removesuffix(".weight")
-            if not LINEAR_WEIGHT.match(name) or any(layer.endswith(entry) for entry in ignore):
+            if not LINEAR_WEIGHT.match(name) or ignored(layer):
                 out[name] = tensor
                 continue
             amax = tensor.float().abs().amax(dim=1, keepdim=True) if weight_strategy == "channel" else \
