@@ -5,7 +5,8 @@ Torch reference: kernels/fp8_linear_ref.py (`quantize_per_token`, `quantize_to_f
 Why a kernel: the torch ops (abs, amax, divide, clamp, cast) read the activation four times and launch five
 kernels before each FP8 matmul; one program per row reads its row twice (once for the amax, once to write
 float8, the second read from L2) and writes the float8 row and its scale. A static `input_scale` skips the
-amax pass. The matmul is torch._scaled_mm (cuBLASLt FP8 on Hopper): `scale_a` [M, 1] per-token rowwise and
+amax pass. Divisions are IEEE-rounded (`div_rn`; Triton's `/` is approximate on a GPU), so the scales and
+the float8 activations equal the reference's bit for bit. The matmul is torch._scaled_mm (cuBLASLt FP8 on Hopper): `scale_a` [M, 1] per-token rowwise and
 `scale_b` [1, N] per-channel, float32, with a bfloat16 output (rowwise scaling requires it); a model in
 another dtype gets its output cast. The weight is passed as `weight.t()`: the [N, K] row-major float8
 weight is the column-major [K, N] operand _scaled_mm wants, with no copy.
@@ -37,12 +38,12 @@ def _quantize_rows(x_ptr, out_ptr, scale_ptr, static_scale_ptr, K, x_stride, out
             cols = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_BOUND, SCALE_FLOOR)
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_BOUND), SCALE_FLOOR)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        quantized = tl.minimum(tl.maximum(x / scale, -FP8_BOUND), FP8_BOUND)
+        quantized = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_BOUND), FP8_BOUND)
         tl.store(out_ptr + row * out_stride + cols, quantized.to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
