@@ -6,9 +6,11 @@ Why a kernel: the torch ops (abs, amax, divide, clamp, cast) read the activation
 kernels before each FP8 matmul; one program per row reads its row twice (once for the amax, once to write
 float8, the second read from L2) and writes the float8 row and its scale. A static `input_scale` skips the
 amax pass. Divisions are IEEE-rounded (`div_rn`; Triton's `/` is approximate on a GPU), so the scales and
-the float8 activations equal the reference's bit for bit. The matmul is torch._scaled_mm (cuBLASLt FP8 on Hopper): `scale_a` [M, 1] per-token rowwise and
-`scale_b` [1, N] per-channel, float32, with a bfloat16 output (rowwise scaling requires it); a model in
-another dtype gets its output cast. The weight is passed as `weight.t()`: the [N, K] row-major float8
+the float8 activations equal the reference's bit for bit.
+
+The matmul is torch._scaled_mm (cuBLASLt FP8 on Hopper): `scale_a` [M, 1] per-token rowwise and `scale_b`
+[1, N] per-channel, float32, with a bfloat16 output (rowwise scaling requires it); a model in another dtype
+gets its output cast, and the bias is added after (in the model's dtype). The weight is passed as `weight.t()`: the [N, K] row-major float8
 weight is the column-major [K, N] operand _scaled_mm wants, with no copy.
 """
 

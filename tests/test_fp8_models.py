@@ -207,3 +207,15 @@ def test_fp8_with_batch_invariant_kernels_is_refused(tmp_path):
     with pytest.raises(LoadRefused, match="no batch-invariant matmul"):
         load_model(make_tiny_model(tmp_path, "llama", seed=3), torch.float32, "cpu",
                    layer_ops=batch_invariant_torch_layer_ops(), quantization="fp8")
+
+
+@pytest.mark.parametrize("value", ["fp8", "compressed-tensors"])
+def test_serve_accepts_the_fp8_quantization_flags_and_forwards_them_to_every_rank(value):
+    from pagedserve.launcher import worker_rank_argvs
+    from tests.test_serve_cli import serve
+
+    args = serve("--quantization", value, "--tensor-parallel-size", "2")
+    for argv in worker_rank_argvs(args, [], "ipc://x", "tcp://127.0.0.1:1"):
+        assert argv[argv.index("--quantization") + 1] == value
+    (plain,) = worker_rank_argvs(serve(), [], "ipc://x", None)
+    assert "--quantization" not in plain

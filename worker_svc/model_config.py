@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from worker_svc.models.feature_refusals import feature_refusal
-from worker_svc.quantization_config import GGUF, QuantizationScheme, parse_quantization
 from worker_svc.models.registry import MODEL_CLASSES
+from worker_svc.quantization_config import GGUF, QuantizationScheme, parse_quantization
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
