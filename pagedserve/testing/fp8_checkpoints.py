@@ -7,7 +7,10 @@ each Linear's `weight` as float8_e4m3fn (round-to-nearest of W / scale, saturate
 ([out, 1] per channel; [1] per tensor) and for static activations `input_scale` ([1]) in the model's dtype,
 no zero points (symmetric schemes drop them), and config.json's `quantization_config` with
 quant_method "compressed-tensors", format "float-quantized", one config group targeting "Linear",
-and `ignore: ["lm_head"]`.
+and `ignore: ["lm_head"]`. Checked once by hand against compressed-tensors 0.20.0 itself
+(`apply_quantization_config` of the FP8_DYNAMIC and FP8 presets on a bf16 tiny Llama, weight scales set to
+amax / 448 as the minmax observer does, `ModelCompressor.compress_model`, `save_pretrained`): the same tensor
+names, dtypes, shapes and bytes, and config groups that parse to the same scheme.
 
 `dequantized_state_dict` gives the same checkpoint's weights dequantized (W_q * scale), the weights the
 reference (transformers, or our own float32 math) runs with.
@@ -23,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.fp8_linear_ref import FP8_MAX, quantize_to_fp8
+from kernels.fp8_linear_ref import FP8_DTYPE, FP8_MAX
 from worker_svc.quantization_config import COMPRESSED_TENSORS, QuantizationScheme
 
 # The Linear layers of the decoder layers (Llama family, OPT); embeddings, norms and lm_head stay as they are.
@@ -62,8 +65,10 @@ def write_fp8_checkpoint(source: Path, target: Path, weight_strategy: str = "cha
             amax = tensor.float().abs().amax(dim=1, keepdim=True) if weight_strategy == "channel" else \
                 tensor.float().abs().amax().reshape(1)
             scale = (amax / FP8_MAX).to(tensor.dtype)
-            out[name] = quantize_to_fp8(tensor, scale.float().reshape(-1, 1) if weight_strategy == "channel"
-                                        else scale.float())
+            # W / scale in the weight's dtype, then rounded to float8: compressed-tensors' own order (a bf16
+            # model's quotient is rounded to bf16 first), so the bytes equal what llm-compressor writes.
+            quotient = tensor / (scale.reshape(-1, 1) if weight_strategy == "channel" else scale)
+            out[name] = quotient.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
             out[f"{layer}.weight_scale"] = scale
             if not dynamic:
                 projection = layer.rpartition(".")[2]
