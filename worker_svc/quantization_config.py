@@ -82,8 +82,9 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None, module: str) ->
     else:
         return None
     if module in FUSED_EXPERT_MODULES:
-        raise ValueError(f"FP8 ({scheme.method}) is not served for {module} models: their fused MoE experts have "
-                         f"no FP8 kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint")
+        source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
+        raise ValueError(f"FP8 ({source}) is not served for {module} models: their fused MoE experts have no FP8 "
+                         f"kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint")
     return scheme
 
 
