@@ -280,9 +280,12 @@ def resolve_servable_model(args) -> ResolvedModel:
     gateway had already started."""
     try:
         model = resolve_model(args.model)
-        config = ModelConfig.from_path(model.path)
+        config = ModelConfig.from_path(model.path, args.quantization)
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"pagedserve: cannot serve {args.model or 'the default model'}: {error}") from None
+    if config.quantization is not None and args.batch_invariant:
+        raise SystemExit(f"pagedserve: cannot serve {model.name} with --batch-invariant: FP8 "
+                         f"({config.quantization.method}) has no batch-invariant matmul")
     weightless = find_gguf_file(model.path) is None and not any(Path(model.path).glob("*.safetensors"))
     if weightless and args.load_format != "dummy":
         raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "
@@ -349,7 +352,8 @@ def _worker_argv(args, model_argv: list[str], address: str, device: str, injects
     gets the fault-injection flags (tests): the last rank, so that with several ranks the fault is a non-zero
     rank's."""
     values = flag_values(WorkerConfig, args, shared_only=True)
-    values.update(scheduler_address=address, device=device, **place)
+    # --quantization is serve's vLLM flag (vllm_flags.py: other values refused with the reason), not a shared one.
+    values.update(scheduler_address=address, device=device, quantization=args.quantization, **place)
     if not injects_fault:
         values.update(fail_at_step=None, crash_on_token_id=None, crash_at_output_token=None)
     return [*model_argv, *config_argv(WorkerConfig, values, keep_defaults=place.keys())]

@@ -41,7 +41,9 @@ REFUSED_FLAGS = (
     RefusedFlag(("--max-lora-rank",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--cpu-offload-gb",), f"weight offloading to the CPU: {NOT_YET}", accepted=("0",)),
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
-                "the file); other quantized checkpoints: " + NOT_YET, accepted=("gguf",)),
+                "the file), compressed-tensors (FP8 W8A8 checkpoints, read from their config.json) and fp8 (online "
+                "FP8 of an unquantized checkpoint; docs/quantization.md); other methods: " + NOT_YET,
+                accepted=("gguf", "fp8", "compressed-tensors")),
     RefusedFlag(("--trust-remote-code",), "pagedserve never runs a model repository's Python code; it serves "
                 "the architectures it implements itself (docs/serving.md: Supported architectures), so the flag "
                 "is not needed",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from service_runtime.config_flags import add_config_arguments, flag, flag_values, shared_flag_field
 from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_WORKER_ADDRESS, HEARTBEAT_INTERVAL
+from worker_svc.quantization_config import QUANTIZATION_FLAG_VALUES
 
 GIB = 1 << 30
 # vLLM's --dtype spellings: half is float16, float is float32.
@@ -70,6 +71,15 @@ class WorkerConfig:
                                       "tokens and logprobs whatever else is in the batch (slower; "
                                       "docs/batch_invariant.md). Default: on when $VLLM_BATCH_INVARIANT is set and "
                                       "not 0, as vLLM's switch")
+    # The linear layers' quantization (worker_svc/quantization_config.py): None reads it from the
+    # checkpoint (a compressed-tensors FP8 quantization_config, a .gguf file); "fp8" quantizes an unquantized
+    # checkpoint at load. `serve` takes it as a vLLM flag (pagedserve/vllm_flags.py refuses other values with
+    # the reason) and forwards it (launcher.py `_worker_argv`).
+    quantization: str | None = flag("--quantization", "-q", default=None, choices=QUANTIZATION_FLAG_VALUES,
+                                     shared=False,
+                                     help="fp8: quantize the weights to FP8 at load (W8A8, per-channel weights, "
+                                          "per-token activations); compressed-tensors, gguf: as the checkpoint "
+                                          "says (given or not); docs/quantization.md")
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = flag("--fail-at-step", default=None, hidden=True)
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).

@@ -3,7 +3,8 @@
 Why our own frozen dataclass instead of transformers' config: the worker must not import transformers,
 one type covers both checkpoint formats, and refusing unsupported features (unknown rope scaling, a
 quantization_config, what a model file cannot honour: models/feature_refusals.py) happens here, once, with a
-clear message instead of silently wrong tokens or a worker's traceback later.
+clear message instead of silently wrong tokens or a worker's traceback later. The quantization the linear
+layers apply (worker_svc/quantization_config.py) is parsed here too, from config.json and `--quantization`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from worker_svc.models.feature_refusals import feature_refusal, quantization_refusal
+from worker_svc.models.feature_refusals import feature_refusal
 from worker_svc.models.registry import MODEL_CLASSES
+from worker_svc.quantization_config import GGUF, QuantizationScheme, parse_quantization
 
 # GGUF `general.architecture` -> the HF architecture whose class reads it.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -42,6 +44,8 @@ class ModelConfig:
     `layer_types` gives each layer's attention ("full_attention" or "sliding_attention", as transformers
     names them); `sliding_window` is the window of the sliding ones (None when no layer slides): a query
     at position p sees keys p - sliding_window + 1 .. p.
+    `quantization`: the FP8 scheme every linear layer applies (None: unquantized; a GGUF's own quantization is
+    dequantized at load and is not this), from the checkpoint's quantization_config or `--quantization fp8`.
     """
 
     architecture: str
@@ -64,6 +68,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    quantization: QuantizationScheme | None = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def layer_sliding_window(self, layer_index: int) -> int | None:
@@ -75,13 +80,19 @@ class ModelConfig:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 
     @classmethod
-    def from_path(cls, path: str | Path) -> ModelConfig:
-        """A .gguf file, a directory holding exactly one .gguf and no config.json, or an HF directory."""
+    def from_path(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
+        """A .gguf file, a directory holding exactly one .gguf and no config.json, or an HF directory;
+        `quantization`: the --quantization flag (None: what the checkpoint says)."""
         gguf_file = find_gguf_file(path)
-        return cls.from_gguf(gguf_file) if gguf_file is not None else cls.from_hf_dir(path)
+        if gguf_file is None:
+            return cls.from_hf_dir(path, quantization)
+        if quantization not in (None, GGUF):
+            raise ValueError(f"--quantization {quantization}: {gguf_file.name} is a GGUF file, whose quantization "
+                             f"is read from the file (--quantization gguf or none)")
+        return cls.from_gguf(gguf_file)
 
     @classmethod
-    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+    def from_hf_dir(cls, path: str | Path, quantization: str | None = None) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         architectures = raw.get("architectures") or []
         supported = [a for a in architectures if a in MODEL_CLASSES]
@@ -91,7 +102,9 @@ class ModelConfig:
         if raw.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported")
         tie_word_embeddings = bool(raw.get("tie_word_embeddings", model_type in TIED_BY_DEFAULT))
-        refusal = quantization_refusal(raw) or feature_refusal(MODEL_CLASSES[supported[0]][0], raw, tie_word_embeddings)
+        module = MODEL_CLASSES[supported[0]][0]
+        scheme = parse_quantization(raw, quantization, module)
+        refusal = feature_refusal(module, raw, tie_word_embeddings)
         if refusal is not None:
             raise ValueError(refusal)
         rope_theta, rope_scaling = parse_hf_rope(raw)
@@ -119,6 +132,7 @@ class ModelConfig:
             eos_token_ids=as_token_ids(raw.get("eos_token_id")),
             layer_types=layer_types,
             sliding_window=sliding_window,
+            quantization=scheme,
             hf_config=MappingProxyType(raw),
         )
 

@@ -89,7 +89,7 @@ class ModelRunner:
         if config.world_size > 1:
             # Before joining the group: every rank refuses alike, none waits for the others.
             with refused_as_load_refusal():
-                model_config = ModelConfig.from_path(model.path)
+                model_config = ModelConfig.from_path(model.path, config.quantization)
             refusal = shard_refusal(model_config, config.world_size, "--world-size")
             if refusal is not None:
                 raise LoadRefused(refusal)
@@ -102,7 +102,8 @@ class ModelRunner:
         self.layer_ops = make_layer_ops(config)
         self.model, self.model_config = load_model(
             model.path, self.dtype, self.device, attention_backend=make_attention_backend(config),
-            layer_ops=self.layer_ops, load_format=config.load_format, tensor_parallel=self.tensor_parallel)
+            layer_ops=self.layer_ops, load_format=config.load_format, tensor_parallel=self.tensor_parallel,
+            quantization=config.quantization)
         self.model_name = model.name
         self.kv_cache: KVCache | None = None
         self.graphs: GraphDispatcher | None = None

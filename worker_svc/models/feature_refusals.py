@@ -6,10 +6,8 @@ feature refused only when the worker builds the model surfaced as the worker's t
 and the gateway had started, once per restart. So this module imports nothing heavy, and the model files take
 what passes here as given.
 
-`QUANTIZED_FORMATS`: the quantizations this engine serves. Only GGUF files are served quantized (their
-quantization is read from the file; `--quantization gguf`); an HF checkpoint that declares a
-`quantization_config` (GPTQ, AWQ, bitsandbytes, FP8, ...) would be loaded as if its tensors were plain
-weights: wrong tokens when they are float, a missing-parameter error when they are packed.
+Quantization (a checkpoint's `quantization_config`, `--quantization`) is decided in
+worker_svc/quantization_config.py: compressed-tensors FP8 is served, every other method refused.
 
 `FAMILY_REFUSALS`: per model file (models/registry.py's module names), the config.json keys it cannot honour,
 each found by a function of (config.json as read, tie_word_embeddings as ModelConfig resolved it) that
@@ -21,20 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-QUANTIZED_FORMATS = ("gguf",)
 # Gemma's GeGLU: the HF activation names worker_svc/layers/gated_mlp.py computes (besides the Llama family's silu).
 GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
 OPT_ACTIVATIONS = ("relu", "gelu")
-
-
-def quantization_refusal(raw: Mapping[str, Any]) -> str | None:
-    """Why a checkpoint declaring a `quantization_config` is not served, or None when it declares none."""
-    quantization = raw.get("quantization_config")
-    if quantization is None:
-        return None
-    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-    return (f"its config.json declares quantization_config quant_method {method!r}, which this engine does not "
-            f"serve (supported: {', '.join(QUANTIZED_FORMATS)}, as a .gguf file)")
 
 
 def _gemma(raw: Mapping[str, Any], tied: bool) -> str | None:

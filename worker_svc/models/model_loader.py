@@ -20,6 +20,7 @@ from torch import nn
 from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
 from service_runtime.load_refusal import LoadRefused
+from worker_svc.layers.linear_method import choose_linear_method
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
@@ -40,6 +41,7 @@ def load_model(
     load_format: str = "auto",
     layer_ops: LayerOps | None = None,
     tensor_parallel: TensorParallel = SINGLE_RANK,
+    quantization: str | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build on the meta device (no init cost, no fp32 copy), allocate in `dtype` on `device`, load.
 
@@ -48,16 +50,24 @@ def load_model(
     values instead: benchmarks of a model's shape need only its config.json. Under tensor parallel each
     rank builds and fills only its shards (`tensor_parallel`), reading its slices of the checkpoint. The
     checkpoint's KV cache scales, if any, go to the attention layers (models/kv_scales.py).
+    `quantization`: the --quantization flag; the checkpoint's quantization_config and it give each linear
+    layer its method (`set_linear_methods`), which prepares its weights once they are loaded.
     """
     with refused_as_load_refusal():
-        config = ModelConfig.from_path(path)
+        config = ModelConfig.from_path(path, quantization)
+        if config.quantization is not None and layer_ops is not None and layer_ops.batch_invariant:
+            raise ValueError(f"FP8 ({config.quantization.method}) has no batch-invariant matmul: serve it without "
+                             f"--batch-invariant, or serve the unquantized checkpoint")
         with torch.device("meta"):
             model = build_model(config, attention_backend, layer_ops, tensor_parallel)
     if layer_ops is not None:
         for module in model.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
                 module.linear = layer_ops.linear
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    with refused_as_load_refusal():
+        set_linear_methods(model, config, dtype, torch.device(device))
+    model = model.to_empty(device=device)
     if load_format == "dummy":
         _fill_random(model)
     else:
@@ -65,7 +75,31 @@ def load_model(
             kv_scales: dict[int, dict[str, float]] = {}
             model.load_weights(split_kv_scales(iter_checkpoint(path, config), kv_scales))
             apply_kv_scales(model, kv_scales)
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.process_after_loading()
     return model.eval(), config
+
+
+def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Gives every parallel linear layer of `model` (still on the meta device) its linear method: the one
+    `config.quantization` chooses, unless the checkpoint `ignore`s the layer. A fused layer (q|k|v) is
+    quantized only if none of its checkpoint projections is ignored, and refused if only some are."""
+    if config.quantization is None:
+        return
+    method = choose_linear_method(config.quantization, device)
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        sources = [source.removesuffix(".weight") for source in model._checkpoint_names(f"{name}.weight")]
+        ignored = [config.quantization.ignores(source) for source in sources]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise ValueError(f"the checkpoint's quantization ignore list leaves some of {sources} unquantized, but "
+                             f"they are fused into one matmul ({name}); ignore all of them or none")
+        with torch.device("meta"):
+            module.set_linear_method(method, dtype)
 
 
 @contextlib.contextmanager
@@ -99,4 +133,9 @@ def _fill_random(model: nn.Module) -> None:
     name, so every rank fills a replicated parameter (a norm) alike whatever the shapes of its shards."""
     for name, parameter in model.named_parameters():
         generator = torch.Generator(device=parameter.device).manual_seed(zlib.crc32(name.encode()))
-        parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=generator)
+        if name.endswith("_scale"):  # an FP8 layer's scales: its float8 weights N(0, 1) dequantize to N(0, 0.02)
+            parameter.fill_(0.02)
+        elif parameter.dtype == torch.float8_e4m3fn:
+            parameter.copy_(torch.empty(parameter.shape, device=parameter.device).normal_(generator=generator))
+        else:
+            parameter.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.02, generator=generator)

@@ -1,0 +1,92 @@
+"""FP8 W8A8 linear method: float8_e4m3fn weights with float32 per-output-channel scales, activations
+quantized per token (or with the checkpoint's static per-tensor scale). Math: kernels/fp8_linear_ref.py.
+
+Two sources, one method:
+- compressed-tensors checkpoints: the layer holds the checkpoint's `weight` (float8 [rows, in]),
+  `weight_scale` ([rows, 1] for strategy "channel", split like the weight's rows; or one value per fused part,
+  [parts], for "tensor") and, for static activations, `input_scale` (one per fused part). Scales arrive in the
+  checkpoint's dtype and are stored float32.
+- online fp8 (`--quantization fp8`): the layer loads the unquantized `weight` in the model's dtype and
+  `process_after_loading` quantizes it per output channel (vLLM's "fp8" method).
+
+After loading every layer holds the same form: `weight` float8 [N, K] and `weight_scale` float32 [1, N], one
+scale per output row. Per-tensor scales of fused parts (q|k|v each with its own) are kept exactly, one per
+part, by giving each part's rows its part's scale: nothing is requantized (vLLM instead requantizes the
+parts to their largest scale, which rounds the weights once more). Static input scales of fused parts become
+their largest, as in vLLM: the fused matmul quantizes its input once, and the largest scale clips none of
+the parts' calibrated ranges. A row-parallel layer's scales are whole (its rows are the full output).
+
+Where it runs, chosen once at load from the device: on a CUDA device with FP8 tensor cores (compute
+capability 8.9+: Ada, Hopper) the Triton per-token quantization and torch._scaled_mm
+(kernels/triton_fp8_quant.py); elsewhere (the CPU: CI) the torch reference, which dequantizes and multiplies
+in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kernels.fp8_linear_ref import FP8_DTYPE, fp8_linear_ref, quantize_weight_per_channel
+from worker_svc.quantization_config import ONLINE_FP8, QuantizationScheme
+
+Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+                     torch.Tensor]
+
+
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _reference(x, weight, weight_scale_row, input_scale, bias):
+    return fp8_linear_ref(x, weight, weight_scale_row.reshape(-1), input_scale, bias)
+
+
+class Fp8Linear:
+    """The FP8 W8A8 method of one model (module docstring); `tensor_cores`: run torch._scaled_mm, else the
+    reference."""
+
+    def __init__(self, scheme: QuantizationScheme, tensor_cores: bool):
+        self.scheme = scheme
+        self.online = scheme.method == ONLINE_FP8
+        if tensor_cores:
+            from kernels.triton_fp8_quant import fp8_scaled_mm
+
+            self.kernel: Fp8Kernel = fp8_scaled_mm
+        else:
+            self.kernel = _reference
+
+    def create_weights(self, layer: nn.Module, output_size: int, input_size: int, num_parts: int,
+                       dtype: torch.dtype | None) -> None:
+        if self.online:
+            layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+            return
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
+        scale_shape = (output_size, 1) if self.scheme.weight_strategy == "channel" else (num_parts,)
+        layer.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
+        if not self.scheme.dynamic_activations:
+            layer.input_scale = nn.Parameter(torch.empty(num_parts, dtype=torch.float32), requires_grad=False)
+
+    def sharded_by_rows(self, kind: str) -> bool:
+        return kind in ("weight", "bias") or (kind == "weight_scale" and self.scheme.weight_strategy == "channel")
+
+    @torch.no_grad()
+    def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
+        if self.online:
+            weight, scales = quantize_weight_per_channel(layer.weight)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+        elif self.scheme.weight_strategy == "channel":
+            scales = layer.weight_scale.reshape(-1)
+        else:  # one scale per fused part: each part's rows get its own
+            counts = torch.tensor(part_rows, device=layer.weight_scale.device)
+            scales = layer.weight_scale.repeat_interleave(counts)
+        layer.weight_scale = nn.Parameter(scales.float().reshape(1, -1).contiguous(), requires_grad=False)
+        if not self.online and not self.scheme.dynamic_activations:
+            layer.input_scale = nn.Parameter(layer.input_scale.max().float(), requires_grad=False)
+        elif not hasattr(layer, "input_scale"):
+            layer.input_scale = None
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel(hidden, layer.weight, layer.weight_scale, layer.input_scale, bias)

@@ -1,0 +1,119 @@
+"""Which quantization a checkpoint is served with, decided once from its config.json and `--quantization`.
+
+Why here, without torch: ModelConfig parses this (model_config.py), and the launcher reads ModelConfig before
+any child starts, so every refusal (a method we do not serve, a flag that contradicts the checkpoint, FP8 on a
+MoE model) is one line before the scheduler starts, and the worker's load refuses alike (exit 78).
+
+Served:
+- compressed-tensors FP8 W8A8 (llm-compressor's FP8 / FP8_DYNAMIC schemes): config.json's
+  `quantization_config` has `quant_method: "compressed-tensors"`, `format: "float-quantized"` (or
+  "naive-quantized"), one config group targeting "Linear" with 8-bit float weights (strategy "channel" or
+  "tensor", symmetric, static) and 8-bit float input activations (dynamic per "token", or static per
+  "tensor"); `ignore` names layers left unquantized ("lm_head", which is never quantized here).
+- online fp8 (`--quantization fp8` on an unquantized checkpoint): vLLM's "fp8" method, weights quantized
+  per output channel at load, activations per token.
+The layers read the result as a `QuantizationScheme` (worker_svc/layers/linear_method.py chooses the method).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+COMPRESSED_TENSORS, ONLINE_FP8, GGUF = "compressed-tensors", "fp8", "gguf"
+QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS)
+FP8_FORMATS = ("float-quantized", "naive-quantized")
+# Model files whose experts are fused (worker_svc/layers/fused_moe.py): no FP8 method for them yet.
+FUSED_EXPERT_MODULES = ("mixtral", "qwen3_moe")
+SERVED = ("gguf (as a .gguf file); compressed-tensors FP8 W8A8 (format float-quantized, per-channel or "
+          "per-tensor weights, per-token or static activations); fp8 (--quantization fp8: online, from an "
+          "unquantized checkpoint)")
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """FP8 W8A8 as the linear layers apply it. `method`: "compressed-tensors" (float8 tensors and scales in the
+    checkpoint) or "fp8" (quantized at load); `weight_strategy`: "channel" (a scale per output row) or "tensor";
+    `dynamic_activations`: per-token scales at run time (else the checkpoint's static `input_scale`);
+    `ignore`: compressed-tensors' ignore list (layer names, or "re:" regular expressions) of layers left
+    unquantized."""
+
+    method: str
+    weight_strategy: str = "channel"
+    dynamic_activations: bool = True
+    ignore: tuple[str, ...] = ()
+
+    def ignores(self, layer_name: str) -> bool:
+        """Whether the checkpoint layer `layer_name` (e.g. "model.layers.0.self_attn.q_proj") is unquantized."""
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], layer_name):
+                    return True
+            elif entry == layer_name or layer_name.endswith(f".{entry}"):
+                return True
+        return False
+
+
+def parse_quantization(raw: Mapping[str, Any], flag: str | None, module: str) -> QuantizationScheme | None:
+    """The scheme of an HF checkpoint's config.json `raw` given `--quantization` `flag` (None: not given), for the
+    model file `module`; None: unquantized. Raises ValueError naming why it is refused."""
+    declared = raw.get("quantization_config")
+    if declared is not None:
+        method = declared.get("quant_method") if isinstance(declared, Mapping) else None
+        if flag == ONLINE_FP8:
+            raise ValueError(f"--quantization fp8 quantizes an unquantized checkpoint at load, but this one is "
+                             f"already quantized (quantization_config quant_method {method!r})")
+        if flag is not None and flag != method:
+            raise ValueError(f"--quantization {flag} was given, but the checkpoint's quantization_config says "
+                             f"quant_method {method!r}")
+        if method != COMPRESSED_TENSORS:
+            raise ValueError(f"its config.json declares quantization_config quant_method {method!r}, which this "
+                             f"engine does not serve (supported: {SERVED})")
+        scheme = _compressed_tensors_fp8(declared)
+    elif flag == ONLINE_FP8:
+        scheme = QuantizationScheme(ONLINE_FP8)
+    elif flag == COMPRESSED_TENSORS:
+        raise ValueError("--quantization compressed-tensors was given, but the checkpoint's config.json declares "
+                         "no quantization_config")
+    elif flag == GGUF:
+        raise ValueError("--quantization gguf needs a .gguf model file")
+    else:
+        return None
+    if module in FUSED_EXPERT_MODULES:
+        source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
+        raise ValueError(f"FP8 ({source}) is not served for {module} models: their fused MoE experts have no FP8 "
+                         f"kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint")
+    return scheme
+
+
+def _compressed_tensors_fp8(config: Mapping[str, Any]) -> QuantizationScheme:
+    """The FP8 W8A8 scheme of a compressed-tensors quantization_config, or ValueError naming what differs."""
+    fmt = config.get("format")
+    if fmt not in FP8_FORMATS:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not served (supported: FP8 W8A8, format "
+                         f"{' or '.join(FP8_FORMATS)})")
+    if config.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not served")
+    groups = list((config.get("config_groups") or {}).values())
+    if len(groups) != 1 or not isinstance(groups[0], Mapping) or groups[0].get("targets") != ["Linear"]:
+        raise ValueError("compressed-tensors: only one config group targeting [\"Linear\"] is served")
+    group = groups[0]
+    weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
+    if group.get("output_activations"):
+        raise ValueError("compressed-tensors output_activations quantization is not served")
+    if not _is_fp8(weights) or weights.get("dynamic") or weights.get("strategy") not in ("channel", "tensor"):
+        raise ValueError(f"compressed-tensors weights {dict(weights)} are not served (supported: 8-bit float, "
+                         f"symmetric, static, strategy channel or tensor)")
+    dynamic = activations.get("dynamic") is True and activations.get("strategy") == "token"
+    static = activations.get("dynamic") is False and activations.get("strategy") == "tensor"
+    if not _is_fp8(activations) or not (dynamic or static):
+        raise ValueError(f"compressed-tensors input_activations {dict(activations)} are not served (supported: "
+                         f"8-bit float, symmetric, dynamic per token or static per tensor; weight-only FP8 is not "
+                         f"served yet)")
+    return QuantizationScheme(COMPRESSED_TENSORS, weights["strategy"], dynamic, tuple(config.get("ignore") or ()))
+
+
+def _is_fp8(args: Mapping[str, Any]) -> bool:
+    return args.get("num_bits") == 8 and args.get("type") == "float" and args.get("symmetric", True) is True
