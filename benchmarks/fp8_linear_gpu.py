@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gemm_floors import projections
+from benchmarks.gemm_floors import projections, time_in_graph
+from benchmarks.kernel_bench import time_eager
 from kernels.fp8_linear_ref import fp8_linear_ref, quantize_per_token, quantize_weight_per_channel
 from kernels.triton_fp8_quant import fp8_scaled_mm
 from kernels.triton_fp8_quant import quantize_per_token as triton_quantize_per_token
@@ -34,30 +35,9 @@ ROWS = (1, 16, 256, 4096)
 ERROR_BOUND = 1e-2
 
 
-def _time_eager(fn: Callable, iters: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def _time_in_graph(fn: Callable, calls: int = 20) -> float:
-    """Seconds per call of `fn`, from replays of one CUDA graph of `calls` calls (warmed up on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return _time_eager(graph.replay, iters=10) / calls
+def _time_in_graph(fn: Callable) -> float:
+    """Seconds per call of `fn`, from replays of one CUDA graph of 20 calls."""
+    return time_in_graph(fn, time_eager)
 
 
 def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -35,7 +35,7 @@ def matmul_rate(time_eager: Callable) -> float:
     return 2 * 8192**3 / time_eager(lambda: a @ b, iters=20)
 
 
-def _time_in_graph(fn: Callable, time_eager: Callable, calls: int = 20) -> float:
+def time_in_graph(fn: Callable, time_eager: Callable, calls: int = 20) -> float:
     """Seconds per call of `fn`, from replays of one CUDA graph of `calls` calls (warmed up on a side stream)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -57,7 +57,7 @@ def bench_gemms(copy_bw: float, time_eager: Callable) -> list[dict]:
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             for m in TOKEN_COUNTS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                seconds = _time_in_graph(lambda: F.linear(x, weight), time_eager)
+                seconds = time_in_graph(lambda: F.linear(x, weight), time_eager)
                 flops, moved = 2 * m * n * k, 2 * (m * k + n * k + m * n)
                 floor = max(flops / peak, moved / copy_bw)
                 rows.append({"shape": shape, "gemm": name, "tokens": m, "us": 1e6 * seconds,

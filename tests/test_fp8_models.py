@@ -17,10 +17,9 @@ from pagedserve.testing.fp8_checkpoints import LINEAR_WEIGHT, dequantized_state_
 from pagedserve.testing.paged_runner import greedy_generate_paged, prefill_logits_paged
 from pagedserve.testing.tiny_models import make_tiny_model
 from tests.test_models import make_prompts
-from tests.test_parallel_layers import run_ranks
+from tests.test_parallel_layers import check_sharded_model, run_ranks
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model
-from worker_svc.tensor_parallel import TensorParallel
 
 SCHEMES = {"fp8_dynamic": ("channel", True), "fp8_static": ("tensor", False), "online": None}
 # The checkpoint projections each fused layer quantizes its input for once (a static scale: their largest).
@@ -109,26 +108,14 @@ def test_fp8_logits_equal_transformers_on_the_dequantized_weights_with_quantized
     print(f"{arch} {scheme}: greedy tokens agreeing with the unquantized model: {agreement:.0%}")
 
 
-def _check_sharded_fp8(tp: TensorParallel, model_dir: str, prompts: list[list[int]]) -> None:
-    config = ModelConfig.from_path(model_dir)
-    whole, _ = load_model(model_dir, torch.float32, "cpu")
-    sharded, _ = load_model(model_dir, torch.float32, "cpu", tensor_parallel=tp)
-    local_kv_heads = tp.kv_heads(config.num_key_value_heads)
-    want = prefill_logits_paged(whole, config, prompts)
-    got = prefill_logits_paged(sharded, config, prompts, num_kv_heads=local_kv_heads)
-    for ours, reference in zip(got, want):
-        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
-    assert (greedy_generate_paged(sharded, config, prompts, 8, prefill_chunk=5, num_kv_heads=local_kv_heads)
-            == greedy_generate_paged(whole, config, prompts, 8, prefill_chunk=5))
-
-
 def test_a_static_fp8_checkpoint_over_two_ranks_gives_the_single_rank_logits_and_tokens(tmp_path):
     """Per-tensor weight scales (one per fused part on every rank) and static input scales: each rank quantizes
     its share of a row-parallel input exactly as one rank quantizes the whole, so the ranks' partial products
     sum to the single rank's."""
     source = make_tiny_model(tmp_path, "qwen2", seed=3)
     served = write_fp8_checkpoint(source, tmp_path / "qwen2-static", "tensor", dynamic=False)
-    run_ranks(_check_sharded_fp8, str(served), [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 480, 2, 61, 99, 100, 3]])
+    prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 480, 2, 61, 99, 100, 3]]
+    run_ranks(check_sharded_model, str(served), prompts, 1e-4)
 
 
 def _with_quantization_config(tmp_path, arch: str, quantization: dict | None = None, **overrides):
