@@ -143,7 +143,7 @@ def _others(count: int) -> list[tuple[list[int], dict]]:
             for i in range(count)]
 
 
-def _run_with_others(server, probe_prompt: list[int], probe_priority: int = 0):
+def _run_with_others(server, probe_prompt: list[int], probe_priority: int = 0, probe: dict = PROBE):
     """Runs the probe among 63 other requests. With probe_priority 1 the probe starts first, and once it has
     streamed a token the others (priority 0) arrive: priority preemption takes the probe's blocks."""
     others = _others(63)
@@ -155,16 +155,16 @@ def _run_with_others(server, probe_prompt: list[int], probe_priority: int = 0):
         prompt, kwargs = job
         return shared.generate(prompt, **kwargs)
 
-    def probe():
+    def run_probe():
         with server.client() as client:
             chunks = []
-            for chunk in client.generate_stream(probe_prompt, request_id="probe", priority=probe_priority, **PROBE):
+            for chunk in client.generate_stream(probe_prompt, request_id="probe", priority=probe_priority, **probe):
                 chunks.append(chunk)
                 started.set()
             return GenerationResult.from_chunks(chunks)
 
     with ThreadPoolExecutor(64) as pool:
-        probe_result = pool.submit(probe)
+        probe_result = pool.submit(run_probe)
         if probe_priority:
             started.wait(timeout=60)
         results = [f.result() for f in [pool.submit(one, job) for job in others]]
@@ -195,13 +195,16 @@ def test_a_seeded_request_samples_the_same_tokens_after_a_preemption(llama, tmp_
     prompt = _prompt(20, seed=8)
     log = tmp_path / "plans.bin"
     # A slowed prefill (hidden test flag): the probe decodes in the crowd's prefill steps, so it is still running
-    # when the crowd's growth preempts it, however fast the CPU's steps are.
+    # when the crowd's growth preempts it, however fast the CPU's steps are. A long probe: on a loaded machine the
+    # crowd's first requests can arrive many decode steps after the probe's first token (CI once saw a 40-token
+    # probe finish before any of them came).
+    long_probe = dict(PROBE, max_tokens=160)
     with running_server(tmp_path, "--model", str(llama), "--num-kv-blocks", "24", "--preemption-mode", mode,
                         "--swap-space", "0.01", "--max-model-len", "256", "--plan-log", str(log),
                         "--prefill-seconds-per-token", "0.002") as server:
         with server.client() as client:
-            alone = client.generate(prompt, **PROBE)
-        crowded = _run_with_others(server, prompt, probe_priority=1)
+            alone = client.generate(prompt, **long_probe)
+        crowded = _run_with_others(server, prompt, probe_priority=1, probe=long_probe)
         stats = server.wait_all_blocks_free()
     assert stats.num_preemptions > 0
     preempted = [p for p in read_plan_log(log) if "probe" in p.preempted_request_ids]
