@@ -221,6 +221,8 @@ class ModelInfo:
     generation_config: str = ""
     version: str = ""
     batch_invariant: bool = False  # the server runs --batch-invariant
+    quantization: str = ""  # the linear layers' method, vLLM's --quantization names ("": unquantized)
+    kv_cache_dtype: str = "auto"  # what the KV cache stores: "auto" (the model's dtype) or "fp8_e4m3"
 
     @classmethod
     def from_response(cls, response: generate_pb2.ModelInfoResponse) -> ModelInfo:

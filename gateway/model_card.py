@@ -30,4 +30,6 @@ def model_card(served_name: str, info: ModelInfo) -> dict:
         "generation_config": info.generation_config,
         "version": info.version,
         "batch_invariant": info.batch_invariant,
+        "quantization": info.quantization or None,
+        "kv_cache_dtype": info.kv_cache_dtype,
     }

@@ -134,7 +134,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         gc.freeze()
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids, config.max_queued_requests,
-                                                   generation_defaults, pool.batch_invariant))
+                                                   generation_defaults, pool.batch_invariant, pool.quantization,
+                                                   pool.kv_cache_dtype))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)

@@ -15,7 +15,8 @@ SERVICE_NAME = "pagedserve.v1.Generation"
 NORMAL_CHUNKS = [("Hel", [1]), ("lo", [2]), ("", [3]), (" world", [4, 5])]
 MODEL_INFO = generate_pb2.ModelInfoResponse(
     model_name="fake-model", max_model_len=2048, vocab_size=32000, block_size=16, num_kv_blocks=100,
-    num_swap_blocks=50, eos_token_ids=[2, 7], has_tokenizer=True, has_chat_template=False,
+    num_swap_blocks=50, eos_token_ids=[2, 7], has_tokenizer=True, has_chat_template=False, quantization="awq",
+    kv_cache_dtype="fp8_e4m3",
 )
 # Every counter set to its field's position (1, 2, ...); every histogram to one observation in its first bucket.
 STATS = generate_pb2.GetStatsResponse(**{

@@ -36,6 +36,7 @@ def test_model_info_reports_the_pool_and_limits(server):
     assert info.block_size == 16
     assert info.num_kv_blocks == 64
     assert not info.has_tokenizer
+    assert (info.quantization, info.kv_cache_dtype) == ("", "auto")  # an unquantized checkpoint
 
 
 BAD_REQUESTS = [

@@ -45,6 +45,9 @@ def test_concurrent_fp8_requests_sharing_a_prefix_equal_the_in_process_engine(se
     rng = random.Random(1)
     prefix = [rng.randrange(3, 512) for _ in range(40)]
     prompts = [prefix + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(5)]
+    with server.client() as client:
+        info = client.model_info()
+    assert (info.quantization, info.kv_cache_dtype) == (quantization or "compressed-tensors", "auto")
     before = server.wait_all_blocks_free()
     results = _generate_all(server, prompts[:1]) + _generate_all(server, prompts[1:])  # the first fills the cache
     after = server.wait_all_blocks_free()

@@ -52,9 +52,12 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 def _serve(tmp_path, model, prompts, *flags):
     """(token ids, chosen-token logprobs) of each prompt, and the server's stats, from concurrent greedy requests
-    with chunked prefill (24-token steps) and a pool of 10 blocks that forces swaps."""
+    with chunked prefill (24-token steps) and a pool of 10 blocks that forces swaps. Checks that ModelInfo
+    reports the KV cache's dtype."""
     with running_server(tmp_path, "--model", str(model), "--max-num-batched-tokens", "24", "--num-kv-blocks", "10",
                         "--preemption-mode", "swap", "--swap-space", "0.01", *flags) as server:
+        with server.client() as client:
+            assert client.model_info().kv_cache_dtype == ("fp8_e4m3" if flags else "auto")
         def one(prompt):
             with server.client() as client:
                 (output,) = client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,

@@ -35,7 +35,7 @@ def test_default_model_answers_paris_like_transformers(server, gguf_dir):
     with server.client() as client:
         info = client.model_info()
         result = client.generate(messages=QUESTION, max_tokens=24, temperature=0.0)
-    assert info.model_name == "SmolLM2-135M-Instruct" and info.has_chat_template
+    assert info.model_name == "SmolLM2-135M-Instruct" and info.has_chat_template and info.quantization == "gguf"
     assert "Paris" in result.text
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
     rendered = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)

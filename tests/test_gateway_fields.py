@@ -170,6 +170,7 @@ def test_model_card_version_and_ping(fake_server, fake, gateway_url):
     status, _, retrieved = http_json(f"{gateway_url}/v1/models/fake-model", None, AUTH)
     assert status == 200 and {**retrieved, "created": 0} == {**card, "created": 0}
     assert card["id"] == "fake-model" and card["max_model_len"] == 2048 and card["object"] == "model"
+    assert card["quantization"] == "awq" and card["kv_cache_dtype"] == "fp8_e4m3"  # what ModelInfo says
     status, _, missing = http_json(f"{gateway_url}/v1/models/gpt-4", None, AUTH)
     assert status == 404 and missing["error"]["code"] == "model_not_found"
     assert http_json(f"{gateway_url}/v1/models/fake-model", None)[0] == 401

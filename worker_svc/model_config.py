@@ -272,3 +272,11 @@ def as_token_ids(value: int | list[int] | None) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def quantization_name(path: str | Path, config: ModelConfig) -> str:
+    """The checkpoint's quantization in vLLM's --quantization names, as ModelInfo reports it: "gguf" for a GGUF
+    file (dequantized at load), the linear layers' method otherwise, "" when unquantized."""
+    if find_gguf_file(path) is not None:
+        return GGUF
+    return "" if config.quantization is None else config.quantization.method

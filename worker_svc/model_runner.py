@@ -38,7 +38,7 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import num_kv_blocks
-from worker_svc.model_config import ModelConfig
+from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
 from worker_svc.sampling.prompt_logprobs import prompt_logprobs
@@ -105,6 +105,9 @@ class ModelRunner:
             layer_ops=self.layer_ops, load_format=config.load_format, tensor_parallel=self.tensor_parallel,
             quantization=config.quantization)
         self.model_name = model.name
+        # What the hello reports (ModelInfo, /v1/models): vLLM's names for the method and the KV cache's dtype.
+        self.quantization = quantization_name(model.path, self.model_config)
+        self.kv_cache_dtype_name = "auto" if config.kv_cache_dtype == "auto" else "fp8_e4m3"
         self.kv_cache: KVCache | None = None
         self.graphs: GraphDispatcher | None = None
         self.device_busy = DeviceBusyClock(enabled=self.on_gpu)

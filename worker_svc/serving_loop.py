@@ -44,6 +44,8 @@ def run_worker(config: WorkerConfig) -> int:
         vocab_size=worker.model_config.vocab_size,
         max_position_embeddings=worker.model_config.max_position_embeddings,
         batch_invariant=config.batch_invariant,
+        quantization=worker.runner.quantization,
+        kv_cache_dtype=worker.runner.kv_cache_dtype_name,
     )
     link.send(worker_pb2.WorkerToScheduler(hello=hello))
     answers_steps = config.rank == 0  # the other ranks' results would repeat rank 0's (module docstring)

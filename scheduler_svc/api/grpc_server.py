@@ -65,6 +65,8 @@ class ServedModel:
     # What requests' unset sampling fields take (--generation-config), applied before validation.
     generation_defaults: GenerationDefaults = GenerationDefaults()
     batch_invariant: bool = False  # the workers run --batch-invariant
+    quantization: str = ""  # the workers' linear layers' method ("" unquantized; vLLM's --quantization names)
+    kv_cache_dtype: str = "auto"  # what the KV pool stores ("auto": the model's dtype; "fp8_e4m3")
 
 
 class MalformedRequest:
@@ -222,6 +224,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             generation_config=model.generation_defaults.source,
             version=pagedserve_version(),
             batch_invariant=model.batch_invariant,
+            quantization=model.quantization,
+            kv_cache_dtype=model.kv_cache_dtype,
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):

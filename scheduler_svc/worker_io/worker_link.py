@@ -52,6 +52,8 @@ class WorkerPool:
     num_kv_blocks: int
     num_swap_blocks: int
     batch_invariant: bool = False  # every rank said so in its hello
+    quantization: str = ""  # rank 0's hello (every rank loads the same checkpoint with the same flags)
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,8 @@ class WorkerLink:
             num_kv_blocks=min(r.num_kv_blocks for r in readies.values()),
             num_swap_blocks=min(r.num_swap_blocks for r in readies.values()),
             batch_invariant=all(hello.batch_invariant for hello in hellos.values()),
+            quantization=first.quantization,
+            kv_cache_dtype=first.kv_cache_dtype or "auto",
         )
 
     async def execute(self, plan: worker_pb2.SchedulerToWorker) -> worker_pb2.StepResult:
