@@ -60,9 +60,11 @@ class Tiles(NamedTuple):
     split_k: bool
 
 
-# (up to this many rows, tiles); the last holds any number of rows. Not tuned on a GPU yet.
+# (up to this many rows, tiles); the last holds any number of rows. Not yet timed on a GPU
+# (benchmarks/wna16_gemm_gpu.py is the measurement to tune them by). Decode's BLOCK_K stays at 64: each
+# step holds its packed words once per value (int32 [BLOCK_K, BLOCK_N]) and the dequantized fp32 tile in registers.
 ROW_TILES = (
-    (16, Tiles(16, 64, 128, 4, 3, split_k=True)),
+    (16, Tiles(16, 64, 64, 4, 3, split_k=True)),
     (64, Tiles(64, 64, 64, 4, 3, split_k=False)),
     (1 << 62, Tiles(128, 128, 64, 8, 3, split_k=False)),
 )
@@ -166,10 +168,10 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stri
 def _check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bits: int, group_size: int, bias: torch.Tensor | None) -> tuple[int, int]:
     """(K, N) of a valid call; ValueError naming the offending value otherwise."""
-    k_size = qweight.shape[0] * pack_factor(bits)  # pack_factor refuses other bit widths
-    n_size = qweight.shape[1]
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"qweight must be 2-D int32, got {qweight.dtype} of shape {tuple(qweight.shape)}")
+    k_size = qweight.shape[0] * pack_factor(bits)  # pack_factor refuses other bit widths
+    n_size = qweight.shape[1]
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"activation dtype {x.dtype} is not served (supported: {ACTIVATION_DTYPES})")
     if x.shape[-1] != k_size:
@@ -199,10 +201,10 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     x = _columns_contiguous(x.reshape(-1, k_size))
     qweight, scales, zeros, bias = (_columns_contiguous(t) for t in (qweight, scales, zeros, bias))
     num_rows = x.shape[0]
+    plan = launch_plan(num_rows, n_size, k_size, group_size, splits)
     out = torch.empty((num_rows, n_size), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_size == 0:
         return out.reshape(*leading, n_size)
-    plan = launch_plan(num_rows, n_size, k_size, group_size, splits)
     tiles = plan.tiles
     k_tiles_per_split = triton.cdiv(triton.cdiv(k_size, plan.block_k), plan.splits)
     split = plan.splits > 1

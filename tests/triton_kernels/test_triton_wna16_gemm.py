@@ -122,3 +122,13 @@ def test_refuses_what_it_cannot_compute(change, message):
     call = {"x": torch.randn(2, 96), **quantized_layer(4, 96, N, 32, False, torch.float32, seed=2), **change}
     with pytest.raises(ValueError, match=message):
         wna16_gemm(**call)
+
+
+def test_decode_rows_split_k_until_about_two_waves_of_programs():
+    """Llama-3.1-8B, groups of 128: a 4096-wide output gives 64 column tiles, so one row splits K in 4 (256
+    programs); a 28672-wide one already has 448 programs and does not split; 40 rows use the plain tiles."""
+    assert launch_plan(1, 4096, 14336, 128).splits == 4
+    assert launch_plan(16, 6144, 4096, 128).splits == 3
+    assert launch_plan(1, 28672, 4096, 128).splits == 1
+    assert launch_plan(40, 4096, 4096, 128).splits == 1
+    assert launch_plan(1, 4096, 4096, 32).block_k == 32  # a BLOCK_K step never straddles two groups
