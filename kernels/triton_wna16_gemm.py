@@ -92,7 +92,7 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits
             raise ValueError(f"group_size {group_size} is not a multiple of {SMALLEST_BLOCK_K} (nor all of K)")
     k_tiles = triton.cdiv(k_size, block_k)
     if splits is None:
-        programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n)
+        programs = max(1, triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n))
         splits = triton.cdiv(SPLIT_TARGET_PROGRAMS, programs) if tiles.split_k else 1
         splits = max(1, min(splits, MAX_SPLITS, k_tiles))
     elif splits < 1:
