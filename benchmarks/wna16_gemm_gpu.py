@@ -1,0 +1,139 @@
+"""The W4A16 Triton GEMM (kernels/triton_wna16_gemm.py) on a GPU: time, bandwidth against the card's copy, and
+speed against bf16 torch.matmul, for the Llama-3.1-8B projections (benchmarks/model_shapes.py: qkv 4096x6144,
+o 4096x4096, gate_up 4096x28672, down 14336x4096) at M = 1, 2, 4, 8, 16, 64, 256 rows, 4-bit, groups of 128,
+symmetric (no zero points).
+
+Per projection and row count:
+- `wna16_us`: seconds per call, from replays of one CUDA graph of back-to-back calls (gemm_floors.time_in_graph
+  with kernel_bench.time_eager). Each graph cycles through enough copies of the weights to read over
+  BYTES_PER_GRAPH (the H100/H200 L2 holds 50 MB; a 4-bit qkv weight is 12.6 MB and would otherwise be served
+  from L2).
+- `bytes`: what the call must move: packed weights + scales + x + y (`bytes_moved`); `wna16_gb_s` = bytes / time.
+- `copy_gb_s`: a torch device copy of a buffer of the same size, timed the same way in the same run (bytes read
+  + written / time, as kernel_bench's copy), and `of_copy` = wna16_gb_s / copy_gb_s.
+- `bf16_us`: torch.matmul of x by the bf16 weight [K, N] of the same shape (the dense layer this replaces), and
+  `speedup` = bf16_us / wna16_us.
+- the launch plan (row tile, K slices) and the relative error ||y - ref|| / ||ref|| against kernels/wna16_ref.py
+  on the same inputs in bf16 (bound 1e-2: the same bf16 W, summed by cuBLAS in another order).
+
+Run on an H100/H200 (not in CI): `python -m benchmarks.wna16_gemm_gpu --out wna16_gemm_gpu.json`. Exits 1 when
+the check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks.gemm_floors import projections, time_in_graph
+from benchmarks.kernel_bench import time_eager
+from kernels.triton_wna16_gemm import launch_plan, wna16_gemm
+from kernels.wna16_ref import pack_factor, wna16_linear_ref
+
+SHAPE = "llama-3.1-8b"
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+ROWS = (1, 2, 4, 8, 16, 64, 256)
+BITS, GROUP_SIZE = 4, 128
+ACTIVATION_BYTES = 2  # bf16
+BYTES_PER_GRAPH = 256 << 20
+MAX_COPIES = 32
+CALLS_PER_GRAPH = 20
+ERROR_BOUND = 1e-2
+
+
+def bytes_moved(rows: int, k_size: int, n_size: int, bits: int, group_size: int, has_zeros: bool = False,
+                activation_bytes: int = ACTIVATION_BYTES) -> int:
+    """Bytes one call reads and writes at the least: packed int32 weights, scales (and zeros), x, y."""
+    packed = k_size // pack_factor(bits) * n_size * 4
+    group_params = (k_size // group_size) * n_size * activation_bytes * (2 if has_zeros else 1)
+    return packed + group_params + (rows * k_size + rows * n_size) * activation_bytes
+
+
+def copies_past_l2(num_bytes: int) -> int:
+    """How many distinct copies of a `num_bytes` operand one graph cycles through to read BYTES_PER_GRAPH."""
+    return max(1, min(MAX_COPIES, math.ceil(BYTES_PER_GRAPH / num_bytes)))
+
+
+def seconds_per_call(calls: Sequence[Callable]) -> float:
+    """Seconds per call of `calls` (each over its own copy of the operands), run in turn in one CUDA graph."""
+    repeats = max(1, CALLS_PER_GRAPH // len(calls))
+    return time_in_graph(lambda: [call() for call in calls], time_eager, calls=repeats) / len(calls)
+
+
+def quantized_weights(k_size: int, n_size: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random packed 4-bit weights and bf16 scales in the canonical layout (values do not change the speed)."""
+    qweight = torch.randint(-2**31, 2**31, (k_size // pack_factor(BITS), n_size), dtype=torch.int32, device="cuda",
+                            generator=generator)
+    scales = (torch.rand(k_size // GROUP_SIZE, n_size, device="cuda", generator=generator) * 0.01).bfloat16()
+    return qweight, scales
+
+
+def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[int],
+                     generator: torch.Generator) -> list[dict]:
+    weight_bytes = bytes_moved(0, k_size, n_size, BITS, GROUP_SIZE)
+    weight_sets = [quantized_weights(k_size, n_size, generator) for _ in range(copies_past_l2(weight_bytes))]
+    dense = [torch.randn(k_size, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+             for _ in range(copies_past_l2(k_size * n_size * ACTIVATION_BYTES))]
+    results = []
+    for rows in rows_list:
+        x = torch.randn(rows, k_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        num_bytes = bytes_moved(rows, k_size, n_size, BITS, GROUP_SIZE)
+        sources = [torch.empty(num_bytes, dtype=torch.uint8, device="cuda") for _ in range(copies_past_l2(num_bytes))]
+        targets = [torch.empty_like(source) for source in sources]
+        wna16_s = seconds_per_call([lambda q=q, s=s: wna16_gemm(x, q, s, None, BITS, GROUP_SIZE)
+                                    for q, s in weight_sets])
+        copy_s = seconds_per_call([lambda a=a, b=b: b.copy_(a) for a, b in zip(sources, targets)])
+        bf16_s = seconds_per_call([lambda w=w: torch.matmul(x, w) for w in dense])
+        del sources, targets
+        qweight, scales = weight_sets[0]
+        got = wna16_gemm(x, qweight, scales, None, BITS, GROUP_SIZE).float()
+        expected = wna16_linear_ref(x, qweight, scales, None, BITS, GROUP_SIZE).float()
+        plan = launch_plan(rows, n_size, k_size, GROUP_SIZE)
+        row = {"projection": name, "k": k_size, "n": n_size, "rows": rows, "bytes": num_bytes,
+               "block_m": plan.tiles.block_m, "block_n": plan.tiles.block_n, "block_k": plan.block_k,
+               "splits": plan.splits, "wna16_us": wna16_s * 1e6, "wna16_gb_s": num_bytes / wna16_s / 1e9,
+               "copy_gb_s": 2 * num_bytes / copy_s / 1e9, "bf16_us": bf16_s * 1e6,
+               "relative_error": ((got - expected).norm() / expected.norm()).item()}
+        row["of_copy"] = row["wna16_gb_s"] / row["copy_gb_s"]
+        row["speedup"] = bf16_s / wna16_s
+        row["ok"] = row["relative_error"] < ERROR_BOUND
+        print(f"{name:8s} M={rows:4d} splits={plan.splits:2d} {row['wna16_us']:8.1f} us {row['wna16_gb_s']:7.0f} GB/s "
+              f"({row['of_copy']:4.0%} of copy {row['copy_gb_s']:5.0f})  bf16 {row['bf16_us']:8.1f} us "
+              f"(x{row['speedup']:.2f})  err {row['relative_error']:.1e}", flush=True)
+        results.append(row)
+    return results
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts (M) to time")
+    parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    import triton
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    shapes = projections(SHAPE)
+    results = [row for name in args.projections
+               for row in bench_projection(name, *shapes[name], args.rows, generator)]
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": SHAPE, "bits": BITS, "group_size": GROUP_SIZE, "error_bound": ERROR_BOUND,
+              "results": results, "ok": all(row["ok"] for row in results)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
