@@ -23,11 +23,13 @@ middle of the range; `quantize_groups`) and stores what the tool stores, per Lin
   OUTPUT dimension; `weight_shape` int64 [2] = [out, in].
 
 Checked against the real tools (compressed_tensors 0.20.0 run here; the others read, as none could be run):
-- compressed-tensors: `PackedQuantizationCompressor.compress` of the tiny Llama's linear weights with this
-  writer's scales and zero points gave byte-identical `weight_packed` and `weight_zero_point`, the same
-  names, dtypes and shapes (int4 and int8, group 32/64/128 and channel, symmetric and asymmetric), and its
-  `QuantizationConfig` parses this config's group to the same scheme; `unpack_from_int32` of our words gives
-  our values - 2**(bits - 1). tests/test_int_checkpoints.py keeps pack_to_int32's words of one tensor.
+- compressed-tensors: `PackedQuantizationCompressor.compress` of a tiny Llama's (hidden 128) linear weights with
+  this writer's scales and zero points gave byte-identical `weight_packed` and `weight_zero_point`, the same
+  names, dtypes and shapes, for int4 and int8, group 32/64/128 and channel, symmetric and asymmetric; its
+  `decompress` equals our reader's weights; its `QuantizationConfig` parses our config to the same scheme.
+  End to end (group 32 asymmetric): `apply_quantization_config`, our scales and zero points set,
+  `ModelCompressor.compress_model`, `save_pretrained`, `update_config` wrote the same safetensors bytes and
+  this quantization_config. tests/test_int_checkpoints.py keeps pack_to_int32's words of two tensors.
 - AWQ: AutoAWQ awq/modules/linear/gemm.py (`from_linear`: order_map, qweight [in, out // 8], qzeros, fp16
   scales and bias), awq/models/_config.py (`to_transformers_dict`: the config keys), GPTQModel's AWQ quantizer
   (symmetric zero points 2**(bits - 1)) and its AWQ_REVERSE_ORDER (0, 4, 1, 5, 2, 6, 3, 7), as vLLM unpacks.
@@ -80,7 +82,7 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int, symmetric:
     """Round-to-nearest per group, compressed-tensors' arithmetic (so its compressor packs the same values):
     symmetric scale = absmax / ((2**bits - 1) / 2); asymmetric scale = (max - min) / (2**bits - 1) with min <= 0
     <= max and zero = round(-2**(bits - 1) - min / scale); q = round(clamp(W / scale + zero)) in the signed range.
-    The scale is rounded to `scale_dtype` first, so the stored scale is the one the values were rounded with."""
+    The scale is rounded up to `scale_dtype` first, so the stored scale is the one the values were rounded with."""
     out_features, in_features = weight.shape
     if in_features % group_size:
         raise ValueError(f"{in_features} input columns are not a multiple of the group size {group_size}")
@@ -91,7 +93,9 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int, symmetric:
     else:
         minimum, maximum = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
         scales = (maximum - minimum) / (high - low)
-    scales = torch.where(scales == 0, torch.finfo(scale_dtype).eps, scales).to(scale_dtype)
+    scales = torch.where(scales == 0, torch.finfo(scale_dtype).eps, scales)
+    stored = scales.to(scale_dtype)  # rounded up, so the extremes stay in range: every error <= scale / 2
+    scales = torch.where(stored.float() < scales, torch.nextafter(stored, torch.full_like(stored, torch.inf)), stored)
     zeros = torch.zeros_like(scales, dtype=torch.float32) if symmetric else \
         (low - minimum / scales.float()).clamp(low, high).round()
     values = (groups / scales.float().unsqueeze(-1) + zeros.unsqueeze(-1)).clamp(low, high).round()
@@ -171,7 +175,8 @@ def write_compressed_tensors_int_checkpoint(source: Path, target: Path, bits: in
                   format="pack-quantized")
     config = dict(quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
                   config_groups={"group_0": scheme}, ignore=["lm_head"], kv_cache_scheme=None,
-                  global_compression_ratio=None)
+                  global_compression_ratio=None, moe_sparsity_config=None, sparsity_config={},
+                  transform_config={}, version="0.20.0")
     return _write(source, target, quantize, config, bias_dtype=None)
 
 
