@@ -61,6 +61,8 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # bits 4i..4i+3 of an AWQ word hold column
 # input share one, as GPTQ's (from that input's Hessian) do.
 LAYER_INPUT = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "qkv_proj": 0, "o_proj": 1, "out_proj": 1,
                "gate_proj": 2, "up_proj": 2, "gate_up_proj": 2, "fc1": 2, "down_proj": 3, "fc2": 3}
+# The meta GPTQModel's QuantizeConfig.to_dict writes; a GPTQModel version as the quantizer (transformers and
+# optimum read it to accept v1 checkpoints with sym false, which GPTQModel >= 0.9.0 writes correctly).
 GPTQMODEL_META = {"quantizer": ["gptqmodel:2.2.0"], "uri": "https://github.com/modelcloud/gptqmodel",
                   "damp_percent": 0.05, "damp_auto_increment": 0.01, "static_groups": False,
                   "true_sequential": True, "mse": 0.0}
@@ -84,6 +86,8 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int, symmetric:
     <= max and zero = round(-2**(bits - 1) - min / scale); q = round(clamp(W / scale + zero)) in the signed range.
     The scale is rounded up to `scale_dtype` first, so the stored scale is the one the values were rounded with."""
     out_features, in_features = weight.shape
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit weights are not written (4 or 8)")
     if in_features % group_size:
         raise ValueError(f"{in_features} input columns are not a multiple of the group size {group_size}")
     groups = weight.float().reshape(out_features, in_features // group_size, group_size)
