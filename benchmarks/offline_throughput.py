@@ -104,12 +104,16 @@ def prompts(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
             for request in random_requests(num_requests, PROMPT_LEN, OUTPUT_LEN, vocab, seed=seed)]
 
 
-def run_engine(shape: str, requests, work: Path, extra: list[str]) -> dict:
+def run_engine(shape: str, requests, work: Path, extra: list[str], quantization_config: dict | None = None) -> dict:
     """W1 through `pagedserve bench throughput`'s engine and measurement, greedy: first over other random
     prompts (it pays Triton's and cuBLAS's one-time costs of batch shapes not seen before), then over
     `requests`, the run reported. Other prompts, because prefix caching is on: the same prompts again would
-    find every full block cached and skip nearly all of the prefill. Then the TPOT of a lone request."""
+    find every full block cached and skip nearly all of the prefill. Then the TPOT of a lone request.
+    `quantization_config`: written into the shape's config.json (a quantized checkpoint's random weights)."""
     model_dir = write_config_dir(shape, work / shape)
+    if quantization_config is not None:
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     args = parse_args(["bench", "throughput", "--model", str(model_dir), "--load-format", "dummy", "--device", "cuda",
                        "--dtype", "bfloat16", "--max-num-seqs", "256", "--max-num-batched-tokens", "16384",
                        "--max-model-len", "1024", "--swap-space", "1", "--ready-timeout", "900", *extra])
@@ -241,6 +245,8 @@ def main() -> int:
     parser.add_argument("--engine-flags", default="", help="extra `pagedserve serve` flags")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs the engine shards over")
     parser.add_argument("--tag", default="", help="appended to the output files' names")
+    parser.add_argument("--quantization-config", type=json.loads, default=None,
+                        help="a JSON quantization_config for the shape's config.json (AWQ, GPTQ, compressed-tensors)")
     args = parser.parse_args()
     tp = args.tensor_parallel_size
     out_dir = Path(os.environ.get("OUT", "."))
@@ -251,7 +257,7 @@ def main() -> int:
                "tensor_parallel_size": tp, "floor": w1_floor(args.shape, args.num_requests, ceilings, tp), "runs": {}}
     print("ceilings", json.dumps(ceilings), "floor", json.dumps(summary["floor"]), flush=True)
     engine_flags = [*(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *args.engine_flags.split()]
-    summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, engine_flags)
+    summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, engine_flags, args.quantization_config)
     summary["runs"]["pagedserve"]["output_tokens_per_s_per_gpu"] = summary["runs"]["pagedserve"]["output_tokens_per_s"] / tp
     print("pagedserve", json.dumps(summary["runs"]["pagedserve"]), flush=True)
     if not args.skip_hf:
