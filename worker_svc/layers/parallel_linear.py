@@ -55,6 +55,8 @@ class ColumnParallelLinear(nn.Module):
         """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
         raises if this rank's rows of a part would split an entry of one of its checkpoint tensors."""
         self.linear_method = method
+        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
+            delattr(self, kind)
         method.create_weights(self, self.output_size, self.input_size, len(self.shards), dtype)
         for kind in _method_kinds(self):
             layout = method.layout(kind)
@@ -104,6 +106,8 @@ class RowParallelLinear(nn.Module):
         raises if this rank's input columns would split an entry (a packed int32, a group) of one of its
         checkpoint tensors."""
         self.linear_method = method
+        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
+            delattr(self, kind)
         method.create_weights(self, self.output_size, self.local_input, 1, dtype)
         start, count = self.input_start, self.local_input
         for kind in _method_kinds(self):

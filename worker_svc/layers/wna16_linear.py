@@ -6,7 +6,7 @@ takes its slice where `layout` says the output or input dimension lies:
 
 | format | tensors (one fused part, one rank: N output rows, K input columns, G per group, p = 32 // bits) |
 |---|---|
-| awq | qweight int32 [K, N/p] (packed along N, AWQ's interleaved order), qzeros int32 [K/G, N/p], scales [K/G, N] |
+| awq | qweight int32 [K, N/p] (packed along N, AWQ's interleaved order), qzeros int32 [K/G, N/p] (likewise), scales [K/G, N] |
 | gptq | qweight int32 [K/p, N] (packed along K), qzeros int32 [K/G, N/p] (v1: zero - 1), scales [K/G, N], g_idx [K] |
 | pack-quantized | weight_packed int32 [N, K/p], weight_scale [N, K/G], weight_zero_point int32 [N/p, K/G] (asymmetric), weight_shape [2], weight_g_idx [K] (actorder group) |
 
@@ -58,10 +58,7 @@ class Wna16Linear:
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int, num_parts: int,
                        dtype: torch.dtype | None) -> None:
         scheme, pack = self.scheme, self.pack
-        group = scheme.group_size or input_size
-        if input_size % group or input_size % pack:
-            raise ValueError(f"{input_size} input columns are not a multiple of the group size {group} and the "
-                             f"{pack} values packed per int32")
+        group = scheme.group_size or input_size  # a shard that splits a group is refused by the layer (layout)
         if scheme.act_order and layer.splits_input:
             raise ValueError(f"{scheme.describe()}: act-order (g_idx) on a row-parallel layer split over "
                              f"tensor-parallel ranks is not served (its groups span ranks); serve it on one rank")
@@ -79,8 +76,8 @@ class Wna16Linear:
         else:
             packed = (input_size, output_size // pack) if scheme.method == AWQ else (input_size // pack, output_size)
             shapes = {"qweight": (packed, torch.int32), "scales": ((groups, output_size), dtype)}
-            if scheme.method == GPTQ or not scheme.symmetric:  # GPTQ writes qzeros even when symmetric
-                shapes["qzeros"] = ((groups, output_size // pack), torch.int32)
+            # Written even when symmetric (GPTQ's 2**(bits - 1) - 1, AWQ zero_point=False's 2**(bits - 1)): unread.
+            shapes["qzeros"] = ((groups, output_size // pack), torch.int32)
             if scheme.method == GPTQ:
                 shapes["g_idx"] = ((num_parts, input_size), torch.int32)
         for kind, (shape, kind_dtype) in shapes.items():
