@@ -101,7 +101,7 @@ def test_a_shard_that_splits_a_group_is_refused_naming_the_layer_and_the_group_s
     source = make_tiny_model(tmp_path, "llama", seed=3)
     served = write_gptq_checkpoint(source, tmp_path / "gptq", 4, group_size=64)
     with pytest.raises(LoadRefused, match=r"cannot split model\.layers\.0\.self_attn\.o_proj over 2 tensor-parallel "
-                                          r"rank\(s\): qzeros: the 64 input columns split over 2 tensor-parallel "
+                                          r"rank\(s\): scales: the 64 input columns split over 2 tensor-parallel "
                                           r"ranks give this rank columns 0\.\.31, .*one scale per group of 64"):
         load_model(served, torch.float32, "meta", tensor_parallel=TensorParallel(rank=0, world_size=2))
     load_model(served, torch.float32, "cpu")  # one rank holds every group
