@@ -41,7 +41,8 @@ FORMATS = {
         source, target, 8, 32, symmetric=False),
 }
 CASES = [("llama", name) for name in FORMATS] + [
-    (arch, name) for arch in ("qwen2", "qwen3") for name in ("awq", "gptq4_asym_desc_act", "w4a16_channel_asym")
+    (arch, name) for arch in ("qwen2", "qwen3", "phi3")  # Phi-3: q|k|v and gate|up fused in the checkpoint
+    for name in ("awq", "gptq4_asym_desc_act", "w4a16_channel_asym")
 ]
 NEW_TOKENS = 6
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -80,11 +81,13 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, a
     assert ((got - plain).norm() / plain.norm()).item() > 1e-3
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq4_sym", "w4a16_channel_asym"])
-def test_two_tensor_parallel_ranks_give_the_single_rank_logits_and_tokens(tmp_path, fmt):
-    """Column-parallel layers take their ranks' packed output columns (AWQ's qweight [in, out / 8]) or rows
-    (compressed-tensors' [out, in / 8]); row-parallel ones their groups of input rows; per-channel scales whole."""
-    _, served = _checkpoint(tmp_path, "qwen2", fmt)
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq4_sym"), ("qwen2", "w4a16_channel_asym"),
+                                       ("phi3", "awq")])
+def test_two_tensor_parallel_ranks_give_the_single_rank_logits_and_tokens(tmp_path, arch, fmt):
+    """Column-parallel layers take their ranks' packed output columns (AWQ's qweight [in, out / 8]; Phi-3's of
+    each part of its fused tensors) or rows (compressed-tensors' [out, in / 8]); row-parallel ones their groups
+    of input rows; per-channel scales whole."""
+    _, served = _checkpoint(tmp_path, arch, fmt)
     prompts = [[1, 17, 300, 42, 9, 255, 7], [1, 5, 5, 480, 2, 61, 99, 100, 3]]
     run_ranks(check_sharded_model, str(served), prompts, 1e-4)
 
@@ -173,3 +176,25 @@ def test_dummy_weights_of_an_integer_checkpoint_give_finite_logits_of_a_sane_sca
     assert 0.005 < dequantized_std < 0.05  # about N(0, 0.02), as the unquantized dummy weights
     logits = prefill_logits_paged(model, config, [[1, 2, 3, 4]])[0]
     assert torch.isfinite(logits).all()
+
+
+def test_fused_parts_with_different_act_orders_are_refused():
+    """q|k|v run as one matmul over one permuted input: their g_idx must agree (GPTQ gives them one)."""
+    from worker_svc.integer_quantization import IntegerScheme
+    from worker_svc.layers.checkpoint_tensor import CheckpointTensor
+    from worker_svc.layers.parallel_linear import ColumnParallelLinear
+    from worker_svc.layers.wna16_linear import Wna16Linear
+
+    layer = ColumnParallelLinear(64, [(0, 16), (0, 8)], bias=False)
+    with torch.device("meta"):
+        layer.set_linear_method(Wna16Linear(IntegerScheme("gptq", "gptq", 4, 32, True, act_order=True), False),
+                                torch.float32)
+    layer = layer.to_empty(device="cpu")
+    for part, rows in enumerate((16, 8)):
+        g_idx = torch.arange(64, dtype=torch.int32) // 32
+        tensors = {"qweight": torch.zeros(8, rows, dtype=torch.int32), "qzeros": torch.zeros(2, rows // 8,
+                   dtype=torch.int32), "scales": torch.ones(2, rows), "g_idx": g_idx if part == 0 else g_idx.flip(0)}
+        for kind, tensor in tensors.items():
+            layer.load(kind, CheckpointTensor(tensor, tuple(tensor.shape)), part)
+    with pytest.raises(ValueError, match="fused parts of this layer have different act orders"):
+        layer.process_after_loading()
