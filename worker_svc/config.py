@@ -78,8 +78,8 @@ class WorkerConfig:
     quantization: str | None = flag("--quantization", "-q", default=None, choices=QUANTIZATION_FLAG_VALUES,
                                      shared=False,
                                      help="fp8: quantize the weights to FP8 at load (W8A8, per-channel weights, "
-                                          "per-token activations); compressed-tensors, awq, gptq, gguf: as the checkpoint "
-                                          "says (given or not); docs/quantization.md")
+                                          "per-token activations); compressed-tensors, awq, gptq, gguf: as the "
+                                          "checkpoint says (given or not); docs/quantization.md")
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = flag("--fail-at-step", default=None, hidden=True)
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).

@@ -92,7 +92,8 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
         if isinstance(scheme, IntegerScheme):
             what, kernel = scheme.describe(), "integer"
         else:
-            what = "FP8 (--quantization fp8)" if scheme.method == ONLINE_FP8 else "FP8 (a compressed-tensors checkpoint)"
+            source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
+            what = f"FP8 ({source})"
             kernel = "FP8"
         raise ValueError(f"{what} is not served for {module} models: their fused MoE experts have no {kernel} "
                          f"kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint")

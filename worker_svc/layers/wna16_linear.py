@@ -4,12 +4,14 @@ Who owns what: a layer first holds the checkpoint's own tensors, under the check
 rank's shapes (`create_weights`), so llama.py's name mapping loads them unchanged and each parallel layer
 takes its slice where `layout` says the output or input dimension lies:
 
-| format | tensors (one fused part, one rank: N output rows, K input columns, G per group, p = 32 // bits) |
-|---|---|
-| awq | qweight int32 [K, N/p] (packed along N, AWQ's interleaved order), qzeros int32 [K/G, N/p] (likewise), scales [K/G, N] |
-| gptq | qweight int32 [K/p, N] (packed along K), qzeros int32 [K/G, N/p] (v1: zero - 1), scales [K/G, N], g_idx [K] |
-| pack-quantized | weight_packed int32 [N, K/p], weight_scale [N, K/G], weight_zero_point int32 [N/p, K/G] (asymmetric), weight_shape [2], weight_g_idx [K] (actorder group) |
+- awq: qweight int32 [K, N/p] (packed along N in AWQ's interleaved order), qzeros int32 [K/G, N/p] (likewise),
+  scales [K/G, N];
+- gptq: qweight int32 [K/p, N] (packed along K), qzeros int32 [K/G, N/p] (v1: zero - 1), scales [K/G, N],
+  g_idx [K];
+- pack-quantized: weight_packed int32 [N, K/p], weight_scale [N, K/G], weight_zero_point int32 [N/p, K/G]
+  (asymmetric), weight_shape [2], weight_g_idx [K] (actorder "group");
 
+(one fused part on one rank: N output rows, K input columns, G per group, p = 32 // bits values per int32).
 `process_after_loading` turns them into the one layout the kernels read (kernels/wna16_ref.py: qweight int32
 [K/p, N] packed along K, scales [K/G, N] in the model's dtype, zeros [K/G, N] as floats or None for
 symmetric), and frees the originals. Per channel (GPTQ group_size -1, compressed-tensors strategy channel),
