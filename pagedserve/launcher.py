@@ -284,8 +284,8 @@ def resolve_servable_model(args) -> ResolvedModel:
     except (ValueError, RuntimeError, OSError) as error:
         raise SystemExit(f"pagedserve: cannot serve {args.model or 'the default model'}: {error}") from None
     if config.quantization is not None and args.batch_invariant:
-        raise SystemExit(f"pagedserve: cannot serve {model.name} with --batch-invariant: FP8 "
-                         f"({config.quantization.method}) has no batch-invariant matmul")
+        raise SystemExit(f"pagedserve: cannot serve {model.name} with --batch-invariant: "
+                         f"{config.quantization.describe()} has no batch-invariant matmul")
     weightless = find_gguf_file(model.path) is None and not any(Path(model.path).glob("*.safetensors"))
     if weightless and args.load_format != "dummy":
         raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "

@@ -133,9 +133,10 @@ def test_fp8_on_a_model_with_fused_moe_experts_is_refused_naming_why(tmp_path, a
 
 
 def test_quantization_refusals_name_the_method_and_the_flag(tmp_path):
-    gptq = _with_quantization_config(tmp_path, "llama", {"quant_method": "gptq", "bits": 4})
-    with pytest.raises(ValueError, match="quant_method 'gptq', which this engine does not serve"):
-        ModelConfig.from_path(gptq)
+    bnb = _with_quantization_config(tmp_path / "bnb", "llama", {"quant_method": "bitsandbytes", "load_in_4bit": True})
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes', which this engine does not serve"):
+        ModelConfig.from_path(bnb)
+    gptq = _with_quantization_config(tmp_path, "llama", {"quant_method": "gptq", "bits": 4, "group_size": 32})
     with pytest.raises(ValueError, match="--quantization compressed-tensors was given, but the checkpoint's "
                                          "quantization_config says quant_method 'gptq'"):
         ModelConfig.from_path(gptq, "compressed-tensors")
@@ -155,7 +156,8 @@ def test_quantization_refusals_name_the_method_and_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"format": "pack-quantized"}, "format 'pack-quantized' is not served"),
+    ({"format": "marlin-24"}, "format 'marlin-24' is not served"),
+    ({"format": "pack-quantized"}, "pack-quantized with input_activations is not served"),
     ({"config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
                                                                        "strategy": "group", "group_size": 128}}}},
      "compressed-tensors weights"),

@@ -35,11 +35,11 @@ def _edit_config(model_dir, **keys) -> None:
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **keys}))
 
 
-def test_a_gptq_quantization_config_is_refused_in_one_line_before_any_child_starts(tmp_path):
+def test_a_bitsandbytes_quantization_config_is_refused_in_one_line_before_any_child_starts(tmp_path):
     """Its tensors here are float: served, they would pass for an unquantized model."""
     model = make_tiny_model(tmp_path, "llama", seed=5)
-    _edit_config(model, quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
-    assert_one_line_refusal(_serve(model, timeout=90), "quantization_config", "'gptq'", "supported: gguf")
+    _edit_config(model, quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True})
+    assert_one_line_refusal(_serve(model, timeout=90), "quantization_config", "'bitsandbytes'", "supported: gguf")
 
 
 def test_an_untied_gemma2_is_refused_in_one_line_before_any_child_starts(tmp_path):
@@ -74,7 +74,7 @@ def _gemma2_config(model_dir, **keys) -> None:
 
 
 @pytest.mark.parametrize("keys, words", [
-    ({"quantization_config": {"quant_method": "awq", "bits": 4}}, ("quant_method 'awq'",)),
+    ({"quantization_config": {"quant_method": "hqq", "nbits": 4}}, ("quant_method 'hqq'",)),
     ({"tie_word_embeddings": False}, ("tie_word_embeddings=False",)),
     ({"hidden_activation": "relu"}, ("hidden_activation 'relu'",)),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},

@@ -72,14 +72,14 @@ class WorkerConfig:
                                       "docs/batch_invariant.md). Default: on when $VLLM_BATCH_INVARIANT is set and "
                                       "not 0, as vLLM's switch")
     # The linear layers' quantization (worker_svc/quantization_config.py): None reads it from the
-    # checkpoint (a compressed-tensors FP8 quantization_config, a .gguf file); "fp8" quantizes an unquantized
+    # checkpoint (a compressed-tensors, AWQ or GPTQ quantization_config, a .gguf file); "fp8" quantizes an unquantized
     # checkpoint at load. `serve` takes it as a vLLM flag (pagedserve/vllm_flags.py refuses other values with
     # the reason) and forwards it (launcher.py `_worker_argv`).
     quantization: str | None = flag("--quantization", "-q", default=None, choices=QUANTIZATION_FLAG_VALUES,
                                      shared=False,
                                      help="fp8: quantize the weights to FP8 at load (W8A8, per-channel weights, "
-                                          "per-token activations); compressed-tensors, gguf: as the checkpoint "
-                                          "says (given or not); docs/quantization.md")
+                                          "per-token activations); compressed-tensors, awq, gptq, gguf: as the "
+                                          "checkpoint says (given or not); docs/quantization.md")
     # Test only: the Nth forward pass raises (a worker fault on demand, across processes). None: never.
     fail_at_step: int | None = flag("--fail-at-step", default=None, hidden=True)
     # Fault injection: the process exits at once when a new request's tokens hold this id (poison requests).

@@ -12,24 +12,32 @@ Served:
   "tensor"); `ignore` names layers left unquantized ("lm_head", which is never quantized here).
 - online fp8 (`--quantization fp8` on an unquantized checkpoint): vLLM's "fp8" method, weights quantized
   per output channel at load, activations per token.
-The layers read the result as a `QuantizationScheme` (worker_svc/layers/linear_method.py chooses the method).
+- weight-only integer checkpoints (W4A16, W8A16): AWQ (quant_method "awq"), GPTQ ("gptq") and compressed-tensors
+  format "pack-quantized", parsed in worker_svc/integer_quantization.py into an `IntegerScheme`.
+The layers read the result as a `QuantizationScheme` or an `IntegerScheme` (worker_svc/layers/linear_method.py
+chooses the method).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker_svc.integer_quantization import (
+    AWQ, GPTQ, PACK_QUANTIZED, IntegerScheme, ignore_list_matches, parse_awq, parse_compressed_tensors_int,
+    parse_gptq,
+)
+
 COMPRESSED_TENSORS, ONLINE_FP8, GGUF = "compressed-tensors", "fp8", "gguf"
-QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS)
+QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS, AWQ, GPTQ)
 FP8_FORMATS = ("float-quantized", "naive-quantized")
-# Model files whose experts are fused (worker_svc/layers/fused_moe.py): no FP8 method for them yet.
+# Model files whose experts are fused (worker_svc/layers/fused_moe.py): no quantized method for them yet.
 FUSED_EXPERT_MODULES = ("mixtral", "qwen3_moe")
 SERVED = ("gguf (as a .gguf file); compressed-tensors FP8 W8A8 (format float-quantized, per-channel or "
-          "per-tensor weights, per-token or static activations); fp8 (--quantization fp8: online, from an "
-          "unquantized checkpoint)")
+          "per-tensor weights, per-token or static activations) and W4A16/W8A16 (format pack-quantized); awq "
+          "(4-bit, version gemm); gptq (4- or 8-bit); fp8 (--quantization fp8: online, from an unquantized "
+          "checkpoint)")
 
 
 @dataclass(frozen=True)
@@ -47,16 +55,14 @@ class QuantizationScheme:
 
     def ignores(self, layer_name: str) -> bool:
         """Whether the checkpoint layer `layer_name` (e.g. "model.layers.0.self_attn.q_proj") is unquantized."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], layer_name):
-                    return True
-            elif entry == layer_name or layer_name.endswith(f".{entry}"):
-                return True
-        return False
+        return ignore_list_matches(self.ignore, layer_name)
+
+    def describe(self) -> str:
+        return f"FP8 ({self.method})"
 
 
-def parse_quantization(raw: Mapping[str, Any], flag: str | None, module: str) -> QuantizationScheme | None:
+def parse_quantization(raw: Mapping[str, Any], flag: str | None,
+                       module: str) -> QuantizationScheme | IntegerScheme | None:
     """The scheme of an HF checkpoint's config.json `raw` given `--quantization` `flag` (None: not given), for the
     model file `module`; None: unquantized. Raises ValueError naming why it is refused."""
     declared = raw.get("quantization_config")
@@ -68,41 +74,56 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None, module: str) ->
         if flag is not None and flag != method:
             raise ValueError(f"--quantization {flag} was given, but the checkpoint's quantization_config says "
                              f"quant_method {method!r}")
-        if method != COMPRESSED_TENSORS:
+        parse = {COMPRESSED_TENSORS: _compressed_tensors, AWQ: parse_awq, GPTQ: parse_gptq}.get(method)
+        if parse is None:
             raise ValueError(f"its config.json declares quantization_config quant_method {method!r}, which this "
                              f"engine does not serve (supported: {SERVED})")
-        scheme = _compressed_tensors_fp8(declared)
+        scheme = parse(declared)
     elif flag == ONLINE_FP8:
         scheme = QuantizationScheme(ONLINE_FP8)
-    elif flag == COMPRESSED_TENSORS:
-        raise ValueError("--quantization compressed-tensors was given, but the checkpoint's config.json declares "
-                         "no quantization_config")
+    elif flag in (COMPRESSED_TENSORS, AWQ, GPTQ):
+        raise ValueError(f"--quantization {flag} was given, but the checkpoint's config.json declares no "
+                         f"quantization_config")
     elif flag == GGUF:
         raise ValueError("--quantization gguf needs a .gguf model file")
     else:
         return None
     if module in FUSED_EXPERT_MODULES:
-        source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
-        raise ValueError(f"FP8 ({source}) is not served for {module} models: their fused MoE experts have no FP8 "
+        if isinstance(scheme, IntegerScheme):
+            what, kernel = scheme.describe(), "integer"
+        else:
+            source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
+            what = f"FP8 ({source})"
+            kernel = "FP8"
+        raise ValueError(f"{what} is not served for {module} models: their fused MoE experts have no {kernel} "
                          f"kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint")
     return scheme
 
 
-def _compressed_tensors_fp8(config: Mapping[str, Any]) -> QuantizationScheme:
-    """The FP8 W8A8 scheme of a compressed-tensors quantization_config, or ValueError naming what differs."""
+def _compressed_tensors(config: Mapping[str, Any]) -> QuantizationScheme | IntegerScheme:
+    """The scheme of a compressed-tensors quantization_config (FP8 W8A8, or integer weight-only), or ValueError
+    naming what differs."""
     fmt = config.get("format")
-    if fmt not in FP8_FORMATS:
+    if fmt == "int-quantized":
+        raise ValueError("compressed-tensors format 'int-quantized' (int8 W8A8, integer activations) is not "
+                         "served yet (supported: FP8 W8A8, float-quantized; W4A16/W8A16, pack-quantized)")
+    if fmt not in (*FP8_FORMATS, PACK_QUANTIZED):
         raise ValueError(f"compressed-tensors format {fmt!r} is not served (supported: FP8 W8A8, format "
-                         f"{' or '.join(FP8_FORMATS)})")
+                         f"{' or '.join(FP8_FORMATS)}; W4A16/W8A16, format {PACK_QUANTIZED})")
     if config.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not served")
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity.get("format") not in (None, "dense"):
+        raise ValueError(f"compressed-tensors sparsity_config format {sparsity.get('format')!r} is not served")
     groups = list((config.get("config_groups") or {}).values())
     if len(groups) != 1 or not isinstance(groups[0], Mapping) or groups[0].get("targets") != ["Linear"]:
         raise ValueError("compressed-tensors: only one config group targeting [\"Linear\"] is served")
     group = groups[0]
-    weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
     if group.get("output_activations"):
         raise ValueError("compressed-tensors output_activations quantization is not served")
+    if fmt == PACK_QUANTIZED:
+        return parse_compressed_tensors_int(config, group)
+    weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
     if not _is_fp8(weights) or weights.get("dynamic") or weights.get("strategy") not in ("channel", "tensor"):
         raise ValueError(f"compressed-tensors weights {dict(weights)} are not served (supported: 8-bit float, "
                          f"symmetric, static, strategy channel or tensor)")

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear_ref import FP8_DTYPE, fp8_linear_ref, quantize_weight_per_channel
+from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, PER_PART, WEIGHT, TensorLayout
 from worker_svc.quantization_config import ONLINE_FP8, QuantizationScheme
 
 Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -69,8 +70,10 @@ class Fp8Linear:
         if not self.scheme.dynamic_activations:
             layer.input_scale = nn.Parameter(torch.empty(num_parts, dtype=torch.float32), requires_grad=False)
 
-    def sharded_by_rows(self, kind: str) -> bool:
-        return kind in ("weight", "bias") or (kind == "weight_scale" and self.scheme.weight_strategy == "channel")
+    def layout(self, kind: str) -> TensorLayout:
+        if kind == "weight":
+            return WEIGHT
+        return PER_OUTPUT_ROW if kind == "weight_scale" and self.scheme.weight_strategy == "channel" else PER_PART
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:

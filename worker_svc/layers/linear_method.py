@@ -3,8 +3,8 @@
 Why a seam: quantization is a property of the shared layers (ColumnParallelLinear, RowParallelLinear in
 parallel_linear.py), not of the model files. A layer keeps what is about the tensor-parallel split (which
 rows or columns of a checkpoint tensor are this rank's, the fused parts, the all-reduce, the bias) and asks
-its method for the rest: which parameters it holds, which checkpoint tensors are one value per output row
-(split like the weight's rows) and which are one value per fused part (a per-tensor scale), what to do once
+its method for the rest: which parameters it holds, where each checkpoint tensor keeps the layer's output and
+input dimensions (`TensorLayout`: so the layer can take its rank's slice of any format), what to do once
 everything is loaded, and the product itself. So every model file, and every shard, serves any method
 unchanged.
 
@@ -22,6 +22,9 @@ import torch
 from torch import nn
 
 from worker_svc.layers.fp8_linear import Fp8Linear, has_fp8_tensor_cores
+from worker_svc.layers.checkpoint_tensor import WEIGHT, TensorLayout
+from worker_svc.layers.wna16_linear import Wna16Linear
+from worker_svc.integer_quantization import IntegerScheme
 from worker_svc.quantization_config import QuantizationScheme
 
 
@@ -33,10 +36,9 @@ class LinearMethod(Protocol):
         layer registers `bias` itself. `num_parts`: the fused parts (q|k|v: 3), each of which may carry its
         own per-tensor values."""
 
-    def sharded_by_rows(self, kind: str) -> bool:
-        """Whether the checkpoint tensor `kind` ("weight", "bias", "weight_scale", "input_scale") holds one
-        entry per output row (a column-parallel layer takes this rank's rows of it) rather than one value per
-        fused part (stored at the part's index of a [num_parts] parameter)."""
+    def layout(self, kind: str) -> TensorLayout:
+        """Where the checkpoint tensor `kind` ("weight", "weight_scale", "qweight", ...; not "bias", which the
+        layer places itself) keeps the layer's output and input dimensions (layers/tensor_layout.py)."""
 
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
         """Turns the loaded parameters into what `apply` reads (online fp8: quantizes the weight);
@@ -53,8 +55,8 @@ class UnquantizedLinear:
                        dtype: torch.dtype | None) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype))
 
-    def sharded_by_rows(self, kind: str) -> bool:
-        return True
+    def layout(self, kind: str) -> TensorLayout:
+        return WEIGHT
 
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
         return None
@@ -66,9 +68,12 @@ class UnquantizedLinear:
 UNQUANTIZED = UnquantizedLinear()
 
 
-def choose_linear_method(scheme: QuantizationScheme | None, device: torch.device) -> LinearMethod:
-    """The method every quantized layer of a model gets: unquantized, or FP8 on the tensor cores where the
-    device has them (else its torch reference)."""
+def choose_linear_method(scheme: QuantizationScheme | IntegerScheme | None, device: torch.device) -> LinearMethod:
+    """The method every quantized layer of a model gets: unquantized; FP8 on the tensor cores where the device
+    has them (else its torch reference); weight-only integer (the Triton GEMM on a CUDA device, else the torch
+    reference)."""
     if scheme is None:
         return UNQUANTIZED
+    if isinstance(scheme, IntegerScheme):
+        return Wna16Linear(scheme, triton=device.type == "cuda")
     return Fp8Linear(scheme, tensor_cores=has_fp8_tensor_cores(device))

@@ -12,9 +12,11 @@ from a safetensors file. With one rank the forward pass is exactly `F.linear(x, 
 `nn.Linear` ran before: the parallel layers cost nothing when N is 1.
 
 What the layer holds and how it multiplies is its linear method's (layers/linear_method.py: unquantized, or
-FP8 W8A8): the layer keeps the split (which rows or columns are this rank's, the fused parts, the
-all-reduce, the bias). The model loader sets the method (`set_linear_method`) while the model is still on
-the meta device, and calls `process_after_loading` once the checkpoint is in.
+FP8 W8A8, weight-only integer): the layer keeps the split (which rows or columns are this rank's, the fused
+parts, the all-reduce, the bias), and slices each checkpoint tensor where the method's `TensorLayout` says its
+output or input dimension lies. The model loader sets the method (`set_linear_method`, which refuses a shard
+that would split a packed int32 or a quantization group) while the model is still on the meta device, and
+calls `process_after_loading` once the checkpoint is in.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from worker_svc.layers.checkpoint_tensor import CheckpointTensor, copy_into
+from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, CheckpointTensor, TensorLayout, copy_into, copy_part
 from worker_svc.layers.linear_method import UNQUANTIZED, LinearMethod
 from worker_svc.tensor_parallel import TensorParallel
 
@@ -39,6 +41,7 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = [sum(rows for _, rows in shards[:part]) for part in range(len(shards))]
         self.input_size = input_size
         self.output_size = sum(rows for _, rows in shards)
+        self.splits_input = False  # every rank multiplies the whole input (a method's act order needs it whole)
         self.linear_method: LinearMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self, self.output_size, input_size, len(shards), None)
         self.bias = nn.Parameter(torch.empty(self.output_size)) if bias else None
@@ -49,9 +52,20 @@ class ColumnParallelLinear(nn.Module):
         return cls(input_size, [tp.shard(size) for size in output_sizes], bias)
 
     def set_linear_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
-        """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device)."""
+        """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
+        raises if this rank's rows of a part would split an entry of one of its checkpoint tensors."""
         self.linear_method = method
+        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
+            delattr(self, kind)
         method.create_weights(self, self.output_size, self.input_size, len(self.shards), dtype)
+        for kind in _method_kinds(self):
+            layout = method.layout(kind)
+            per_entry = layout.output_per_entry
+            for part, (start, rows) in enumerate(self.shards):
+                if layout.output_axis is not None and (start % per_entry or rows % per_entry):
+                    raise ValueError(f"{kind}: this rank's output rows {start}..{start + rows - 1} of part {part} "
+                                     f"({rows} rows) do not fall on a boundary of the {per_entry} rows each entry "
+                                     f"holds ({layout.entry})")
 
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [rows for _, rows in self.shards])
@@ -60,14 +74,17 @@ class ColumnParallelLinear(nn.Module):
         return self.linear_method.apply(self, hidden, self.bias)
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
-        """Copies this rank's rows of `part` from the checkpoint's weight or bias (or per-row scale); a value per
-        part (a per-tensor scale) goes whole to the part's place."""
-        if not self.linear_method.sharded_by_rows(kind):
-            copy_into(getattr(self, kind)[part : part + 1], checkpoint.full().reshape(1))
+        """Copies this rank's rows of `part` from a checkpoint tensor (wherever its layout puts the output
+        dimension); a tensor that is one per part goes whole to the part's place."""
+        layout = _layout(self, kind)
+        target = getattr(self, kind)
+        if layout.output_axis is None:
+            copy_part(target[part], checkpoint.full())
             return
         start, rows = self.shards[part]
-        offset = self.offsets[part]
-        copy_into(getattr(self, kind)[offset : offset + rows], checkpoint.rows(start, rows))
+        axis, per_entry = layout.output_axis, layout.output_per_entry
+        place = target.narrow(axis, self.offsets[part] // per_entry, rows // per_entry)
+        copy_into(place, layout.along(checkpoint, axis, start, rows))
 
 
 class RowParallelLinear(nn.Module):
@@ -79,14 +96,28 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.input_start, self.local_input = tp.shard(input_size)
         self.output_size = output_size
+        self.splits_input = tp.is_parallel  # each rank multiplies its columns of the input
         self.linear_method: LinearMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self, output_size, self.local_input, 1, None)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def set_linear_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
-        """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device)."""
+        """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
+        raises if this rank's input columns would split an entry (a packed int32, a group) of one of its
+        checkpoint tensors."""
         self.linear_method = method
+        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
+            delattr(self, kind)
         method.create_weights(self, self.output_size, self.local_input, 1, dtype)
+        start, count = self.input_start, self.local_input
+        for kind in _method_kinds(self):
+            layout = method.layout(kind)
+            per_entry = layout.input_per_entry
+            if layout.input_axis is not None and (start % per_entry or count % per_entry):
+                raise ValueError(f"{kind}: the {count * self.tp.world_size} input columns split over "
+                                 f"{self.tp.world_size} tensor-parallel ranks give this rank columns {start}.."
+                                 f"{start + count - 1}, which do not fall on a boundary of the {per_entry} columns "
+                                 f"each entry holds ({layout.entry})")
 
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [self.output_size])
@@ -98,10 +129,24 @@ class RowParallelLinear(nn.Module):
         return output if self.bias is None else output + self.bias
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
-        """This rank's columns of the weight; everything else (bias, per-row and per-tensor scales) whole."""
-        if kind == "weight":
-            copy_into(self.weight, checkpoint.columns(self.input_start, self.weight.shape[1]))
-        elif kind == "bias":
-            copy_into(self.bias, checkpoint.full())
-        else:  # a scale: compressed-tensors writes a per-tensor one as [1], ours is [1] too; a per-row one [N, 1]
-            copy_into(getattr(self, kind), checkpoint.full())
+        """This rank's input columns of a checkpoint tensor (wherever its layout puts the input dimension);
+        the rest (the bias, per-row and per-tensor scales) whole."""
+        layout = _layout(self, kind)
+        if layout.input_axis is None:
+            source = checkpoint.full()
+        else:
+            source = layout.along(checkpoint, layout.input_axis, self.input_start, self.local_input)
+        target = getattr(self, kind)
+        if layout.output_axis is None:  # one per part, of which a row-parallel layer has one
+            copy_part(target[0], source)
+        else:
+            copy_into(target, source)
+
+
+def _layout(layer: nn.Module, kind: str) -> TensorLayout:
+    return PER_OUTPUT_ROW if kind == "bias" else layer.linear_method.layout(kind)
+
+
+def _method_kinds(layer: nn.Module) -> list[str]:
+    """The checkpoint tensor kinds `layer`'s method registered (all its parameters but the bias)."""
+    return [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]

@@ -22,6 +22,7 @@ from kernels.layer_ops import LayerOps
 from service_runtime.load_refusal import LoadRefused
 from worker_svc.layers.linear_method import choose_linear_method
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from worker_svc.layers.wna16_linear import Wna16Linear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.kv_scales import apply_kv_scales, split_kv_scales
@@ -56,7 +57,7 @@ def load_model(
     with refused_as_load_refusal():
         config = ModelConfig.from_path(path, quantization)
         if config.quantization is not None and layer_ops is not None and layer_ops.batch_invariant:
-            raise ValueError(f"FP8 ({config.quantization.method}) has no batch-invariant matmul: serve it without "
+            raise ValueError(f"{config.quantization.describe()} has no batch-invariant matmul: serve it without "
                              f"--batch-invariant, or serve the unquantized checkpoint")
         with torch.device("meta"):
             model = build_model(config, attention_backend, layer_ops, tensor_parallel)
@@ -66,7 +67,7 @@ def load_model(
                 module.linear = layer_ops.linear
     model = model.to(dtype)
     with refused_as_load_refusal():
-        set_linear_methods(model, config, dtype, torch.device(device))
+        set_linear_methods(model, config, dtype, torch.device(device), tensor_parallel)
     model = model.to_empty(device=device)
     if load_format == "dummy":
         _fill_random(model)
@@ -81,10 +82,12 @@ def load_model(
     return model.eval(), config
 
 
-def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                       tensor_parallel: TensorParallel = SINGLE_RANK) -> None:
     """Gives every parallel linear layer of `model` (still on the meta device) its linear method: the one
     `config.quantization` chooses, unless the checkpoint `ignore`s the layer. A fused layer (q|k|v) is
-    quantized only if none of its checkpoint projections is ignored, and refused if only some are."""
+    quantized only if none of its checkpoint projections is ignored, and refused if only some are; a layer
+    whose shard the method cannot hold (a split packed int32 or group) is refused naming it."""
     if config.quantization is None:
         return
     method = choose_linear_method(config.quantization, device)
@@ -98,8 +101,12 @@ def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype
         if any(ignored):
             raise ValueError(f"the checkpoint's quantization ignore list leaves some of {sources} unquantized, but "
                              f"they are fused into one matmul ({name}); ignore all of them or none")
-        with torch.device("meta"):
-            module.set_linear_method(method, dtype)
+        try:
+            with torch.device("meta"):
+                module.set_linear_method(method, dtype)
+        except ValueError as error:
+            raise ValueError(f"{config.quantization.describe()} cannot split {name} over "
+                             f"{tensor_parallel.world_size} tensor-parallel rank(s): {error}") from None
 
 
 @contextlib.contextmanager
@@ -129,11 +136,17 @@ def _raised_by_our_code(error: BaseException) -> bool:
 
 @torch.no_grad()
 def _fill_random(model: nn.Module) -> None:
-    """Random weights of a realistic scale: norms near 1, matrices N(0, 0.02); seeded by each parameter's
+    """Random weights of a realistic scale: norms near 1, matrices N(0, 0.02) (an integer layer's random
+    integers and small scales dequantize to about that: its method fills them); seeded by each parameter's
     name, so every rank fills a replicated parameter (a norm) alike whatever the shapes of its shards."""
+    modules = dict(model.named_modules())
     for name, parameter in model.named_parameters():
         generator = torch.Generator(device=parameter.device).manual_seed(zlib.crc32(name.encode()))
-        if name.endswith("_scale"):  # an FP8 layer's scales: its float8 weights N(0, 1) dequantize to N(0, 0.02)
+        module_name, _, kind = name.rpartition(".")
+        method = getattr(modules[module_name], "linear_method", None)
+        if isinstance(method, Wna16Linear) and kind != "bias":
+            method.fill_random(kind, parameter, generator)
+        elif name.endswith("_scale"):  # an FP8 layer's scales: its float8 weights N(0, 1) dequantize to N(0, 0.02)
             parameter.fill_(0.02)
         elif parameter.dtype == torch.float8_e4m3fn:
             parameter.copy_(torch.empty(parameter.shape, device=parameter.device).normal_(generator=generator))

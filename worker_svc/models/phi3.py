@@ -3,16 +3,18 @@ fused in the checkpoint (`self_attn.qkv_proj`, `mlp.gate_up_proj`), longrope sca
 (worker_svc/layers/rope_scaling.py, the table choice in rotary_embedding.py) and a sliding window on every layer
 when the config has one (read by ModelConfig for every family).
 
-Loading splits each fused checkpoint tensor into its parts as row blocks that are still read lazily
-(`RowBlock`), and hands them to llama.py's loader under the unfused names, so each rank reads only its q, k, v,
-gate and up rows, exactly as from a checkpoint that stores them apart.
+Loading splits each fused checkpoint tensor into its parts as blocks that are still read lazily (`Block`), and
+hands them to llama.py's loader under the unfused names, so each rank reads only its q, k, v, gate and up rows,
+exactly as from a checkpoint that stores them apart. A quantized checkpoint's tensors are split where the fused
+layer's linear method says their output dimension lies (an AWQ qweight: its packed columns); one that is not
+per output row (a g_idx, a per-tensor scale) goes to every part whole.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from worker_svc.layers.checkpoint_tensor import CheckpointTensor, RowBlock
+from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, Block, CheckpointTensor
 from worker_svc.models.llama import LlamaForCausalLM
 
 
@@ -35,8 +37,19 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             if fused is None:
                 yield name, tensor
                 continue
+            module_name, _, kind = name.rpartition(".")
+            layer = self.get_submodule(module_name)
+            layout = PER_OUTPUT_ROW if kind == "bias" else layer.linear_method.layout(kind)
+            if layout.output_axis is None:
+                for marker, _, _ in parts[fused]:
+                    yield name.replace(fused, marker), tensor
+                continue
+            axis, per_entry = layout.output_axis, layout.output_per_entry
             expected = sum(rows for _, _, rows in parts[fused])
-            if tensor.shape[0] != expected:
-                raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {expected}")
+            if tensor.shape[axis] * per_entry != expected:
+                raise ValueError(f"{name}: {tensor.shape[axis] * per_entry} output rows, expected {expected}")
             for marker, start, rows in parts[fused]:
-                yield name.replace(fused, marker), RowBlock(tensor, start, rows)
+                if start % per_entry or rows % per_entry:
+                    raise ValueError(f"{name}: its part {marker.strip('.')} (rows {start}..{start + rows - 1}) does "
+                                     f"not fall on a boundary of the {per_entry} rows each entry holds")
+                yield name.replace(fused, marker), Block(tensor, axis, start // per_entry, rows // per_entry)
