@@ -5,20 +5,31 @@
 #     bash benchmarks/quantized_w1.sh SHAPE [SETTING ...]
 #
 # SETTING: bf16 | fp8 (--quantization fp8: weights quantized at load, activations per token) | fp8-kv
-# (--kv-cache-dtype fp8) | fp8+fp8-kv. Default: all four. JSON lands in $OUT as w1_<shape>_<setting>.json.
+# (--kv-cache-dtype fp8) | fp8+fp8-kv | awq (AWQ W4A16, group 128) | gptq (GPTQ W4A16, group 128, symmetric) |
+# w8a16 (compressed-tensors W8A16, per channel). The integer settings write the format's quantization_config
+# into the shape's config.json (random integer weights: --load-format dummy). Default: bf16 and the FP8
+# settings. JSON lands in $OUT as w1_<shape>_<setting>.json (W1 and the lone-request TPOT).
 set -euo pipefail
 source scripts/device_env.sh
 shape=$1
 shift
 settings=("$@")
 [ ${#settings[@]} -gt 0 ] || settings=(bf16 fp8 fp8-kv fp8+fp8-kv)
+w8a16='{"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+ "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null, "format": "pack-quantized",
+ "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel", "group_size": null}}}}'
 for setting in "${settings[@]}"; do
+  flags="" qc="null"
   case "$setting" in
-    bf16) flags="" ;;
+    bf16) ;;
     fp8) flags="--quantization fp8" ;;
     fp8-kv) flags="--kv-cache-dtype fp8" ;;
     fp8+fp8-kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
+    awq) qc='{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}' ;;
+    gptq) qc='{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false}' ;;
+    w8a16) qc="$w8a16" ;;
     *) echo "unknown setting $setting" >&2; exit 2 ;;
   esac
-  python3 benchmarks/offline_throughput.py --shape "$shape" --skip-hf --engine-flags="$flags" --tag "$setting"
+  python3 benchmarks/offline_throughput.py --shape "$shape" --skip-hf --engine-flags="$flags" --tag "$setting" \
+    --quantization-config "$qc"
 done

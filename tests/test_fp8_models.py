@@ -198,8 +198,8 @@ def test_fp8_with_batch_invariant_kernels_is_refused(tmp_path):
                    layer_ops=batch_invariant_torch_layer_ops(), quantization="fp8")
 
 
-@pytest.mark.parametrize("value", ["fp8", "compressed-tensors"])
-def test_serve_accepts_the_fp8_quantization_flags_and_forwards_them_to_every_rank(value):
+@pytest.mark.parametrize("value", ["fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin"])
+def test_serve_accepts_the_quantization_flags_and_forwards_them_to_every_rank(value):
     from pagedserve.launcher import worker_rank_argvs
     from tests.test_serve_cli import serve
 

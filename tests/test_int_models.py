@@ -120,6 +120,10 @@ def _edit_quantization_config(directory, **changes):
 def test_the_quantization_flag_must_match_the_checkpoint_and_other_methods_are_refused_by_name(tmp_path):
     source, awq = _checkpoint(tmp_path, "llama", "awq")
     assert ModelConfig.from_path(awq, "awq").quantization == ModelConfig.from_path(awq).quantization
+    # vLLM's Marlin names of the same checkpoints: served alike (by our kernel).
+    assert ModelConfig.from_path(awq, "awq_marlin").quantization == ModelConfig.from_path(awq).quantization
+    with pytest.raises(ValueError, match="--quantization gptq was given, but the checkpoint's quantization_config "):
+        ModelConfig.from_path(awq, "gptq_marlin")
     with pytest.raises(ValueError, match="--quantization gptq was given, but the checkpoint's quantization_config "
                                          "says quant_method 'awq'"):
         ModelConfig.from_path(awq, "gptq")

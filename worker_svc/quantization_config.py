@@ -30,7 +30,9 @@ from worker_svc.integer_quantization import (
 )
 
 COMPRESSED_TENSORS, ONLINE_FP8, GGUF = "compressed-tensors", "fp8", "gguf"
-QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS, AWQ, GPTQ)
+# vLLM's names for AWQ and GPTQ checkpoints served by its Marlin kernels: the same checkpoints, our kernel.
+FLAG_ALIASES = {"awq_marlin": AWQ, "gptq_marlin": GPTQ}
+QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS, AWQ, GPTQ, *FLAG_ALIASES)
 FP8_FORMATS = ("float-quantized", "naive-quantized")
 # Model files whose experts are fused (worker_svc/layers/fused_moe.py): no quantized method for them yet.
 FUSED_EXPERT_MODULES = ("mixtral", "qwen3_moe")
@@ -65,6 +67,7 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
                        module: str) -> QuantizationScheme | IntegerScheme | None:
     """The scheme of an HF checkpoint's config.json `raw` given `--quantization` `flag` (None: not given), for the
     model file `module`; None: unquantized. Raises ValueError naming why it is refused."""
+    flag = FLAG_ALIASES.get(flag, flag)
     declared = raw.get("quantization_config")
     if declared is not None:
         method = declared.get("quant_method") if isinstance(declared, Mapping) else None
