@@ -159,7 +159,8 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stri
     col_mask = cols < n_size
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for split in range(0, num_splits):
-        acc += tl.load(partials_ptr + split * stride_split + row * stride_partial + cols, mask=col_mask, other=0.0)
+        acc += tl.load(partials_ptr + split.to(tl.int64) * stride_split + row * stride_partial + cols, mask=col_mask,
+                       other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)

@@ -38,7 +38,7 @@ class LinearMethod(Protocol):
 
     def layout(self, kind: str) -> TensorLayout:
         """Where the checkpoint tensor `kind` ("weight", "weight_scale", "qweight", ...; not "bias", which the
-        layer places itself) keeps the layer's output and input dimensions (layers/tensor_layout.py)."""
+        layer places itself) keeps the layer's output and input dimensions (TensorLayout in layers/checkpoint_tensor.py)."""
 
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
         """Turns the loaded parameters into what `apply` reads (online fp8: quantizes the weight);

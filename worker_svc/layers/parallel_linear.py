@@ -54,11 +54,7 @@ class ColumnParallelLinear(nn.Module):
     def set_linear_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
         raises if this rank's rows of a part would split an entry of one of its checkpoint tensors."""
-        self.linear_method = method
-        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
-            delattr(self, kind)
-        method.create_weights(self, self.output_size, self.input_size, len(self.shards), dtype)
-        for kind in _method_kinds(self):
+        for kind in _hold_method(self, method, self.output_size, self.input_size, len(self.shards), dtype):
             layout = method.layout(kind)
             per_entry = layout.output_per_entry
             for part, (start, rows) in enumerate(self.shards):
@@ -76,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of `part` from a checkpoint tensor (wherever its layout puts the output
         dimension); a tensor that is one per part goes whole to the part's place."""
-        layout = _layout(self, kind)
+        layout = checkpoint_layout(self, kind)
         target = getattr(self, kind)
         if layout.output_axis is None:
             copy_part(target[part], checkpoint.full())
@@ -105,12 +101,8 @@ class RowParallelLinear(nn.Module):
         """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
         raises if this rank's input columns would split an entry (a packed int32, a group) of one of its
         checkpoint tensors."""
-        self.linear_method = method
-        for kind in _method_kinds(self):  # the unquantized weight: another method may hold other tensors
-            delattr(self, kind)
-        method.create_weights(self, self.output_size, self.local_input, 1, dtype)
         start, count = self.input_start, self.local_input
-        for kind in _method_kinds(self):
+        for kind in _hold_method(self, method, self.output_size, self.local_input, 1, dtype):
             layout = method.layout(kind)
             per_entry = layout.input_per_entry
             if layout.input_axis is not None and (start % per_entry or count % per_entry):
@@ -131,7 +123,7 @@ class RowParallelLinear(nn.Module):
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
         """This rank's input columns of a checkpoint tensor (wherever its layout puts the input dimension);
         the rest (the bias, per-row and per-tensor scales) whole."""
-        layout = _layout(self, kind)
+        layout = checkpoint_layout(self, kind)
         if layout.input_axis is None:
             source = checkpoint.full()
         else:
@@ -143,8 +135,21 @@ class RowParallelLinear(nn.Module):
             copy_into(target, source)
 
 
-def _layout(layer: nn.Module, kind: str) -> TensorLayout:
+def checkpoint_layout(layer: nn.Module, kind: str) -> TensorLayout:
+    """Where the checkpoint tensor `kind` of a parallel linear layer holds its output and input dimensions: the
+    bias one entry per output row, everything else as the layer's method says."""
     return PER_OUTPUT_ROW if kind == "bias" else layer.linear_method.layout(kind)
+
+
+def _hold_method(layer: nn.Module, method: LinearMethod, output_size: int, input_size: int, num_parts: int,
+                 dtype: torch.dtype) -> list[str]:
+    """Replaces the parameters of `layer`'s method (the unquantized weight, say) by `method`'s own; returns the
+    checkpoint tensor kinds `method` registered (the layer checks their boundaries)."""
+    layer.linear_method = method
+    for kind in _method_kinds(layer):
+        delattr(layer, kind)
+    method.create_weights(layer, output_size, input_size, num_parts, dtype)
+    return _method_kinds(layer)
 
 
 def _method_kinds(layer: nn.Module) -> list[str]:

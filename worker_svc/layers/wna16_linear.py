@@ -28,6 +28,8 @@ Where it runs, chosen once at load: on a CUDA device the Triton GEMM (kernels/tr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -40,6 +42,8 @@ from worker_svc.layers.checkpoint_tensor import PER_PART, TensorLayout
 AWQ_POSITION = (0, 4, 1, 5, 2, 6, 3, 7)
 INDEX_KINDS = ("g_idx", "weight_g_idx")  # one group index per input column
 SCALE_KINDS = ("scales", "weight_scale")
+# Output columns converted at a time at load: unpacked, a 70B layer's integers would take GBs of temporaries.
+CONVERT_COLUMNS = 4096
 
 
 class Wna16Linear:
@@ -78,7 +82,7 @@ class Wna16Linear:
         else:
             packed = (input_size, output_size // pack) if scheme.method == AWQ else (input_size // pack, output_size)
             shapes = {"qweight": (packed, torch.int32), "scales": ((groups, output_size), dtype)}
-            # Written even when symmetric (GPTQ's 2**(bits - 1) - 1, AWQ zero_point=False's 2**(bits - 1)): unread.
+            # Written even when symmetric: GPTQ's 2**(bits - 1) - 1 (unread), AWQ zero_point=False's 2**(bits - 1) (read).
             shapes["qzeros"] = ((groups, output_size // pack), torch.int32)
             if scheme.method == GPTQ:
                 shapes["g_idx"] = ((num_parts, input_size), torch.int32)
@@ -98,13 +102,16 @@ class Wna16Linear:
                                                   f"{packed}, {grouped}"),
                 "weight_g_idx": TensorLayout(None, 1, 0, 1),
             }.get(kind, PER_PART)  # weight_shape: one per part
-        return {
+        layouts = {
             "qweight": TensorLayout(1, pack, 0, 1, packed) if self.scheme.method == AWQ
             else TensorLayout(1, 1, 0, pack, packed),
             "qzeros": TensorLayout(1, pack, per_group, group or 1, f"{packed}, {grouped}"),
             "scales": TensorLayout(1, 1, per_group, group or 1, grouped),
             "g_idx": TensorLayout(None, 1, 0, 1),
-        }[kind]
+        }
+        if kind not in layouts:  # e.g. a fused checkpoint tensor (Phi-3) of a kind the format does not have
+            raise ValueError(f"{self.scheme.describe()} has no checkpoint tensor {kind!r}")
+        return layouts[kind]
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
@@ -113,10 +120,11 @@ class Wna16Linear:
             scales = layer.weight_scale.t()
             zeros = None if self.scheme.symmetric else unpack_rows(layer.weight_zero_point, self.bits).t()
             g_idx = getattr(layer, "weight_g_idx", None)
-        elif self.scheme.method == AWQ:
-            qweight = pack_rows(self._unpack_awq(layer.qweight), self.bits)
+        elif self.scheme.method == AWQ:  # zero points always read (zero_point false: written as 2**(bits - 1))
+            qweight = _by_columns(layer.qweight, lambda words: pack_rows(self._unpack_awq(words), self.bits),
+                                  widen=self.pack)
             scales = layer.scales
-            zeros = None if self.scheme.symmetric else self._unpack_awq(layer.qzeros)
+            zeros = self._unpack_awq(layer.qzeros)
             g_idx = None
         else:
             qweight, scales, g_idx = layer.qweight, layer.scales, layer.g_idx
@@ -125,7 +133,8 @@ class Wna16Linear:
                 zeros = (zeros + 1) & ((1 << self.bits) - 1)
         permutation = self._act_order(layer, g_idx) if self.scheme.act_order else None
         if permutation is not None:
-            qweight = pack_rows(unpack_rows(qweight, self.bits)[permutation], self.bits)
+            qweight = _by_columns(qweight, lambda words: pack_rows(unpack_rows(words, self.bits)[permutation],
+                                                                   self.bits))
         dtype = scales.dtype
         for kind in [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]:
             delattr(layer, kind)
@@ -177,3 +186,10 @@ class Wna16Linear:
             raise ValueError(f"{self.scheme.describe()}: g_idx does not give every group exactly "
                              f"{self.scheme.group_size} input columns")
         return None if torch.equal(permutation, columns) else permutation
+
+
+def _by_columns(source: torch.Tensor, convert: Callable[[torch.Tensor], torch.Tensor], widen: int = 1) -> torch.Tensor:
+    """`convert` applied to chunks of `source`'s columns (CONVERT_COLUMNS output columns each; `widen`: output
+    columns per source column), concatenated along the columns: a conversion's temporaries stay small."""
+    step = max(1, CONVERT_COLUMNS // widen)
+    return torch.cat([convert(source[:, start : start + step]) for start in range(0, source.shape[1], step)], dim=1)

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, Block, CheckpointTensor
+from worker_svc.layers.checkpoint_tensor import Block, CheckpointTensor
+from worker_svc.layers.parallel_linear import checkpoint_layout
 from worker_svc.models.llama import LlamaForCausalLM
 
 
@@ -39,7 +40,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
                 continue
             module_name, _, kind = name.rpartition(".")
             layer = self.get_submodule(module_name)
-            layout = PER_OUTPUT_ROW if kind == "bias" else layer.linear_method.layout(kind)
+            layout = checkpoint_layout(layer, kind)
             if layout.output_axis is None:
                 for marker, _, _ in parts[fused]:
                     yield name.replace(fused, marker), tensor
