@@ -10,8 +10,10 @@ are) as compressed-tensors' minmax observer and its int-quantized compressor do:
   dtype;
 - `weight` int8 [out, in] = round(clamp(W / weight_scale, -128, 127)), the quotient in the model's dtype, ties
   to even (`IntQuantizationCompressor.compress`);
-- for static activations, `input_scale` [1] in the model's dtype (STATIC_INPUT_SCALES / 127.5: a different one
-  per projection, so fused parts differ); no zero points (symmetric schemes drop them);
+- for static activations, `input_scale` [1] in the model's dtype: amax(|x|) / 127.5 of each Linear's input over
+  calibration prompts (`calibrated_input_scales`, what llm-compressor's static_minmax observer computes; the
+  projections of one fused layer see the same input, so their scales are made to differ, by 1.0, 1.25 and 1.5
+  times, for the test of the layer taking their largest); no zero points (symmetric schemes drop them);
 - config.json's `quantization_config`: quant_method "compressed-tensors", format "int-quantized", one config
   group targeting "Linear" with the W8A8 preset's weights and input_activations (or static per-tensor ones),
   `ignore: ["lm_head"]`.
@@ -26,13 +28,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.int8_linear_ref import HALF_RANGE, INT8_MAX, INT8_MIN
-from pagedserve.testing.fp8_checkpoints import LINEAR_WEIGHT, STATIC_INPUT_SCALES
+from pagedserve.testing.fp8_checkpoints import LINEAR_WEIGHT
 from worker_svc.int8_quantization import INT_QUANTIZED, Int8Scheme
 
 
@@ -58,9 +61,34 @@ def quantize_weight_int8(weight: torch.Tensor, weight_strategy: str) -> tuple[to
     return torch.round(quotient.clamp(INT8_MIN, INT8_MAX)).to(torch.int8), scale
 
 
+# Fused parts (q|k|v, gate|up) read one input: their calibrated scales are spread by these factors so they differ.
+PART_SPREAD = {"q_proj": 1.0, "k_proj": 1.25, "v_proj": 1.5, "gate_proj": 1.0, "up_proj": 1.5}
+CALIBRATION_PROMPTS = ([1, 17, 300, 42, 9, 255, 7, 88, 3, 140], [1, 5, 5, 480, 2, 61, 99, 100, 3, 7, 12, 400])
+
+
+@torch.no_grad()
+def calibrated_input_scales(source: Path, prompts: Sequence[Sequence[int]] = CALIBRATION_PROMPTS
+                            ) -> dict[str, float]:
+    """Each decoder Linear's static input scale, amax(|input|) / 127.5 over `prompts` run through transformers'
+    float32 model of `source`, times its PART_SPREAD factor; keyed by layer name."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    amax: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if LINEAR_WEIGHT.match(f"{name}.weight"):
+            module.register_forward_pre_hook(
+                lambda module, args, name=name: amax.update({name: max(amax.get(name, 0.0),
+                                                                       args[0].abs().max().item())}))
+    for prompt in prompts:
+        model(torch.tensor([list(prompt)]))
+    return {name: value / HALF_RANGE * PART_SPREAD.get(name.rpartition(".")[2], 1.0) for name, value in amax.items()}
+
+
 def write_int8_checkpoint(source: Path, target: Path, weight_strategy: str = "channel", dynamic: bool = True,
                           ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """Writes `source` (an HF directory, one or more safetensors files) quantized to INT8 W8A8 into `target`."""
+    input_scales = {} if dynamic else calibrated_input_scales(source)
     ignored = Int8Scheme(ignore=ignore).ignores  # names or "re:" expressions
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
@@ -75,9 +103,7 @@ def write_int8_checkpoint(source: Path, target: Path, weight_strategy: str = "ch
                 continue
             out[name], out[f"{layer}.weight_scale"] = quantize_weight_int8(tensor, weight_strategy)
             if not dynamic:
-                projection = layer.rpartition(".")[2]
-                out[f"{layer}.input_scale"] = torch.tensor([STATIC_INPUT_SCALES.get(projection, 4.0) / HALF_RANGE],
-                                                           dtype=tensor.dtype)
+                out[f"{layer}.input_scale"] = torch.tensor([input_scales[layer]], dtype=tensor.dtype)
         save_file(out, target / file.name, metadata={"format": "pt"})
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = dict(
