@@ -41,8 +41,8 @@ REFUSED_FLAGS = (
     RefusedFlag(("--max-lora-rank",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--cpu-offload-gb",), f"weight offloading to the CPU: {NOT_YET}", accepted=("0",)),
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
-                "the file), compressed-tensors (FP8 W8A8 and W4A16/W8A16 checkpoints, read from their config.json), "
-                "awq and gptq (their checkpoints, read alike; vLLM's awq_marlin and gptq_marlin name the same "
+                "the file), compressed-tensors (FP8 W8A8, INT8 W8A8 and W4A16/W8A16 checkpoints, read from their "
+                "config.json), awq and gptq (their checkpoints, read alike; vLLM's awq_marlin and gptq_marlin name the same "
                 "checkpoints) and fp8 (online FP8 of an unquantized checkpoint; docs/quantization.md); other "
                 "methods: " + NOT_YET,
                 accepted=("gguf", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")),

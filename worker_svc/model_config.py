@@ -18,6 +18,7 @@ from typing import Any
 
 from worker_svc.models.feature_refusals import feature_refusal
 from worker_svc.models.registry import MODEL_CLASSES
+from worker_svc.int8_quantization import Int8Scheme
 from worker_svc.integer_quantization import IntegerScheme
 from worker_svc.quantization_config import GGUF, QuantizationScheme, parse_quantization
 
@@ -45,9 +46,9 @@ class ModelConfig:
     `layer_types` gives each layer's attention ("full_attention" or "sliding_attention", as transformers
     names them); `sliding_window` is the window of the sliding ones (None when no layer slides): a query
     at position p sees keys p - sliding_window + 1 .. p.
-    `quantization`: the scheme every linear layer applies, FP8 W8A8 or weight-only integer (None: unquantized; a
-    GGUF's own quantization is dequantized at load and is not this), from the checkpoint's quantization_config
-    or `--quantization fp8`.
+    `quantization`: the scheme every linear layer applies, FP8 W8A8, INT8 W8A8 or weight-only integer (None:
+    unquantized; a GGUF's own quantization is dequantized at load and is not this), from the checkpoint's
+    quantization_config or `--quantization fp8`.
     """
 
     architecture: str
@@ -70,7 +71,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
-    quantization: QuantizationScheme | IntegerScheme | None = None
+    quantization: QuantizationScheme | Int8Scheme | IntegerScheme | None = None
     hf_config: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def layer_sliding_window(self, layer_index: int) -> int | None:

@@ -12,10 +12,12 @@ Served:
   "tensor"); `ignore` names layers left unquantized ("lm_head", which is never quantized here).
 - online fp8 (`--quantization fp8` on an unquantized checkpoint): vLLM's "fp8" method, weights quantized
   per output channel at load, activations per token.
+- compressed-tensors INT8 W8A8 (format "int-quantized", llm-compressor's W8A8): parsed in
+  worker_svc/int8_quantization.py into an `Int8Scheme`.
 - weight-only integer checkpoints (W4A16, W8A16): AWQ (quant_method "awq"), GPTQ ("gptq") and compressed-tensors
   format "pack-quantized", parsed in worker_svc/integer_quantization.py into an `IntegerScheme`.
-The layers read the result as a `QuantizationScheme` or an `IntegerScheme` (worker_svc/layers/linear_method.py
-chooses the method).
+The layers read the result as a `QuantizationScheme`, an `Int8Scheme` or an `IntegerScheme`
+(worker_svc/layers/linear_method.py chooses the method).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from worker_svc.int8_quantization import INT_QUANTIZED, Int8Scheme, parse_compressed_tensors_int8
 from worker_svc.integer_quantization import (
     AWQ, GPTQ, PACK_QUANTIZED, IntegerScheme, ignore_list_matches, parse_awq, parse_compressed_tensors_int,
     parse_gptq,
@@ -37,7 +40,8 @@ FP8_FORMATS = ("float-quantized", "naive-quantized")
 # Model files whose experts are fused (worker_svc/layers/fused_moe.py): no quantized method for them yet.
 FUSED_EXPERT_MODULES = ("mixtral", "qwen3_moe")
 SERVED = ("gguf (as a .gguf file); compressed-tensors FP8 W8A8 (format float-quantized, per-channel or "
-          "per-tensor weights, per-token or static activations) and W4A16/W8A16 (format pack-quantized); awq "
+          "per-tensor weights, per-token or static activations), INT8 W8A8 (format int-quantized, likewise) and "
+          "W4A16/W8A16 (format pack-quantized); awq "
           "(4-bit, version gemm); gptq (4- or 8-bit); fp8 (--quantization fp8: online, from an unquantized "
           "checkpoint)")
 
@@ -64,7 +68,7 @@ class QuantizationScheme:
 
 
 def parse_quantization(raw: Mapping[str, Any], flag: str | None,
-                       module: str) -> QuantizationScheme | IntegerScheme | None:
+                       module: str) -> QuantizationScheme | Int8Scheme | IntegerScheme | None:
     """The scheme of an HF checkpoint's config.json `raw` given `--quantization` `flag` (None: not given), for the
     model file `module`; None: unquantized. Raises ValueError naming why it is refused."""
     flag = FLAG_ALIASES.get(flag, flag)
@@ -94,6 +98,8 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
     if module in FUSED_EXPERT_MODULES:
         if isinstance(scheme, IntegerScheme):
             what, kernel = scheme.describe(), "integer"
+        elif isinstance(scheme, Int8Scheme):
+            what, kernel = scheme.describe(), "INT8"
         else:
             source = "--quantization fp8" if scheme.method == ONLINE_FP8 else "a compressed-tensors checkpoint"
             what = f"FP8 ({source})"
@@ -103,16 +109,14 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
     return scheme
 
 
-def _compressed_tensors(config: Mapping[str, Any]) -> QuantizationScheme | IntegerScheme:
-    """The scheme of a compressed-tensors quantization_config (FP8 W8A8, or integer weight-only), or ValueError
-    naming what differs."""
+def _compressed_tensors(config: Mapping[str, Any]) -> QuantizationScheme | Int8Scheme | IntegerScheme:
+    """The scheme of a compressed-tensors quantization_config (FP8 W8A8, INT8 W8A8, or integer weight-only), or
+    ValueError naming what differs."""
     fmt = config.get("format")
-    if fmt == "int-quantized":
-        raise ValueError("compressed-tensors format 'int-quantized' (int8 W8A8, integer activations) is not "
-                         "served yet (supported: FP8 W8A8, float-quantized; W4A16/W8A16, pack-quantized)")
-    if fmt not in (*FP8_FORMATS, PACK_QUANTIZED):
+    if fmt not in (*FP8_FORMATS, INT_QUANTIZED, PACK_QUANTIZED):
         raise ValueError(f"compressed-tensors format {fmt!r} is not served (supported: FP8 W8A8, format "
-                         f"{' or '.join(FP8_FORMATS)}; W4A16/W8A16, format {PACK_QUANTIZED})")
+                         f"{' or '.join(FP8_FORMATS)}; INT8 W8A8, format {INT_QUANTIZED}; W4A16/W8A16, format "
+                         f"{PACK_QUANTIZED})")
     if config.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not served")
     sparsity = config.get("sparsity_config") or {}
@@ -126,6 +130,8 @@ def _compressed_tensors(config: Mapping[str, Any]) -> QuantizationScheme | Integ
         raise ValueError("compressed-tensors output_activations quantization is not served")
     if fmt == PACK_QUANTIZED:
         return parse_compressed_tensors_int(config, group)
+    if fmt == INT_QUANTIZED:
+        return parse_compressed_tensors_int8(config, group)
     weights, activations = group.get("weights") or {}, group.get("input_activations") or {}
     if not _is_fp8(weights) or weights.get("dynamic") or weights.get("strategy") not in ("channel", "tensor"):
         raise ValueError(f"compressed-tensors weights {dict(weights)} are not served (supported: 8-bit float, "

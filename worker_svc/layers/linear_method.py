@@ -23,7 +23,9 @@ from torch import nn
 
 from worker_svc.layers.fp8_linear import Fp8Linear, has_fp8_tensor_cores
 from worker_svc.layers.checkpoint_tensor import WEIGHT, TensorLayout
+from worker_svc.layers.int8_linear import Int8Linear
 from worker_svc.layers.wna16_linear import Wna16Linear
+from worker_svc.int8_quantization import Int8Scheme
 from worker_svc.integer_quantization import IntegerScheme
 from worker_svc.quantization_config import QuantizationScheme
 
@@ -68,12 +70,15 @@ class UnquantizedLinear:
 UNQUANTIZED = UnquantizedLinear()
 
 
-def choose_linear_method(scheme: QuantizationScheme | IntegerScheme | None, device: torch.device) -> LinearMethod:
+def choose_linear_method(scheme: QuantizationScheme | Int8Scheme | IntegerScheme | None,
+                         device: torch.device) -> LinearMethod:
     """The method every quantized layer of a model gets: unquantized; FP8 on the tensor cores where the device
-    has them (else its torch reference); weight-only integer (the Triton GEMM on a CUDA device, else the torch
-    reference)."""
+    has them (else its torch reference); INT8 W8A8 (torch._int_mm on a CUDA device, else the torch reference);
+    weight-only integer (the Triton GEMM on a CUDA device, else the torch reference)."""
     if scheme is None:
         return UNQUANTIZED
     if isinstance(scheme, IntegerScheme):
         return Wna16Linear(scheme, triton=device.type == "cuda")
+    if isinstance(scheme, Int8Scheme):
+        return Int8Linear(scheme, int_mm=device.type == "cuda")
     return Fp8Linear(scheme, tensor_cores=has_fp8_tensor_cores(device))

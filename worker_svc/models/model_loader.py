@@ -22,7 +22,6 @@ from kernels.layer_ops import LayerOps
 from service_runtime.load_refusal import LoadRefused
 from worker_svc.layers.linear_method import choose_linear_method
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from worker_svc.layers.wna16_linear import Wna16Linear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.kv_scales import apply_kv_scales, split_kv_scales
@@ -144,7 +143,7 @@ def _fill_random(model: nn.Module) -> None:
         generator = torch.Generator(device=parameter.device).manual_seed(zlib.crc32(name.encode()))
         module_name, _, kind = name.rpartition(".")
         method = getattr(modules[module_name], "linear_method", None)
-        if isinstance(method, Wna16Linear) and kind != "bias":
+        if hasattr(method, "fill_random") and kind != "bias":  # an integer method's own tensors
             method.fill_random(kind, parameter, generator)
         elif name.endswith("_scale"):  # an FP8 layer's scales: its float8 weights N(0, 1) dequantize to N(0, 0.02)
             parameter.fill_(0.02)
