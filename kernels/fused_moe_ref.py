@@ -15,6 +15,11 @@ transformers' (its default `grouped_mm` experts path, the one `from_pretrained` 
 
 Weights are stacked per expert as the GEMMs read them: w13 [E, 2I, H] (gate rows, then up rows) and
 w2 [E, H, I]. Under tensor parallel each rank passes its slice of I and all-reduces the result.
+
+FP8 experts (weight-only): w13 and w2 are float8_e4m3fn with one float32 scale per expert and output row,
+w13_scale [E, 2I] and w2_scale [E, H]. Each chosen expert's weight is dequantized (W * scale, float32) and
+multiplied with the activation widened to float32, the product rounded to the activation dtype where the
+unquantized linear rounds; everything else is the math above. The activations are not quantized.
 """
 
 from __future__ import annotations
@@ -46,6 +51,13 @@ def weighted_sum_over_choices(weighted: torch.Tensor, top_k: int, dtype: torch.d
     return weighted.view(-1, top_k, weighted.shape[-1]).sum(dim=1, dtype=torch.float32).to(dtype)
 
 
+def expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """x [R, K] @ weight [N, K]^T in x's dtype; a float8 weight (`scale` [N]) dequantized to float32 first."""
+    if scale is None:
+        return F.linear(x, weight)
+    return F.linear(x.float(), weight.float() * scale.float().unsqueeze(1)).to(x.dtype)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     router_logits: torch.Tensor,
@@ -54,8 +66,11 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     round_routing_weights: bool,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
+    """hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype; with
+    float8 experts their scales w13_scale [E, 2I] and w2_scale [E, H] (module docstring)."""
     weights, expert_ids = select_experts(router_logits, top_k, renormalize, round_routing_weights)
     flat_experts = expert_ids.reshape(-1)
     flat_weights = weights.reshape(-1, 1)
@@ -63,6 +78,7 @@ def fused_moe(
     weighted = torch.zeros(flat_experts.numel(), hidden.shape[1], dtype=product_dtype, device=hidden.device)
     for expert in torch.unique(flat_experts).tolist():  # only the experts chosen (a host sync: the CPU path)
         rows = (flat_experts == expert).nonzero().squeeze(1)
-        down = F.linear(silu_and_mul(F.linear(hidden[rows // top_k], w13[expert])), w2[expert])
+        gate_up = expert_linear(hidden[rows // top_k], w13[expert], None if w13_scale is None else w13_scale[expert])
+        down = expert_linear(silu_and_mul(gate_up), w2[expert], None if w2_scale is None else w2_scale[expert])
         weighted[rows] = down * flat_weights[rows]
     return weighted_sum_over_choices(weighted, top_k, hidden.dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +31,18 @@ RotaryFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tu
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
 # (gate_up [T, 2 * I], approximate "tanh" | "none") -> [T, I]
 GeluAndMulFn = Callable[[torch.Tensor, str], torch.Tensor]
-# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, round_routing_weights)
-# -> [T, H]: routing and rounding as kernels/fused_moe_ref.py states
-FusedMoeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, bool, bool], torch.Tensor]
+
+
+class FusedMoeFn(Protocol):
+    """Routing and rounding as kernels/fused_moe_ref.py states; float8 experts come with their scales."""
+
+    def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                 top_k: int, renormalize: bool, round_routing_weights: bool, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] (w13_scale [E, 2I], w2_scale [E, H]:
+        float8 experts) -> [T, H]."""
+
+
 # (hidden [T, K], weight [N, K], bias [N] | None) -> [T, N]: every linear layer and the LM head
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 # (fn, x [T, ...]) -> fn(x): a row-wise function of the activations that no op above covers (Gemma 2's final

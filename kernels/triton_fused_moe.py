@@ -13,6 +13,13 @@ The GEMM rounds its fp32 accumulator to the activation dtype (HF's linear output
 MUL_ROUTED_WEIGHT, multiplies by the routing weight in fp32 and stores in the output's dtype: the activation
 dtype when the weights were rounded (Qwen3-MoE, one more rounding), fp32 otherwise (Mixtral). Every size is
 a function of (T, k, E, the tile sizes), no value is read back to the host: it runs under CUDA graphs.
+
+FP8 experts (weight-only, the SCALED variant): the GEMM loads float8_e4m3fn weight tiles (half the bytes of
+bf16: decode's weight reads are what a MoE decode step costs) and converts them to the activation dtype,
+which holds every float8 value exactly; the product accumulates in fp32 as above, and the accumulator's
+columns are multiplied by their rows' scales (w13_scale [E, 2I], w2_scale [E, H], fp32) before the rounding
+to the activation dtype: the reference's dequantize-then-multiply up to fp32 rounding. Triton converts
+float8_e4m3fn ("fp8e4nv") only on compute capability 8.9 and up; the loader refuses FP8 experts below that.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ BLOCK_N, BLOCK_K = 64, 32
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_rows_ptr, tile_experts_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, scales_ptr, sorted_rows_ptr, tile_experts_ptr,
     num_rows, n_size, k_size, a_rows_per_input,
-    stride_a, stride_be, stride_bn, stride_bk, stride_c,
+    stride_a, stride_be, stride_bn, stride_bk, stride_c, stride_se,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, SCALED: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """c[row, n] = (a[row // a_rows_per_input] . b[expert(row), n]) (* weights[row]) for the rows of one tile."""
+    """c[row, n] = (a[row // a_rows_per_input] . b[expert(row), n]) (* scales[expert(row), n]) (* weights[row])
+    for the rows of one tile; SCALED: b is float8, converted to a's dtype as it is loaded."""
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
     if expert < 0:
@@ -57,8 +65,11 @@ def _grouped_gemm_kernel(
                     other=0.0)
         b = tl.load(b_base + ks[:, None] * stride_bk, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
+            a = a.to(tl.float32)
+        b = b.to(a.dtype)  # float8 -> the activation dtype (exact); bf16 -> fp32 under UPCAST; else as loaded
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    if SCALED:  # each output column is one weight row: its scale, on the fp32 sum
+        acc = acc * tl.load(scales_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)[None, :]
     result = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # the linear's output, rounded as HF's
     if MUL_ROUTED_WEIGHT:
         result = result * tl.load(weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
@@ -69,20 +80,25 @@ def _grouped_gemm_kernel(
 def grouped_gemm(
     inputs: torch.Tensor, weights: torch.Tensor, alignment: ExpertAlignment, num_rows: int,
     rows_per_input: int, out: torch.Tensor, routing_weights: torch.Tensor | None = None,
+    weight_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[row] = inputs[row // rows_per_input] @ weights[expert(row)].T (* routing_weights[row]) for each of
-    the `num_rows` aligned rows; weights [E, N, K]."""
+    the `num_rows` aligned rows; weights [E, N, K], or float8 with `weight_scales` [E, N] (fp32)."""
     n_size, k_size = weights.shape[1], weights.shape[2]
     assert inputs.stride(1) == 1 and out.stride(1) == 1 and weights.shape[2] == inputs.shape[1]
+    scaled = weight_scales is not None
+    assert not scaled or (weight_scales.dtype == torch.float32 and weight_scales.shape == weights.shape[:2]
+                          and weight_scales.stride(1) == 1)
     num_tiles = alignment.tile_experts.numel()
     grid = (num_tiles, triton.cdiv(n_size, BLOCK_N))
     _grouped_gemm_kernel[grid](
         inputs, weights, out, routing_weights if routing_weights is not None else out,
-        alignment.sorted_rows, alignment.tile_experts,
+        weight_scales if scaled else out, alignment.sorted_rows, alignment.tile_experts,
         num_rows, n_size, k_size, rows_per_input,
         inputs.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
+        weight_scales.stride(0) if scaled else 0,
         BLOCK_M=alignment.block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        MUL_ROUTED_WEIGHT=routing_weights is not None, UPCAST=needs_upcast(inputs.dtype),
+        MUL_ROUTED_WEIGHT=routing_weights is not None, SCALED=scaled, UPCAST=needs_upcast(inputs.dtype),
         DOT_PRECISION=dot_precision(inputs.dtype), num_warps=4,
     )
     return out
@@ -102,10 +118,12 @@ def fused_moe(
     top_k: int,
     renormalize: bool,
     round_routing_weights: bool,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
     block_m: int | None = None,
 ) -> torch.Tensor:
     """Same contract as kernels/fused_moe_ref.py: hidden [T, H], router_logits [T, E], w13 [E, 2I, H],
-    w2 [E, H, I] -> [T, H].
+    w2 [E, H, I] -> [T, H]; float8 experts with their scales w13_scale [E, 2I], w2_scale [E, H].
 
     `block_m` fixes the GEMMs' row tile; None picks it by the batch (`tile_rows`: 16 or 64), which changes
     the tile shape (on a GPU the MMA instruction, and so a row's accumulation) with T. A fixed value makes a
@@ -119,8 +137,8 @@ def fused_moe(
         expert_ids, num_experts, tile_rows(num_tokens, num_experts) if block_m is None else block_m
     )
     gate_up = torch.empty(num_rows, w13.shape[1], dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(hidden, w13, alignment, num_rows, top_k, gate_up)
+    grouped_gemm(hidden, w13, alignment, num_rows, top_k, gate_up, weight_scales=w13_scale)
     activated = silu_and_mul(gate_up)
     weighted = torch.empty(num_rows, w2.shape[1], dtype=torch.result_type(hidden, weights), device=hidden.device)
-    grouped_gemm(activated, w2, alignment, num_rows, 1, weighted, weights.reshape(-1))
+    grouped_gemm(activated, w2, alignment, num_rows, 1, weighted, weights.reshape(-1), w2_scale)
     return weighted_sum_over_choices(weighted, top_k, hidden.dtype)

@@ -1,7 +1,7 @@
 """FP8 through the real processes: a compressed-tensors FP8 checkpoint, and `--quantization fp8` on an unquantized
 one, serve concurrent requests with prefix-cache hits and chunked prefill, and their greedy output equals the
 in-process engine's on the same checkpoint; what is refused (another method, a --quantization that contradicts the
-checkpoint, FP8 on a MoE model) is refused in one line by `serve` before any child starts, and by a worker started
+checkpoint, static FP8 input scales on a MoE model) is refused in one line by `serve` before any child starts, and by a worker started
 alone with the load-refusal exit."""
 
 from __future__ import annotations
@@ -63,31 +63,37 @@ def test_concurrent_fp8_requests_sharing_a_prefix_equal_the_in_process_engine(se
         assert greedy_generate_paged(unquantized, config, prompts, MAX_TOKENS) != expected
 
 
-def _gptq(tmp_path):
+def _declared(tmp_path, method: str):
+    """A tiny Llama whose config.json declares `method` (its tensors stay unquantized)."""
     model = make_tiny_model(tmp_path, "llama", seed=5)
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": 128}
     (model / "config.json").write_text(json.dumps(config))
     return model
 
 
-def test_serve_refuses_a_quantization_flag_the_checkpoint_contradicts_and_fp8_on_moe_in_one_line(tmp_path):
-    gptq = _gptq(tmp_path)
+def _static_fp8_mixtral(tmp_path):
+    return write_fp8_checkpoint(make_tiny_model(tmp_path, "mixtral", seed=5), tmp_path / "mixtral-static", "tensor",
+                                dynamic=False)
+
+
+def test_serve_refuses_a_quantization_flag_the_checkpoint_contradicts_and_static_fp8_on_moe_in_one_line(tmp_path):
+    gptq = _declared(tmp_path, "gptq")
     assert_one_line_refusal(_serve(gptq, "--quantization", "compressed-tensors", timeout=90),
                             "--quantization compressed-tensors was given", "quant_method 'gptq'")
     fp8 = write_fp8_checkpoint(make_tiny_model(tmp_path, "llama", seed=5), tmp_path / "fp8")
     assert_one_line_refusal(_serve(fp8, "--quantization", "fp8", timeout=90), "already quantized")
-    mixtral = make_tiny_model(tmp_path, "mixtral", seed=5)
-    assert_one_line_refusal(_serve(mixtral, "--quantization", "fp8", timeout=90), "fused MoE experts")
+    assert_one_line_refusal(_serve(_static_fp8_mixtral(tmp_path), timeout=90), "static input scales",
+                            "fused MoE experts")
 
 
 @pytest.mark.parametrize("case, flag, words", [
-    ("gptq", [], "quant_method 'gptq', which this engine does not serve"),
+    ("bitsandbytes", [], "quant_method 'bitsandbytes', which this engine does not serve"),
     ("gptq", ["--quantization", "compressed-tensors"], "--quantization compressed-tensors was given"),
-    ("mixtral", ["--quantization", "fp8"], "their fused MoE experts have no FP8 kernel"),
+    ("mixtral", [], "static input scales is not served for mixtral models"),
 ])
 def test_a_worker_started_alone_refuses_with_the_load_refusal_exit_and_the_message(tmp_path, case, flag, words):
-    model = _gptq(tmp_path) if case == "gptq" else make_tiny_model(tmp_path, "mixtral", seed=5)
+    model = _static_fp8_mixtral(tmp_path) if case == "mixtral" else _declared(tmp_path, case)
     result = subprocess.run([sys.executable, "-m", "worker_svc", "--model", str(model), *flag,
                              "--scheduler-address", f"ipc://{tmp_path}/nowhere"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=90)

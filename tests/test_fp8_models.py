@@ -2,7 +2,7 @@
 activations, llm-compressor's FP8_DYNAMIC; per-tensor weights with static activations, its FP8) and online
 `--quantization fp8`. The engine's logits equal transformers' running the dequantized weights with each
 linear layer's input quantized the same way, sharded over two ranks too; what is refused is refused by
-ModelConfig, before loading (worker_svc/quantization_config.py)."""
+ModelConfig, before loading (worker_svc/quantization_config.py). MoE models: tests/test_fp8_moe_models.py."""
 
 from __future__ import annotations
 
@@ -124,12 +124,6 @@ def _with_quantization_config(tmp_path, arch: str, quantization: dict | None = N
         config = json.loads((model / "config.json").read_text())
         (model / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
     return model
-
-
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_fp8_on_a_model_with_fused_moe_experts_is_refused_naming_why(tmp_path, arch):
-    with pytest.raises(ValueError, match=f"not served for {arch} models: their fused MoE experts have no FP8"):
-        ModelConfig.from_path(make_tiny_model(tmp_path, arch, seed=3), "fp8")
 
 
 def test_quantization_refusals_name_the_method_and_the_flag(tmp_path):

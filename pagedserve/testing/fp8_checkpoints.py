@@ -3,7 +3,8 @@
 Why our own writer: llm-compressor (`oneshot(model, recipe=QuantizationModifier(targets="Linear",
 scheme="FP8_DYNAMIC", ignore=["lm_head"]))`) is not a dependency of this project. This writes what it
 writes for the FP8 (static per-tensor) and FP8_DYNAMIC (per-channel weights, per-token activations) schemes:
-each Linear's `weight` as float8_e4m3fn (round-to-nearest of W / scale, saturated at 448), `weight_scale`
+each Linear's `weight` (a MoE model's experts' projections too, one by one, as llm-compressor's Linear
+targets reach them) as float8_e4m3fn (round-to-nearest of W / scale, saturated at 448), `weight_scale`
 ([out, 1] per channel; [1] per tensor) and for static activations `input_scale` ([1]) in the model's dtype,
 no zero points (symmetric schemes drop them), and config.json's `quantization_config` with
 quant_method "compressed-tensors", format "float-quantized", one config group targeting "Linear",
@@ -31,6 +32,10 @@ from worker_svc.quantization_config import COMPRESSED_TENSORS, QuantizationSchem
 
 # The Linear layers of the decoder layers (Llama family, OPT); embeddings, norms and lm_head stay as they are.
 LINEAR_WEIGHT = re.compile(r".*\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$|.*\.layers\.\d+\.fc[12]\.weight$")
+# The experts of a MoE block, per expert as the hub's files name them (Mixtral's block_sparse_moe.experts.N.w1,
+# Qwen3-MoE's mlp.experts.N.gate_proj); the router (`gate`) stays unquantized. Apart from LINEAR_WEIGHT, which the
+# integer writer uses too (its MoE checkpoints are refused).
+EXPERT_WEIGHT = re.compile(r".*\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight$")
 # Static activation scales, a different one per projection so fused parts differ (the layer takes their max).
 STATIC_INPUT_SCALES = {"q_proj": 3.0, "k_proj": 4.0, "v_proj": 5.0, "o_proj": 2.0, "gate_proj": 4.0,
                        "up_proj": 6.0, "down_proj": 1.0}
@@ -59,7 +64,7 @@ def write_fp8_checkpoint(source: Path, target: Path, weight_strategy: str = "cha
         out = {}
         for name, tensor in tensors.items():
             layer = name.removesuffix(".weight")
-            if not LINEAR_WEIGHT.match(name) or ignored(layer):
+            if not (LINEAR_WEIGHT.match(name) or EXPERT_WEIGHT.match(name)) or ignored(layer):
                 out[name] = tensor
                 continue
             amax = tensor.float().abs().amax(dim=1, keepdim=True) if weight_strategy == "channel" else \

@@ -1,6 +1,7 @@
 """The Triton fused MoE (kernels/triton_fused_moe.py) equals its torch reference (kernels/fused_moe_ref.py),
 and the reference equals transformers' experts code: several expert counts, top-1 and top-2, batches of 1
-to 70 tokens, experts that get no token, both routing-weight conventions, fp32 and bf16 (CPU interpreter)."""
+to 70 tokens, experts that get no token, both routing-weight conventions, fp32 and bf16 (CPU interpreter);
+float8 experts with per (expert, row) scales (the SCALED variant) too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kernels import fused_moe_ref, triton_fused_moe
+from kernels.fp8_linear_ref import quantize_weight_per_channel
 from kernels.moe_align import align_rows_to_experts
 
 
@@ -40,6 +42,42 @@ def test_triton_fused_moe_rounds_where_the_reference_rounds_in_bf16(round_routin
     want = fused_moe_ref.fused_moe(*case, 2, True, round_routing_weights)
     got = triton_fused_moe.fused_moe(*case, 2, True, round_routing_weights)
     fp32 = fused_moe_ref.fused_moe(*(t.float() for t in case), 2, True, False)
+    assert got.dtype == torch.bfloat16
+    kernel_error = (got.float() - want.float()).norm() / want.float().norm()
+    bf16_error = (want.float() - fp32).norm() / fp32.norm()
+    assert kernel_error < 0.1 * bf16_error, (kernel_error, bf16_error)
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(float8 w13, float8 w2, w13_scale [E, 2I], w2_scale [E, H]): the experts quantized per (expert, row)."""
+    (q13, s13), (q2, s2) = quantize_weight_per_channel(w13), quantize_weight_per_channel(w2)
+    return q13, q2, s13, s2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17, 70])
+@pytest.mark.parametrize("num_experts,top_k,unused", [(4, 1, ()), (8, 2, (0, 5, 6))])
+def test_triton_fused_moe_with_fp8_experts_matches_reference_fp32(num_tokens, num_experts, top_k, unused):
+    """The scales multiply the fp32 sums in the kernel, the dequantized weights in the reference: the same
+    products up to fp32 rounding. Scales far from 1 (the weights' amax / 448) would show a dropped one."""
+    hidden, logits, w13, w2 = moe_case(num_tokens, num_experts, unused_experts=unused)
+    q13, q2, s13, s2 = fp8_experts(w13, w2)
+    for renormalize in (True, False):
+        want = fused_moe_ref.fused_moe(hidden, logits, q13, q2, top_k, renormalize, False, s13, s2)
+        got = triton_fused_moe.fused_moe(hidden, logits, q13, q2, top_k, renormalize, False, s13, s2)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("round_routing_weights", [True, False], ids=["qwen3_moe", "mixtral"])
+def test_triton_fused_moe_with_fp8_experts_rounds_where_the_reference_rounds_in_bf16(round_routing_weights):
+    """bf16 activations, float8 weights converted to bf16 in the kernel (exact), fp32 arithmetic under the
+    interpreter: the kernel rounds where the reference does, so it is far closer to the reference than bf16 is to
+    fp32 on the same float8 weights."""
+    hidden, logits, w13, w2 = moe_case(33, 8, seed=1)
+    q13, q2, s13, s2 = fp8_experts(w13, w2)
+    bf16 = hidden.to(torch.bfloat16), logits.to(torch.bfloat16)
+    want = fused_moe_ref.fused_moe(*bf16, q13, q2, 2, True, round_routing_weights, s13, s2)
+    got = triton_fused_moe.fused_moe(*bf16, q13, q2, 2, True, round_routing_weights, s13, s2)
+    fp32 = fused_moe_ref.fused_moe(*(t.float() for t in bf16), q13, q2, 2, True, False, s13, s2)
     assert got.dtype == torch.bfloat16
     kernel_error = (got.float() - want.float()).norm() / want.float().norm()
     bf16_error = (want.float() - fp32).norm() / fp32.norm()

@@ -48,6 +48,24 @@ def test_triton_kernel_set_model_matches_transformers(arch, tmp_path):
     assert calls == expected
 
 
+def test_an_fp8_moe_model_on_the_triton_kernel_set_equals_the_torch_set(tmp_path):
+    """`--quantization fp8` on the tiny Qwen3-MoE: its float8 experts and their scales reach the Triton fused MoE
+    (the SCALED grouped GEMM), which gives the torch reference's logits."""
+    from kernels.layer_ops import torch_layer_ops
+
+    path = make_tiny_model(tmp_path, arch="qwen3_moe", seed=0, num_hidden_layers=2)
+    calls: Counter[str] = Counter()
+    triton_model, config = load_model(path, torch.float32, "cpu", layer_ops=counting(triton_layer_ops(), calls),
+                                      quantization="fp8")
+    torch_model, _ = load_model(path, torch.float32, "cpu", layer_ops=torch_layer_ops(), quantization="fp8")
+    assert triton_model.model.layers[0].mlp.w13_weight.dtype == torch.float8_e4m3fn
+    prompts = [[1, 17, 300, 42, 9, 255, 7, 8, 11], [1, 5, 480, 2]]
+    ours = prefill_logits_paged(triton_model, config, prompts, seed=2)
+    for logits, expected in zip(ours, prefill_logits_paged(torch_model, config, prompts, seed=2)):
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert calls["fused_moe"] == 1
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_triton_kernel_set_rounds_where_transformers_rounds_in_bf16(arch, tmp_path):
     """The Triton set in bf16 against transformers in bf16 with flash attention's rounding (see
@@ -90,9 +108,9 @@ def counting(ops: LayerOps, calls: Counter) -> LayerOps:
     def wrap(name):
         function = getattr(ops, name)
 
-        def counted(*args):
+        def counted(*args, **kwargs):
             calls[name] += 1
-            return function(*args)
+            return function(*args, **kwargs)
 
         return counted
 

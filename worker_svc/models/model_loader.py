@@ -20,6 +20,8 @@ from torch import nn
 from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
 from service_runtime.load_refusal import LoadRefused
+from worker_svc.layers.fp8_linear import has_fp8_tensor_cores
+from worker_svc.layers.fused_moe import FusedMoE
 from worker_svc.layers.linear_method import choose_linear_method
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -76,7 +78,7 @@ def load_model(
             model.load_weights(split_kv_scales(iter_checkpoint(path, config), kv_scales))
             apply_kv_scales(model, kv_scales)
     for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, FusedMoE)):
             module.process_after_loading()
     return model.eval(), config
 
@@ -86,20 +88,34 @@ def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype
     """Gives every parallel linear layer of `model` (still on the meta device) its linear method: the one
     `config.quantization` chooses, unless the checkpoint `ignore`s the layer. A fused layer (q|k|v) is
     quantized only if none of its checkpoint projections is ignored, and refused if only some are; a layer
-    whose shard the method cannot hold (a split packed int32 or group) is refused naming it."""
+    whose shard the method cannot hold (a split packed int32 or group) is refused naming it. A MoE block's
+    experts (FP8 only: ModelConfig refuses other methods there) are quantized alike, all of a block or none;
+    its router never is."""
     if config.quantization is None:
         return
     method = choose_linear_method(config.quantization, device)
     for name, module in model.named_modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        if isinstance(module, FusedMoE):
+            weights = [f"{name}.w13_weight", f"{name}.w2_weight"]
+        elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            weights = [f"{name}.weight"]
+        else:
             continue
-        sources = [source.removesuffix(".weight") for source in model._checkpoint_names(f"{name}.weight")]
+        sources = [source.removesuffix(".weight") for weight in weights for source in model._checkpoint_names(weight)]
         ignored = [config.quantization.ignores(source) for source in sources]
         if all(ignored):
             continue
         if any(ignored):
             raise ValueError(f"the checkpoint's quantization ignore list leaves some of {sources} unquantized, but "
                              f"they are fused into one matmul ({name}); ignore all of them or none")
+        if isinstance(module, FusedMoE):
+            if device.type == "cuda" and not has_fp8_tensor_cores(device):
+                raise ValueError(f"{config.quantization.describe()} MoE experts need a GPU of compute capability "
+                                 f"8.9 or more (Triton reads float8_e4m3fn only there); serve the unquantized "
+                                 f"checkpoint")
+            with torch.device("meta"):
+                module.quantize_fp8(config.quantization)
+            continue
         try:
             with torch.device("meta"):
                 module.set_linear_method(method, dtype)

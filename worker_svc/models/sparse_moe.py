@@ -4,7 +4,8 @@ MLP of some layers, and the mapping of the checkpoints' expert names onto the bl
 Who owns what: a family file (mixtral.py, qwen3_moe.py) reads its config.json keys into a `MoeShape` and
 refuses what it does not support; this class builds the blocks (worker_svc/layers/fused_moe.py) and loads
 them. Our parameters are `model.layers.L.mlp.{gate.weight, w13_weight, w2_weight}` whatever the family calls
-the block (Mixtral's hub files say `block_sparse_moe`; transformers 5 renames it `mlp` too).
+the block (Mixtral's hub files say `block_sparse_moe`; transformers 5 renames it `mlp` too), and for an FP8
+checkpoint `w13_scale`, `w2_scale`, filled from each expert projection's `weight_scale`.
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.tensor_parallel import TensorParallel
 
-# model.layers.L.<block>.experts.N.<projection>.weight (hub files) / model.layers.L.<block>.experts.<stacked>
-# (transformers 5's in-memory layout) / model.layers.L.<block>.gate.weight (the router)
-PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.weight")
+# model.layers.L.<block>.experts.N.<projection>.weight (hub files; an FP8 checkpoint's also .weight_scale) /
+# model.layers.L.<block>.experts.<stacked> (transformers 5's in-memory layout) / model.layers.L.<block>.gate.weight
+# (the router)
+PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale)")
 STACKED = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(gate_up_proj|down_proj)")
 ROUTER = re.compile(r"(model\.layers\.\d+)\.(\w+)\.gate\.weight")
 # Our parameters of a block.
-BLOCK_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.(w13_weight|w2_weight|gate\.weight)")
+BLOCK_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.(w13_weight|w2_weight|w13_scale|w2_scale|gate\.weight)")
 
 
 @dataclass(frozen=True)
@@ -59,14 +61,15 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
                         shape.renormalize, shape.round_routing_weights, ops, tp)
 
     def _fused_target(self, name: str) -> tuple[str, object]:
-        """Per-expert tensors go to their expert's slot of w13 (gate or up) or w2; stacked ones whole."""
+        """Per-expert tensors (weights, FP8 scales) go to their expert's slot of w13 (gate or up) or w2, or of
+        their scales; stacked ones whole."""
         if (match := self._block_match(PER_EXPERT, name)) is not None:
-            layer, _, expert, projection = match.groups()
+            layer, _, expert, projection, tensor = match.groups()
             if projection not in self.expert_projections:
                 raise ValueError(f"checkpoint tensor {name!r}: expert projection {projection!r} is not one of "
                                  f"{self.expert_projections} (gate, up, down)")
             gate, up, _ = self.expert_projections
-            kind = "w13_weight" if projection in (gate, up) else "w2_weight"
+            kind = ("w13" if projection in (gate, up) else "w2") + ("_scale" if tensor == "weight_scale" else "_weight")
             return f"{layer}.mlp.{kind}", (int(expert), UP if projection == up else GATE)
         if (match := self._block_match(STACKED, name)) is not None:
             layer, _, stacked = match.groups()
@@ -97,9 +100,10 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         if kind == "gate.weight":
             return [f"{block}.gate.weight"]
         gate, up, down = self.expert_projections
-        projections = [down] if kind == "w2_weight" else [gate, up]
+        projections = [down] if kind.startswith("w2") else [gate, up]
+        tensor = "weight_scale" if kind.endswith("_scale") else "weight"
         num_experts = self.moe_shape(self.config).num_experts
-        return [f"{block}.experts.{e}.{p}.weight" for e in range(num_experts) for p in projections]
+        return [f"{block}.experts.{e}.{p}.{tensor}" for e in range(num_experts) for p in projections]
 
     def _block_match(self, pattern: re.Pattern, name: str) -> re.Match | None:
         """`pattern`'s match of `name` when the block it names is a sparse layer's, under a name we accept."""
