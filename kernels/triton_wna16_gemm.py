@@ -158,9 +158,10 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stri
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_size
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for split in range(0, num_splits):
-        acc += tl.load(partials_ptr + split.to(tl.int64) * stride_split + row * stride_partial + cols, mask=col_mask,
-                       other=0.0)
+    partials = partials_ptr + row * stride_partial + cols  # a pointer stepped by the slice stride: 64-bit sums
+    for _ in range(0, num_splits):
+        acc += tl.load(partials, mask=col_mask, other=0.0)
+        partials += stride_split
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from worker_svc.quantization_config import QUANTIZATION_FLAG_VALUES
+
 
 @dataclass(frozen=True)
 class RefusedFlag:
@@ -45,7 +47,7 @@ REFUSED_FLAGS = (
                 "config.json), awq and gptq (their checkpoints, read alike; vLLM's awq_marlin and gptq_marlin name the same "
                 "checkpoints) and fp8 (online FP8 of an unquantized checkpoint; docs/quantization.md); other "
                 "methods: " + NOT_YET,
-                accepted=("gguf", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")),
+                accepted=QUANTIZATION_FLAG_VALUES),
     RefusedFlag(("--trust-remote-code",), "pagedserve never runs a model repository's Python code; it serves "
                 "the architectures it implements itself (docs/serving.md: Supported architectures), so the flag "
                 "is not needed",

@@ -122,7 +122,8 @@ def test_the_quantization_flag_must_match_the_checkpoint_and_other_methods_are_r
     assert ModelConfig.from_path(awq, "awq").quantization == ModelConfig.from_path(awq).quantization
     # vLLM's Marlin names of the same checkpoints: served alike (by our kernel).
     assert ModelConfig.from_path(awq, "awq_marlin").quantization == ModelConfig.from_path(awq).quantization
-    with pytest.raises(ValueError, match="--quantization gptq was given, but the checkpoint's quantization_config "):
+    with pytest.raises(ValueError, match="--quantization gptq_marlin was given, but the checkpoint's "
+                                         "quantization_config says quant_method 'awq'"):
         ModelConfig.from_path(awq, "gptq_marlin")
     with pytest.raises(ValueError, match="--quantization gptq was given, but the checkpoint's quantization_config "
                                          "says quant_method 'awq'"):

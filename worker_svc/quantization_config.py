@@ -74,7 +74,7 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
                        module: str) -> QuantizationScheme | Int8Scheme | IntegerScheme | None:
     """The scheme of an HF checkpoint's config.json `raw` given `--quantization` `flag` (None: not given), for the
     model file `module`; None: unquantized. Raises ValueError naming why it is refused."""
-    flag = FLAG_ALIASES.get(flag, flag)
+    given, flag = flag, FLAG_ALIASES.get(flag, flag)  # the message names what the user typed
     declared = raw.get("quantization_config")
     if declared is not None:
         method = declared.get("quant_method") if isinstance(declared, Mapping) else None
@@ -82,7 +82,7 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
             raise ValueError(f"--quantization fp8 quantizes an unquantized checkpoint at load, but this one is "
                              f"already quantized (quantization_config quant_method {method!r})")
         if flag is not None and flag != method:
-            raise ValueError(f"--quantization {flag} was given, but the checkpoint's quantization_config says "
+            raise ValueError(f"--quantization {given} was given, but the checkpoint's quantization_config says "
                              f"quant_method {method!r}")
         parse = {COMPRESSED_TENSORS: _compressed_tensors, AWQ: parse_awq, GPTQ: parse_gptq}.get(method)
         if parse is None:
@@ -92,7 +92,7 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
     elif flag == ONLINE_FP8:
         scheme = QuantizationScheme(ONLINE_FP8)
     elif flag in (COMPRESSED_TENSORS, AWQ, GPTQ):
-        raise ValueError(f"--quantization {flag} was given, but the checkpoint's config.json declares no "
+        raise ValueError(f"--quantization {given} was given, but the checkpoint's config.json declares no "
                          f"quantization_config")
     elif flag == GGUF:
         raise ValueError("--quantization gguf needs a .gguf model file")
