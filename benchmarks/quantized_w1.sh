@@ -6,7 +6,8 @@
 #
 # SETTING: bf16 | fp8 (--quantization fp8: weights quantized at load, activations per token) | fp8-kv
 # (--kv-cache-dtype fp8) | fp8+fp8-kv | awq (AWQ W4A16, group 128) | gptq (GPTQ W4A16, group 128, symmetric) |
-# w8a16 (compressed-tensors W8A16, per channel). The integer settings write the format's quantization_config
+# w8a16 (compressed-tensors W8A16, per channel) | w8a8 (compressed-tensors INT8 W8A8, per-channel weights,
+# per-token activations). The integer settings write the format's quantization_config
 # into the shape's config.json (random integer weights: --load-format dummy). Default: bf16 and the FP8
 # settings. JSON lands in $OUT as w1_<shape>_<setting>.json (W1 and the lone-request TPOT).
 set -euo pipefail
@@ -18,6 +19,10 @@ settings=("$@")
 w8a16='{"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
  "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": null, "format": "pack-quantized",
  "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel", "group_size": null}}}}'
+w8a8='{"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+ "config_groups": {"group_0": {"targets": ["Linear"], "format": "int-quantized",
+ "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel", "dynamic": false},
+ "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true}}}}'
 for setting in "${settings[@]}"; do
   flags="" qc="null"
   case "$setting" in
@@ -28,6 +33,7 @@ for setting in "${settings[@]}"; do
     awq) qc='{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}' ;;
     gptq) qc='{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false}' ;;
     w8a16) qc="$w8a16" ;;
+    w8a8) qc="$w8a8" ;;
     *) echo "unknown setting $setting" >&2; exit 2 ;;
   esac
   python3 benchmarks/offline_throughput.py --shape "$shape" --skip-hf --engine-flags="$flags" --tag "$setting" \
