@@ -73,29 +73,56 @@ def measure_ceilings() -> dict:
     end.record()
     torch.cuda.synchronize()
     matmul_flops = 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
-    del src, dst, a, b
+    ceilings = {"copy_bandwidth_bytes_per_s": copy_bandwidth, "bf16_matmul_flops_per_s": matmul_flops}
+    # The quantized settings' prefill floors: the same product on the FP8 and INT8 tensor cores.
+    one = torch.ones((), device="cuda")
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    ai, bi = (a * 8).clamp(-127, 127).to(torch.int8), (b * 8).clamp(-127, 127).to(torch.int8)
+    quantized = {"fp8_matmul_flops_per_s": lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                                     out_dtype=torch.bfloat16),
+                 "int8_matmul_flops_per_s": lambda: torch._int_mm(ai, bi.t())}
+    for key, product in quantized.items():
+        try:
+            for _ in range(3):
+                product()
+        except RuntimeError:  # no FP8 tensor cores (before compute capability 8.9)
+            continue
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            product()
+        end.record()
+        torch.cuda.synchronize()
+        ceilings[key] = 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+    del src, dst, a, b, a8, b8, ai, bi
     torch.cuda.empty_cache()
-    return {"copy_bandwidth_bytes_per_s": copy_bandwidth, "bf16_matmul_flops_per_s": matmul_flops}
+    return ceilings
 
 
-def w1_floor(shape: str, num_requests: int, ceilings: dict, num_gpus: int = 1) -> dict:
+def w1_floor(shape: str, num_requests: int, ceilings: dict, num_gpus: int = 1, linear_bytes: float = 2.0,
+             kv_bytes: int = 2, matmul: str = "bf16") -> dict:
+    """W1's time floor: prefill at the matmul rate, decode at the copy bandwidth. A quantized setting's floor:
+    `linear_bytes` per parameter of the decoder layers (embeddings and LM head stay 2 bytes), `kv_bytes` per
+    cached value, prefill at the `matmul` ("bf16", "fp8", "int8") rate measured in `ceilings`."""
     s = SHAPES[shape]
+    embedding_params = s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2)
     # MoE: a token multiplies by its k experts only, and a decode step reads only the experts chosen
     # (model_shapes.decode_weight_bytes; at 256 sequences every expert of both MoE shapes).
-    weights = decode_weight_bytes(shape, num_requests)
-    non_embedding_params = (active_parameters_per_token(shape)
-                            - s["vocab_size"] * s["hidden_size"] * (1 if s["tie_word_embeddings"] else 2))
+    bf16_weights = decode_weight_bytes(shape, num_requests)
+    weights = 2 * embedding_params + (bf16_weights - 2 * embedding_params) * linear_bytes / 2
+    non_embedding_params = active_parameters_per_token(shape) - embedding_params
     prompt_tokens = num_requests * PROMPT_LEN
     attention_flops = num_requests * 2 * s["num_hidden_layers"] * s["hidden_size"] * PROMPT_LEN**2  # causal QK + PV
     prefill_flops = 2 * (non_embedding_params + s["vocab_size"] * s["hidden_size"] / PROMPT_LEN) * prompt_tokens
-    prefill_s = (prefill_flops + attention_flops) / ceilings["bf16_matmul_flops_per_s"]
-    kv_token = kv_bytes_per_token(shape)
+    prefill_s = (prefill_flops / ceilings[f"{matmul}_matmul_flops_per_s"]
+                 + attention_flops / ceilings["bf16_matmul_flops_per_s"])
+    kv_token = kv_bytes_per_token(shape, kv_bytes)
     decode_bytes = sum(weights + num_requests * (PROMPT_LEN + step) * kv_token for step in range(OUTPUT_LEN))
     decode_s = decode_bytes / ceilings["copy_bandwidth_bytes_per_s"]
     prefill_s, decode_s = prefill_s / num_gpus, decode_s / num_gpus
     total = num_requests * OUTPUT_LEN
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "num_gpus": num_gpus,
-            "output_tokens_per_s": total / (prefill_s + decode_s)}
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "num_gpus": num_gpus, "linear_bytes": linear_bytes,
+            "kv_bytes": kv_bytes, "matmul": matmul, "output_tokens_per_s": total / (prefill_s + decode_s)}
 
 
 def prompts(num_requests: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -247,6 +274,11 @@ def main() -> int:
     parser.add_argument("--tag", default="", help="appended to the output files' names")
     parser.add_argument("--quantization-config", type=json.loads, default=None,
                         help="a JSON quantization_config for the shape's config.json (AWQ, GPTQ, compressed-tensors)")
+    parser.add_argument("--floor-linear-bytes", type=float, default=2.0,
+                        help="bytes per decoder-layer weight in the floor (1 for FP8 / INT8, ~0.53 for 4-bit g128)")
+    parser.add_argument("--floor-kv-bytes", type=int, default=2, help="bytes per KV value in the floor (1: fp8)")
+    parser.add_argument("--floor-matmul", choices=("bf16", "fp8", "int8"), default="bf16",
+                        help="the tensor-core rate of the floor's prefill")
     args = parser.parse_args()
     tp = args.tensor_parallel_size
     out_dir = Path(os.environ.get("OUT", "."))
@@ -254,7 +286,8 @@ def main() -> int:
     ceilings = measure_ceilings()
     requests = prompts(args.num_requests, SHAPES[args.shape]["vocab_size"])
     summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "ceilings": ceilings,
-               "tensor_parallel_size": tp, "floor": w1_floor(args.shape, args.num_requests, ceilings, tp), "runs": {}}
+               "tensor_parallel_size": tp, "floor": w1_floor(args.shape, args.num_requests, ceilings, tp, args.floor_linear_bytes,
+                                 args.floor_kv_bytes, args.floor_matmul), "runs": {}}
     print("ceilings", json.dumps(ceilings), "floor", json.dumps(summary["floor"]), flush=True)
     engine_flags = [*(["--tensor-parallel-size", str(tp)] if tp > 1 else []), *args.engine_flags.split()]
     summary["runs"]["pagedserve"] = run_engine(args.shape, requests, work, engine_flags, args.quantization_config)

@@ -24,18 +24,24 @@ w8a8='{"quant_method": "compressed-tensors", "format": "int-quantized", "ignore"
  "weights": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel", "dynamic": false},
  "input_activations": {"num_bits": 8, "type": "int", "symmetric": true, "strategy": "token", "dynamic": true}}}}'
 for setting in "${settings[@]}"; do
-  flags="" qc="null"
+  # The floor of each setting: bytes per decoder weight (4-bit: 0.5 + a 16-bit scale and zero per 128), bytes per
+  # KV value, the prefill's tensor-core rate.
+  flags="" qc="null" floor="--floor-linear-bytes 2 --floor-kv-bytes 2 --floor-matmul bf16"
   case "$setting" in
     bf16) ;;
-    fp8) flags="--quantization fp8" ;;
-    fp8-kv) flags="--kv-cache-dtype fp8" ;;
-    fp8+fp8-kv) flags="--quantization fp8 --kv-cache-dtype fp8" ;;
-    awq) qc='{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}' ;;
-    gptq) qc='{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false}' ;;
-    w8a16) qc="$w8a16" ;;
-    w8a8) qc="$w8a8" ;;
+    fp8) flags="--quantization fp8" floor="--floor-linear-bytes 1 --floor-matmul fp8" ;;
+    fp8-kv) flags="--kv-cache-dtype fp8" floor="--floor-kv-bytes 1" ;;
+    fp8+fp8-kv) flags="--quantization fp8 --kv-cache-dtype fp8"
+                floor="--floor-linear-bytes 1 --floor-kv-bytes 1 --floor-matmul fp8" ;;
+    awq) qc='{"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": true, "version": "gemm"}'
+         floor="--floor-linear-bytes 0.53" ;;
+    gptq) qc='{"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": true, "desc_act": false}'
+          floor="--floor-linear-bytes 0.52" ;;
+    w8a16) qc="$w8a16" floor="--floor-linear-bytes 1" ;;
+    w8a8) qc="$w8a8" floor="--floor-linear-bytes 1 --floor-matmul int8" ;;
     *) echo "unknown setting $setting" >&2; exit 2 ;;
   esac
+  # shellcheck disable=SC2086  # $floor is several flags
   python3 benchmarks/offline_throughput.py --shape "$shape" --skip-hf --engine-flags="$flags" --tag "$setting" \
-    --quantization-config "$qc"
+    --quantization-config "$qc" $floor
 done
