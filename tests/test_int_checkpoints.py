@@ -6,10 +6,11 @@ original, and transformers running the dequantized state dict (int_checkpoint_re
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from pagedserve.testing.fp8_checkpoints import LINEAR_WEIGHT
 from pagedserve.testing.int_checkpoint_reader import dequantized_int_state_dict
@@ -29,13 +30,16 @@ CASES = {
     "awq-g32": (AWQ, dict(group_size=32), False),
     "awq-g128": (AWQ, dict(group_size=128), True),
     "awq-g64-no-zero-point": (AWQ, dict(group_size=64, zero_point=False), False),
+    "awq-g32-down-proj-float": (AWQ, dict(group_size=32, modules_to_not_convert=("mlp.down_proj",)), False),
     "gptq4-g32": (GPTQ, dict(bits=4, group_size=32), False),
     "gptq4-g32-asym": (GPTQ, dict(bits=4, group_size=32, sym=False), False),
+    "gptq4-g32-asym-v2": (GPTQ, dict(bits=4, group_size=32, sym=False, checkpoint_format="gptq_v2"), False),
     "gptq4-g128-desc-act": (GPTQ, dict(bits=4, group_size=128, desc_act=True), True),
     "gptq8-g32-asym-desc-act": (GPTQ, dict(bits=8, group_size=32, sym=False, desc_act=True), False),
     "gptq8-g32": (GPTQ, dict(bits=8, group_size=32), False),
     "ct4-g32": (CT, dict(bits=4, group_size=32), False),
     "ct4-g64-asym": (CT, dict(bits=4, group_size=64, symmetric=False), False),
+    "ct4-g32-asym-actorder": (CT, dict(bits=4, group_size=32, symmetric=False, actorder=True), False),
     "ct4-g128-asym": (CT, dict(bits=4, group_size=128, symmetric=False), True),
     "ct4-channel-asym": (CT, dict(bits=4, group_size=None, symmetric=False), False),
     "ct8-channel": (CT, dict(bits=8, group_size=None), False),
@@ -67,10 +71,17 @@ def _tensors(directory):
     return tensors
 
 
-def _expected_layout(case: str, out_features: int, in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
+def _converted(case: str, layer: str) -> bool:
+    return not any(module in layer for module in CASES[case][1].get("modules_to_not_convert", ()))
+
+
+def _expected_layout(case: str, layer: str, out_features: int,
+                     in_features: int) -> dict[str, tuple[torch.dtype, tuple]]:
     writer, kwargs, _ = CASES[case]
     bits = kwargs.get("bits", 4)
     pack, groups = 32 // bits, in_features // (kwargs["group_size"] or in_features)
+    if not _converted(case, layer):
+        return {"weight": (torch.float32, (out_features, in_features))}
     if writer is AWQ:
         return {"qweight": (torch.int32, (in_features, out_features // 8)),
                 "qzeros": (torch.int32, (groups, out_features // 8)), "scales": (torch.float16, (groups, out_features))}
@@ -82,6 +93,8 @@ def _expected_layout(case: str, out_features: int, in_features: int) -> dict[str
               "weight_scale": (torch.float32, (out_features, groups)), "weight_shape": (torch.int64, (2,))}
     if not kwargs.get("symmetric", True):
         layout["weight_zero_point"] = (torch.int32, (out_features // pack, groups))
+    if kwargs.get("actorder"):
+        layout["weight_g_idx"] = (torch.int32, (in_features,))
     return layout
 
 
@@ -94,6 +107,8 @@ def _element_scales(case: str, tensors, layer: str) -> torch.Tensor:
     if writer is GPTQ:
         return tensors[f"{layer}.scales"].float()[tensors[f"{layer}.g_idx"].long()].t()
     scales = tensors[f"{layer}.weight_scale"].float()
+    if f"{layer}.weight_g_idx" in tensors:
+        return scales[:, tensors[f"{layer}.weight_g_idx"].long()]
     return scales.repeat_interleave(int(tensors[f"{layer}.weight_shape"][1]) // scales.shape[1], dim=1)
 
 
@@ -107,7 +122,7 @@ def test_each_linear_is_stored_with_the_tools_names_dtypes_and_shapes(written, c
         layer = name.removesuffix(".weight")
         stored = {key.removeprefix(f"{layer}."): (value.dtype, tuple(value.shape))
                   for key, value in tensors.items() if key.startswith(f"{layer}.")}
-        assert stored == _expected_layout(case, *original[name].shape), layer
+        assert stored == _expected_layout(case, layer, *original[name].shape), layer
     unquantized = {name for name in original if not LINEAR_WEIGHT.match(name)}
     assert {"lm_head.weight", "model.embed_tokens.weight"} <= unquantized
     assert all(torch.equal(tensors[name], original[name]) for name in unquantized)
@@ -119,7 +134,7 @@ def test_dequantized_weights_are_within_half_a_step_of_the_original(written, cas
     original, tensors, dequantized = _tensors(source), _tensors(directory), dequantized_int_state_dict(directory)
     assert set(dequantized) == set(original)
     for name, weight in original.items():
-        if not LINEAR_WEIGHT.match(name):
+        if not LINEAR_WEIGHT.match(name) or not _converted(case, name.removesuffix(".weight")):
             assert torch.equal(dequantized[name], weight)
             continue
         assert dequantized[name].dtype == torch.float32 and dequantized[name].shape == weight.shape
@@ -147,6 +162,10 @@ def test_quantization_configs_are_what_the_tools_write(written):
                     "dynamic": False}}}
     assert config("ct8-g64-asym")["config_groups"]["group_0"]["weights"] == {
         "num_bits": 8, "type": "int", "symmetric": False, "group_size": 64, "strategy": "group", "dynamic": False}
+    assert config("ct4-g32-asym-actorder")["config_groups"]["group_0"]["weights"] == {
+        "num_bits": 4, "type": "int", "symmetric": False, "group_size": 32, "strategy": "group", "dynamic": False,
+        "actorder": "group"}
+    assert config("awq-g32-down-proj-float")["modules_to_not_convert"] == ["mlp.down_proj"]
 
 
 def test_awq_word_holds_eight_output_columns_in_autoawq_order(written):
@@ -213,6 +232,71 @@ def test_gptq_act_order_groups_follow_the_permutation_shared_by_projections_of_o
     value = ((word >> 24) & 0xFF) - zero
     assert float(dequantized[f"{layer}.weight"][n, k]) == pytest.approx(value * scale, rel=1e-6)
     assert abs(value * scale - float(weight[f"{layer}.weight"][n, k])) <= 0.505 * scale
+
+
+def test_gptq_v2_stores_the_zero_points_that_v1_stores_minus_one(written):
+    """GPTQModel's v2 -> v1 conversion subtracts 1 from every 4-bit field (0x11111111 a word); the rest is one."""
+    v1, v2 = (_tensors(written[case][1]) for case in ("gptq4-g32-asym", "gptq4-g32-asym-v2"))
+    for name, tensor in v1.items():
+        if name.endswith(".qzeros"):
+            assert torch.equal(((v2[name].long() - 0x11111111) & MASK), tensor.long() & MASK), name
+        else:
+            assert torch.equal(v2[name], tensor), name
+    config = json.loads((written["gptq4-g32-asym-v2"][1] / "config.json").read_text())["quantization_config"]
+    assert config["checkpoint_format"] == "gptq_v2"
+
+
+def test_a_zero_point_of_zero_is_stored_in_gptq_v2_and_refused_in_v1(sources, tmp_path):
+    """Non-negative weights: every group's minimum is 0, its zero point 0, which v1's zero - 1 cannot hold."""
+    source = tmp_path / "non-negative"
+    shutil.copytree(sources[False], source)
+    for file in source.glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file({name: tensor.abs() if LINEAR_WEIGHT.match(name) else tensor for name, tensor in tensors.items()},
+                  file)
+    v2 = GPTQ(source, tmp_path / "v2", 4, 32, sym=False, checkpoint_format="gptq_v2")
+    assert (_tensors(v2)[f"{Q_PROJ}.qzeros"] == 0).all()
+    with pytest.raises(ValueError, match="a zero point of 0 cannot be stored in GPTQ v1"):
+        GPTQ(source, tmp_path / "v1", 4, 32, sym=False)
+
+
+def test_compressed_tensors_actorder_groups_permuted_columns_and_stores_their_group_per_column(written):
+    """actorder "group": the same act-order permutation as the GPTQ writer's (q/k/v and gate/up share one), the
+    groups of 32 permuted columns in group order in weight_scale / weight_zero_point, weight_packed in the
+    original column order."""
+    source, directory = written["ct4-g32-asym-actorder"]
+    tensors, weight = _tensors(directory), _tensors(source)
+    gptq = _tensors(written["gptq8-g32-asym-desc-act"][1])
+    for name in [name for name in tensors if name.endswith(".weight_g_idx")]:
+        assert torch.equal(tensors[name], gptq[name.replace("weight_g_idx", "g_idx")]), name
+    g_idx = tensors[f"{Q_PROJ}.weight_g_idx"]
+    assert torch.equal(g_idx, tensors["model.layers.0.self_attn.k_proj.weight_g_idx"])
+    assert not torch.equal(g_idx, torch.arange(64, dtype=torch.int32) // 32)
+    dequantized = dequantized_int_state_dict(directory)[f"{Q_PROJ}.weight"]
+    n = 13
+    word = int(tensors[f"{Q_PROJ}.weight_packed"][n, 5]) & MASK  # input columns 40..47, each its own group
+    for i in range(8):
+        q, k = (word >> 4 * i) & 0xF, 40 + i
+        group = int(g_idx[k])
+        zero = (int(tensors[f"{Q_PROJ}.weight_zero_point"][n // 8, group]) & MASK) >> 4 * (n % 8) & 0xF
+        scale = float(tensors[f"{Q_PROJ}.weight_scale"][n, group])
+        assert float(dequantized[n, k]) == pytest.approx((q - zero) * scale, rel=1e-6)
+        assert abs((q - zero) * scale - float(weight[f"{Q_PROJ}.weight"][n, k])) <= 0.505 * scale
+    # Group g holds the columns of places 32g..32g+31 of the permutation: its scale is their range's.
+    permutation = act_order_permutation(Q_PROJ, 64)
+    first = weight[f"{Q_PROJ}.weight"][:, permutation[:32]].float()
+    spread = first.amax(dim=1).clamp(min=0) - first.amin(dim=1).clamp(max=0)
+    torch.testing.assert_close(tensors[f"{Q_PROJ}.weight_scale"][:, 0].float(), spread / 15, rtol=1e-6, atol=0)
+
+
+def test_awq_modules_to_not_convert_keep_their_float_weights(written):
+    source, directory = written["awq-g32-down-proj-float"]
+    tensors, original = _tensors(directory), _tensors(source)
+    for layer in range(3):
+        down = f"model.layers.{layer}.mlp.down_proj"
+        assert torch.equal(tensors[f"{down}.weight"], original[f"{down}.weight"])
+        assert f"{down}.qweight" not in tensors
+        assert f"model.layers.{layer}.mlp.up_proj.qweight" in tensors
 
 
 @pytest.mark.parametrize("case", ["ct4-g64-asym", "ct4-g32"])

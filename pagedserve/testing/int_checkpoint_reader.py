@@ -4,7 +4,7 @@ runs as the reference for our integer linear layers.
 Why separate from the writers (int_checkpoints.py) and from kernels/wna16_ref.py: this reads each format from
 its own definition (AutoAWQ's interleaved nibbles along the output dimension; GPTQ's rows packed along the input
 dimension with v1's zero - 1 and g_idx; compressed-tensors' offset values, zero points packed along the output
-dimension) and shares no unpacking with either, so a layout mistake in a writer or in the loader's conversion to
+dimension, weight_g_idx) and shares no unpacking with either, so a layout mistake in a writer or in the loader's conversion to
 the canonical layout shows up as a disagreement instead of cancelling out.
 """
 
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 # AWQ_REVERSE_ORDER: the inverse of AutoAWQ's packing order (0, 2, 4, 6, 1, 3, 5, 7)).
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
-COMPRESSED_TENSORS_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+COMPRESSED_TENSORS_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 
 
 def dequantized_int_state_dict(directory: Path) -> dict[str, torch.Tensor]:
@@ -79,8 +79,9 @@ def _gptq_weight(tensors: dict[str, torch.Tensor], layer: str, bits: int, adds_o
 
 
 def _compressed_tensors_weight(tensors: dict[str, torch.Tensor], layer: str, bits: int) -> torch.Tensor:
-    """pack-quantized: W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G], q packed along k and zero along
-    n, both stored + 2**(bits - 1) (so symmetric, without zero points, is zero 2**(bits - 1))."""
+    """pack-quantized: W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g] with g = k // G, or weight_g_idx[k] when
+    stored (actorder "group"); q packed along k and zero along n, both stored + 2**(bits - 1) (so symmetric,
+    without zero points, is zero 2**(bits - 1))."""
     if bits not in (4, 8):
         raise ValueError(f"{bits}-bit fields straddle words; only 4 and 8 bits are read here")
     out_features, in_features = tensors[f"{layer}.weight_shape"].tolist()
@@ -89,6 +90,8 @@ def _compressed_tensors_weight(tensors: dict[str, torch.Tensor], layer: str, bit
     packed_zeros = tensors.get(f"{layer}.weight_zero_point")
     zeros = torch.full(scales.shape, 2 ** (bits - 1)) if packed_zeros is None else \
         _unpack(packed_zeros.t(), bits).t()[:out_features]
-    group_size = in_features // scales.shape[1]
-    per_column = [t.repeat_interleave(group_size, dim=1) for t in (zeros, scales)]
+    g_idx = tensors.get(f"{layer}.weight_g_idx")
+    if g_idx is None:
+        g_idx = torch.arange(in_features) // (in_features // scales.shape[1])
+    per_column = [t[:, g_idx.long()] for t in (zeros, scales)]
     return (q - per_column[0]) * per_column[1]

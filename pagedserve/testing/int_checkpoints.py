@@ -10,17 +10,21 @@ middle of the range; `quantize_groups`) and stores what the tool stores, per Lin
   OUTPUT dimension, eight columns a word in AutoAWQ's interleaved order: bits 4i..4i+3 of word j hold column
   8j + (0, 2, 4, 6, 1, 3, 5, 7)[i]; `qzeros` int32 [in // G, out // 8] packed alike (unsigned zero points, no
   offset); `scales` float16 [in // G, out]; a bias as float16. zero_point=False: AutoAWQ's GEMM packer refuses
-  it (it asserts zeros), GPTQModel's AWQ writes zero points of 2**(bits - 1): so do we.
+  it (it asserts zeros), GPTQModel's AWQ writes zero points of 2**(bits - 1): so do we. `modules_to_not_convert`
+  (AutoAWQ's `exclude_layers_to_not_quantize`: a Linear whose name contains one of them) keeps `weight` as it is.
 - GPTQ (GPTQModel, checkpoint_format "gptq", i.e. v1): `qweight` int32 [in // pack, out] packed along the INPUT
   dimension, the first row in the lowest bits; `qzeros` int32 [in // G, out // pack] packed along the output
   dimension holding zero - 1 (the v1 quirk; the reader adds 1), so a zero point of 0 cannot be stored (the
   writer refuses one); `scales` float16 [in // G, out]; `g_idx` int32 [in]: the group of each input row,
   i // G, or with desc_act the group of its place in the act-order permutation (`act_order_permutation`).
+  checkpoint_format "gptq_v2" (GPTQModel's internal format, saved as such on request): the same with `qzeros`
+  holding the zero points as they are (v1 = v2 - 1 per field: GPTQModel's convert_gptq_v2_to_v1_format_module).
 - compressed-tensors pack-quantized: `weight_packed` int32 [out, in // pack] packed along the input dimension,
   the first column in the lowest bits, each value stored + 2**(bits - 1) (signed [-8, 7] -> [0, 15]);
   `weight_scale` [out, in // G] ([out, 1] per channel) in the model's dtype; asymmetric only,
   `weight_zero_point` int32 [out // pack, in // G], the zero points (+ 2**(bits - 1) alike) packed along the
-  OUTPUT dimension; `weight_shape` int64 [2] = [out, in].
+  OUTPUT dimension; `weight_shape` int64 [2] = [out, in]. actorder "group": `weight_g_idx` int32 [in], the group
+  of each input column (GPTQ's g_idx), the scales and zero points in group order, `weight_packed` in column order.
 
 Checked against the real tools (compressed_tensors 0.20.0 run here; the others read, as none could be run):
 - compressed-tensors: `PackedQuantizationCompressor.compress` of a tiny Llama's (hidden 128) linear weights with
@@ -30,6 +34,10 @@ Checked against the real tools (compressed_tensors 0.20.0 run here; the others r
   End to end (group 32 asymmetric): `apply_quantization_config`, our scales and zero points set,
   `ModelCompressor.compress_model`, `save_pretrained`, `update_config` wrote the same safetensors bytes and
   this quantization_config. tests/test_int_checkpoints.py keeps pack_to_int32's words of two tensors.
+  actorder "group" was removed in 0.20.0 (its QuantizationArgs refuses it; its forward takes no g_idx): its layout
+  is from the versions before (`_process_quantization`: sort the columns by g_idx, quantize groups of G
+  consecutive sorted columns with scale[:, group], put the columns back) and vLLM's `weight_g_idx` [in];
+  tests/test_int_real_tools.py runs 0.20.0's unpacking and `dequantize` with that permutation around it.
 - AWQ: AutoAWQ awq/modules/linear/gemm.py (`from_linear`: order_map, qweight [in, out // 8], qzeros, fp16
   scales and bias), awq/models/_config.py (`to_transformers_dict`: the config keys), GPTQModel's AWQ quantizer
   (symmetric zero points 2**(bits - 1)) and its AWQ_REVERSE_ORDER (0, 4, 1, 5, 2, 6, 3, 7), as vLLM unpacks.
@@ -128,53 +136,83 @@ def act_order_permutation(layer: str, in_features: int) -> torch.Tensor:
     return torch.randperm(in_features, generator=generator)
 
 
-def write_awq_checkpoint(source: Path, target: Path, group_size: int = 128, zero_point: bool = True) -> Path:
-    """Writes `source` (an HF directory) quantized as AutoAWQ's GEMM int4 checkpoint into `target`."""
+def quantize_in_act_order(layer: str, weight: torch.Tensor, bits: int, group_size: int, symmetric: bool,
+                          scale_dtype: torch.dtype, act_order: bool) -> tuple[GroupQuantized, torch.Tensor]:
+    """`quantize_groups` of W's input columns taken in `layer`'s act-order permutation (act_order; else in
+    order): groups of `group_size` consecutive permuted columns, scales and zeros [out, in // G] in group order,
+    the values put back in the checkpoint's column order (each column keeps its group). Also returns g_idx int32
+    [in], the group of each input column, as GPTQ's `g_idx` and compressed-tensors' `weight_g_idx` store it."""
+    in_features = weight.shape[1]
+    order = act_order_permutation(layer, in_features) if act_order else torch.arange(in_features)
+    q = quantize_groups(weight[:, order], bits, group_size, symmetric, scale_dtype)
+    values = torch.empty_like(q.values)
+    values[:, order] = q.values
+    g_idx = torch.empty(in_features, dtype=torch.int32)
+    g_idx[order] = torch.arange(in_features, dtype=torch.int32) // group_size
+    return GroupQuantized(values, q.scales, q.zeros), g_idx
+
+
+def write_awq_checkpoint(source: Path, target: Path, group_size: int = 128, zero_point: bool = True,
+                         modules_to_not_convert: tuple[str, ...] = ()) -> Path:
+    """Writes `source` (an HF directory) quantized as AutoAWQ's GEMM int4 checkpoint into `target`; Linears whose
+    name contains one of `modules_to_not_convert` (AutoAWQ's substring match) keep their float weights."""
     def quantize(layer: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q = quantize_groups(weight, 4, _group(weight, group_size), not zero_point, torch.float16)
         return {"qweight": pack_int32(q.values.t(), 4, AWQ_ORDER), "qzeros": pack_int32(q.zeros.t(), 4, AWQ_ORDER),
                 "scales": q.scales.t().contiguous()}
 
+    def converts(layer: str) -> bool:
+        return not any(module in layer for module in modules_to_not_convert)
+
     config = dict(quant_method="awq", zero_point=zero_point, group_size=group_size, bits=4, version="gemm",
-                  modules_to_not_convert=None)
-    return _write(source, target, quantize, config, bias_dtype=torch.float16)
+                  modules_to_not_convert=list(modules_to_not_convert) or None)
+    return _write(source, target, quantize, config, bias_dtype=torch.float16, converts=converts)
 
 
 def write_gptq_checkpoint(source: Path, target: Path, bits: int = 4, group_size: int = 128, sym: bool = True,
-                          desc_act: bool = False) -> Path:
-    """Writes `source` quantized as GPTQModel's v1 ("gptq") checkpoint, `bits` 4 or 8, into `target`."""
+                          desc_act: bool = False, checkpoint_format: str = "gptq") -> Path:
+    """Writes `source` quantized as GPTQModel's checkpoint, `bits` 4 or 8, into `target`: checkpoint_format
+    "gptq" (v1: zero points stored minus one) or "gptq_v2" (stored as they are)."""
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r} is not written ('gptq' or 'gptq_v2')")
+    stored_zero_offset = 1 if checkpoint_format == "gptq" else 0
+
     def quantize(layer: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        in_features = weight.shape[1]
-        order = act_order_permutation(layer, in_features) if desc_act else torch.arange(in_features)
-        q = quantize_groups(weight[:, order], bits, _group(weight, group_size), sym, torch.float16)
-        if not sym and (q.zeros == 0).any():
+        q, g_idx = quantize_in_act_order(layer, weight, bits, _group(weight, group_size), sym, torch.float16, desc_act)
+        if stored_zero_offset and not sym and (q.zeros == 0).any():
             raise ValueError(f"{layer}: a zero point of 0 cannot be stored in GPTQ v1 (it stores zero - 1)")
-        values = torch.empty_like(q.values)
-        values[:, order] = q.values  # back to the checkpoint's row order; each row keeps its group
-        g_idx = torch.empty(in_features, dtype=torch.int32)
-        g_idx[order] = torch.arange(in_features, dtype=torch.int32) // _group(weight, group_size)
-        return {"qweight": pack_int32(values, bits).t().contiguous(), "qzeros": pack_int32(q.zeros.t() - 1, bits),
+        return {"qweight": pack_int32(q.values, bits).t().contiguous(),
+                "qzeros": pack_int32(q.zeros.t() - stored_zero_offset, bits),
                 "scales": q.scales.t().contiguous(), "g_idx": g_idx}
 
     config = dict(bits=bits, group_size=group_size, desc_act=desc_act, sym=sym, lm_head=False, quant_method="gptq",
-                  checkpoint_format="gptq", pack_dtype="int32", meta=GPTQMODEL_META)
+                  checkpoint_format=checkpoint_format, pack_dtype="int32", meta=GPTQMODEL_META)
     return _write(source, target, quantize, config, bias_dtype=torch.float16)
 
 
 def write_compressed_tensors_int_checkpoint(source: Path, target: Path, bits: int = 4, group_size: int | None = 128,
-                                            symmetric: bool = True) -> Path:
+                                            symmetric: bool = True, actorder: bool = False) -> Path:
     """Writes `source` quantized as llm-compressor's W4A16 / W8A16 (pack-quantized) checkpoint into `target`;
-    group_size None: one scale per output channel (strategy "channel")."""
+    group_size None: one scale per output channel (strategy "channel"); actorder: GPTQModifier's actorder
+    "group" (groups of permuted columns, a `weight_g_idx` per Linear)."""
+    if actorder and group_size is None:
+        raise ValueError("actorder 'group' needs groups (a group_size)")
+
     def quantize(layer: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        q = quantize_groups(weight, bits, group_size or weight.shape[1], symmetric, weight.dtype)
+        q, g_idx = quantize_in_act_order(layer, weight, bits, group_size or weight.shape[1], symmetric, weight.dtype,
+                                         actorder)
         out = {"weight_packed": pack_int32(q.values, bits), "weight_scale": q.scales,
                "weight_shape": torch.tensor(weight.shape, dtype=torch.int64)}
         if not symmetric:
             out["weight_zero_point"] = pack_int32(q.zeros.t(), bits).t().contiguous()
+        if actorder:
+            out["weight_g_idx"] = g_idx
         return out
 
     weights = dict(num_bits=bits, type="int", symmetric=symmetric, group_size=group_size,
                    strategy="channel" if group_size is None else "group", dynamic=False)
+    if actorder:
+        weights["actorder"] = "group"
     scheme = dict(targets=["Linear"], weights=weights, input_activations=None, output_activations=None,
                   format="pack-quantized")
     config = dict(quant_method="compressed-tensors", format="pack-quantized", quantization_status="compressed",
@@ -189,9 +227,11 @@ def _group(weight: torch.Tensor, group_size: int) -> int:
 
 
 def _write(source: Path, target: Path, quantize: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
-           quantization_config: dict, bias_dtype: torch.dtype | None) -> Path:
-    """Copies `source` into `target` with each decoder Linear's weight replaced by `quantize(layer, weight)`'s
-    tensors (named `<layer>.<key>`), its bias cast to `bias_dtype`, and config.json's quantization_config."""
+           quantization_config: dict, bias_dtype: torch.dtype | None,
+           converts: Callable[[str], bool] = lambda layer: True) -> Path:
+    """Copies `source` into `target` with each decoder Linear's weight (of a layer that `converts`) replaced by
+    `quantize(layer, weight)`'s tensors (named `<layer>.<key>`), its bias cast to `bias_dtype`, and config.json's
+    quantization_config."""
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.suffix != ".safetensors" and file.name != "config.json":
@@ -202,9 +242,10 @@ def _write(source: Path, target: Path, quantize: Callable[[str, torch.Tensor], d
         out = {}
         for name, tensor in tensors.items():
             layer = name.rpartition(".")[0]
-            if LINEAR_WEIGHT.match(name):
+            if LINEAR_WEIGHT.match(name) and converts(layer):
                 out.update({f"{layer}.{key}": value for key, value in quantize(layer, tensor).items()})
-            elif bias_dtype is not None and name.endswith(".bias") and LINEAR_WEIGHT.match(f"{layer}.weight"):
+            elif bias_dtype is not None and name.endswith(".bias") and LINEAR_WEIGHT.match(f"{layer}.weight") \
+                    and converts(layer):
                 out[name] = tensor.to(bias_dtype)
             else:
                 out[name] = tensor
