@@ -1,5 +1,6 @@
-"""Tiny Llama, Qwen2 and Qwen3 served from weight-only integer checkpoints (AWQ; GPTQ 4- and 8-bit, symmetric or
-not, act-order, per channel; compressed-tensors W4A16 per group and per channel, asymmetric, W8A16), written in
+"""Tiny Llama, Qwen2 and Qwen3 served from weight-only integer checkpoints (AWQ, with modules_to_not_convert; GPTQ
+4- and 8-bit, symmetric or not, act-order, per channel, v1 and gptq_v2; compressed-tensors W4A16 per group and per
+channel, asymmetric, actorder "group", W8A16), written in
 each tool's layout by pagedserve/testing/int_checkpoints.py. The engine's greedy tokens equal transformers'
 running the dequantized weights in float32 (pagedserve/testing/int_checkpoint_reader.py reads each format from
 its own definition); two tensor-parallel ranks equal one; what cannot be served is refused naming why."""
@@ -33,12 +34,16 @@ FORMATS = {
     "gptq4_asym_desc_act": lambda source, target: write_gptq_checkpoint(source, target, 4, 32, sym=False,
                                                                         desc_act=True),
     "gptq8_asym": lambda source, target: write_gptq_checkpoint(source, target, 8, group_size=32, sym=False),
+    "gptq4_asym_v2": lambda source, target: write_gptq_checkpoint(source, target, 4, 32, sym=False,
+                                                                  checkpoint_format="gptq_v2"),
     "gptq4_channel": lambda source, target: write_gptq_checkpoint(source, target, 4, group_size=-1),
     "w4a16_group32": lambda source, target: write_compressed_tensors_int_checkpoint(source, target, 4, 32),
     "w4a16_channel_asym": lambda source, target: write_compressed_tensors_int_checkpoint(
         source, target, 4, None, symmetric=False),
     "w8a16_group32_asym": lambda source, target: write_compressed_tensors_int_checkpoint(
         source, target, 8, 32, symmetric=False),
+    "w4a16_group32_asym_actorder": lambda source, target: write_compressed_tensors_int_checkpoint(
+        source, target, 4, 32, symmetric=False, actorder=True),
 }
 CASES = [("llama", name) for name in FORMATS] + [
     (arch, name) for arch in ("qwen2", "qwen3", "phi3")  # Phi-3: q|k|v and gate|up fused in the checkpoint
@@ -79,6 +84,25 @@ def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(tmp_path, a
     unquantized, _ = load_model(source, torch.float32, "cpu")
     got, plain = (prefill_logits_paged(m, config, prompts[:1])[0] for m in (model, unquantized))
     assert ((got - plain).norm() / plain.norm()).item() > 1e-3
+
+
+def test_awq_modules_to_not_convert_are_served_unquantized(tmp_path):
+    """AutoAWQ's `modules_to_not_convert` (name substrings): those Linears keep float weights in the checkpoint and
+    stay unquantized in the engine; the others are integer; greedy tokens equal transformers'."""
+    source = make_tiny_model(tmp_path, "llama", seed=3)
+    served = write_awq_checkpoint(source, tmp_path / "awq", group_size=32, modules_to_not_convert=("mlp.down_proj",))
+    model, config = load_model(served, torch.float32, "cpu")
+    assert config.quantization.modules_to_not_convert == ("mlp.down_proj",)
+    layers = {name: module for name, module in model.named_modules() if name.endswith(PROJECTIONS)}
+    for name, layer in layers.items():
+        if name.endswith("down_proj"):
+            assert layer.weight.dtype == torch.float32 and not hasattr(layer, "qweight"), name
+        else:
+            assert layer.qweight.dtype == torch.int32 and not hasattr(layer, "weight"), name
+    reference = _transformers_on_dequantized_weights(source, served)
+    prompts = make_prompts(config.vocab_size, [11, 5])
+    assert greedy_generate_paged(model, config, prompts, NEW_TOKENS, prefill_chunk=4) == \
+        [hf_greedy(reference, prompt, NEW_TOKENS) for prompt in prompts]
 
 
 @pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq4_sym"), ("qwen2", "w4a16_channel_asym"),
