@@ -142,3 +142,33 @@ def test_compressed_tensors_decompresses_our_pack_quantized_checkpoint_to_our_we
                      if f"{layer}.{kind}" in tensors}
             theirs = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
             torch.testing.assert_close(theirs.float(), ours[f"{layer}.weight"], rtol=1e-6, atol=1e-6)
+
+
+def test_compressed_tensors_reads_our_actorder_checkpoint_with_its_columns_sorted_by_weight_g_idx(source, tmp_path):
+    """compressed-tensors 0.20.0 removed actorder "group" (its QuantizationArgs refuses it, its decompress takes no
+    g_idx). The versions before read weight_g_idx in `_process_quantization`: sort the columns by g_idx, dequantize
+    groups of G consecutive sorted columns with weight_scale[:, group], put the columns back. That sort is done here
+    around 0.20.0's own unpack, pack and `PackedQuantizationCompressor.decompress` (the scheme without actorder);
+    the result must be our reader's weights."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    target = write_compressed_tensors_int_checkpoint(source, tmp_path / "ct-actorder", bits=4, group_size=GROUP,
+                                                     symmetric=False, actorder=True)
+    tensors, ours = _tensors(target), dequantized_int_state_dict(target)
+    group = json.loads((target / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["actorder"] == "group"
+    with pytest.raises(ValueError, match="actorder='group' has been removed"):
+        QuantizationArgs.model_validate(group["weights"])
+    scheme = QuantizationScheme.model_validate({**group, "weights": {**group["weights"], "actorder": None}})
+    for layer in LAYERS:
+        g_idx, shape = tensors[f"{layer}.weight_g_idx"].long(), tensors[f"{layer}.weight_shape"]
+        assert not torch.equal(g_idx, torch.arange(int(shape[1])) // GROUP)
+        order = torch.argsort(g_idx, stable=True)
+        values = unpack_from_int32(tensors[f"{layer}.weight_packed"], 4, shape)  # signed, in column order
+        local = {"weight_packed": pack_to_int32(values[:, order], 4), "weight_shape": shape,
+                 **{kind: tensors[f"{layer}.{kind}"] for kind in ("weight_scale", "weight_zero_point")}}
+        sorted_weight = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
+        theirs = sorted_weight[:, torch.argsort(order)]
+        torch.testing.assert_close(theirs.float(), ours[f"{layer}.weight"], rtol=1e-6, atol=1e-6)
