@@ -66,6 +66,42 @@ def test_an_fp8_moe_model_on_the_triton_kernel_set_equals_the_torch_set(tmp_path
     assert calls["fused_moe"] == 1
 
 
+@pytest.mark.parametrize("fmt", ["awq", "gptq4_asym_desc_act"])
+def test_an_integer_model_on_the_triton_gemm_gives_the_reference_logits(tmp_path, monkeypatch, fmt):
+    """An AWQ (asymmetric) and a GPTQ act-order model, loaded on the CPU (the torch reference), then given the
+    method a CUDA device gets (`Wna16Linear(scheme, triton=True)`: the Triton GEMM) on the same converted
+    tensors: each projection of one prefill runs the GEMM (act-order: on the permuted input) and the logits are
+    the reference's. Here, not in tests/test_int_models.py: this folder's conftest runs the interpreter (and is
+    skipped where Triton is missing or compiled for a GPU)."""
+    from kernels import triton_wna16_gemm
+    from pagedserve.testing.int_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
+    from worker_svc.layers.wna16_linear import Wna16Linear
+
+    source = make_tiny_model(tmp_path, arch="llama", seed=3, num_hidden_layers=2)
+    served = write_awq_checkpoint(source, tmp_path / fmt, group_size=32) if fmt == "awq" else \
+        write_gptq_checkpoint(source, tmp_path / fmt, 4, 32, sym=False, desc_act=True)
+    model, config = load_model(served, torch.float32, "cpu")
+    layers = [module for module in model.modules() if isinstance(getattr(module, "linear_method", None), Wna16Linear)]
+    assert len(layers) == 4 * 2 and all(layer.zeros is not None for layer in layers)
+    assert all(layer.input_permutation is not None for layer in layers) == (fmt != "awq")
+    prompt = [[1, 17, 300, 42, 9, 255, 7]]
+    expected = prefill_logits_paged(model, config, prompt)[0]
+    calls: Counter[str] = Counter()
+    gemm = triton_wna16_gemm.wna16_gemm
+
+    def counted(*args, **kwargs):
+        calls["wna16_gemm"] += 1
+        return gemm(*args, **kwargs)
+
+    monkeypatch.setattr(triton_wna16_gemm, "wna16_gemm", counted)
+    triton_method = Wna16Linear(layers[0].linear_method.scheme, triton=True)
+    for layer in layers:
+        layer.linear_method = triton_method
+    logits = prefill_logits_paged(model, config, prompt)[0]
+    assert calls["wna16_gemm"] == len(layers)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_triton_kernel_set_rounds_where_transformers_rounds_in_bf16(arch, tmp_path):
     """The Triton set in bf16 against transformers in bf16 with flash attention's rounding (see
