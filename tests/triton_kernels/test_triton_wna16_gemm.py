@@ -57,12 +57,18 @@ def test_fp32_equals_the_reference(bits, asymmetric, group_size, k_size, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 40])
-@pytest.mark.parametrize("bits,asymmetric,dtype", [(4, False, torch.bfloat16), (4, True, torch.bfloat16),
-                                                   (8, True, torch.bfloat16), (4, True, torch.float16)])
-def test_16_bit_activations_match_the_reference(bits, asymmetric, dtype, rows):
-    layer = quantized_layer(bits, 192, N, 64, asymmetric, dtype, seed=bits)
+@pytest.mark.parametrize("bits,asymmetric,dtype,grouping", [
+    (4, False, torch.bfloat16, (64, 192)), (4, True, torch.bfloat16, (64, 192)), (8, True, torch.bfloat16, (64, 192)),
+    (4, True, torch.float16, (64, 192)), (8, False, torch.bfloat16, (64, 192)), (8, False, torch.float16, (64, 192)),
+    (4, True, torch.bfloat16, (PER_CHANNEL, 200)), (8, False, torch.float16, (PER_CHANNEL, 200)),
+])
+def test_16_bit_activations_match_the_reference(bits, asymmetric, dtype, grouping, rows):
+    """Per channel: K = 200, one group, a partial last BLOCK_K step; 8-bit symmetric: no zeros, the 128 offset."""
+    group_size, k_size = grouping
+    group_size = k_size if group_size == PER_CHANNEL else group_size
+    layer = quantized_layer(bits, k_size, N, group_size, asymmetric, dtype, seed=bits)
     generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 192, generator=generator).to(dtype)
+    x = torch.randn(rows, k_size, generator=generator).to(dtype)
     bias = torch.randn(N, generator=generator).to(dtype)
     assert_matches_reference(wna16_gemm(x, **layer, bias=bias), wna16_linear_ref(x, **layer, bias=bias),
                              HALF_BOUND)
