@@ -1,9 +1,9 @@
 """Tiny Llama, Qwen2 and Qwen3 served from weight-only integer checkpoints (AWQ, with modules_to_not_convert; GPTQ
 4- and 8-bit, symmetric or not, act-order, per channel, v1 and gptq_v2; compressed-tensors W4A16 per group and per
-channel, asymmetric, actorder "group", W8A16), written in
-each tool's layout by pagedserve/testing/int_checkpoints.py. The engine's greedy tokens equal transformers'
-running the dequantized weights in float32 (pagedserve/testing/int_checkpoint_reader.py reads each format from
-its own definition); two tensor-parallel ranks equal one; what cannot be served is refused naming why."""
+channel, asymmetric, actorder "group", W8A16), written in each tool's layout by
+pagedserve/testing/int_checkpoints.py. The engine's greedy tokens equal transformers' running the dequantized
+weights in float32 (pagedserve/testing/int_checkpoint_reader.py reads each format from its own definition); two
+tensor-parallel ranks equal one; what cannot be served is refused naming why."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ runs as the reference for our integer linear layers.
 Why separate from the writers (int_checkpoints.py) and from kernels/wna16_ref.py: this reads each format from
 its own definition (AutoAWQ's interleaved nibbles along the output dimension; GPTQ's rows packed along the input
 dimension with v1's zero - 1 and g_idx; compressed-tensors' offset values, zero points packed along the output
-dimension, weight_g_idx) and shares no unpacking with either, so a layout mistake in a writer or in the loader's conversion to
-the canonical layout shows up as a disagreement instead of cancelling out.
+dimension, weight_g_idx) and shares no unpacking with either, so a layout mistake in a writer or in the loader's
+conversion to the canonical layout shows up as a disagreement instead of cancelling out.
 """
 
 from __future__ import annotations

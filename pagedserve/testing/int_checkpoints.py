@@ -37,7 +37,7 @@ Checked against the real tools (compressed_tensors 0.20.0 run here; the others r
   actorder "group" was removed in 0.20.0 (its QuantizationArgs refuses it; its forward takes no g_idx): its layout
   is from the versions before (`_process_quantization`: sort the columns by g_idx, quantize groups of G
   consecutive sorted columns with scale[:, group], put the columns back) and vLLM's `weight_g_idx` [in];
-  tests/test_int_real_tools.py runs 0.20.0's unpacking and `dequantize` with that permutation around it.
+  tests/test_int_real_tools.py runs 0.20.0's unpacking and `decompress` with that permutation around them.
 - AWQ: AutoAWQ awq/modules/linear/gemm.py (`from_linear`: order_map, qweight [in, out // 8], qzeros, fp16
   scales and bias), awq/models/_config.py (`to_transformers_dict`: the config keys), GPTQModel's AWQ quantizer
   (symmetric zero points 2**(bits - 1)) and its AWQ_REVERSE_ORDER (0, 4, 1, 5, 2, 6, 3, 7), as vLLM unpacks.
