@@ -44,7 +44,8 @@ def assert_complete_with_percentiles(record: dict) -> None:
     assert record["input_lens"] == [INPUT_LEN] * NUM_PROMPTS  # the server's usage count: no BOS on token ids
     assert record["output_lens"] == [OUTPUT_LEN] * NUM_PROMPTS
     assert record["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
-    assert all(1 <= len(itls) <= OUTPUT_LEN - 1 for itls in record["itls"])  # chunks may carry several tokens
+    # Chunks may carry several tokens (on a loaded machine one chunk may carry a whole output: no gap to time).
+    assert all(len(itls) <= OUTPUT_LEN - 1 for itls in record["itls"]) and any(record["itls"])
     for metric in ("ttft", "tpot", "itl", "e2el"):
         values = [record[f"{p}_{metric}_ms"] for p in PERCENTILES]
         # Two SSE events read from one socket buffer are timed together: an inter-token gap may be 0, and so
