@@ -86,6 +86,23 @@ def test_hit_rate_counts_queried_and_hit_tokens_over_every_admission():
     assert scheduler.prefix_cache_hit_rate == 20 / 46
 
 
+def test_the_hit_counts_survive_the_cache_being_emptied():
+    """The counters are the cache's: an empty cache (every cached block evicted by later allocations) still reports
+    them. (They once read 0 then: `if cache` took an empty PrefixCache, which has a length, for no cache.)"""
+    manager = BlockManager(block_size=4, num_gpu_blocks=3, num_cpu_blocks=0)
+    for request_id in ("first", "second"):
+        request = request_with_prompt(request_id, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+        prefix = manager.find_cached_prefix(request, 8)
+        manager.allocate_slots(request, 9 - prefix.num_tokens, cached_prefix=prefix)
+        manager.free(request_id)
+    assert (manager.prefix_cache_query_tokens, manager.prefix_cache_hit_tokens) == (18, 8)
+    for request_id in ("a", "b", "c"):  # every block written with other tokens: the cache is empty
+        manager.allocate_slots(request_with_prompt(request_id, [20 + len(request_id)] * 3), 3)
+    assert not manager.cached_blocks()
+    assert (manager.prefix_cache_query_tokens, manager.prefix_cache_hit_tokens) == (18, 8)
+    assert manager.prefix_cache_hit_rate == 8 / 18
+
+
 def test_released_blocks_stay_cached_count_as_free_and_are_evicted_least_recently_used_tail_first():
     manager = BlockManager(block_size=4, num_gpu_blocks=6, num_cpu_blocks=0)
     old = request_with_prompt("old", [1, 2, 3, 4, 5, 6, 7, 8])

@@ -114,16 +114,16 @@ class BlockManager:
     @property
     def prefix_cache_query_tokens(self) -> int:
         """Tokens of every request admitted with a cache lookup (0 with caching off)."""
-        return self._prefix_cache.num_query_tokens if self._prefix_cache else 0
+        return self._prefix_cache.num_query_tokens if self._prefix_cache is not None else 0
 
     @property
     def prefix_cache_hit_tokens(self) -> int:
         """Of those, tokens whose K/V came from the cache."""
-        return self._prefix_cache.num_hit_tokens if self._prefix_cache else 0
+        return self._prefix_cache.num_hit_tokens if self._prefix_cache is not None else 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self._prefix_cache.hit_rate if self._prefix_cache else 0.0
+        return self._prefix_cache.hit_rate if self._prefix_cache is not None else 0.0
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` token slots."""
@@ -134,7 +134,7 @@ class BlockManager:
 
     def cached_blocks(self) -> dict[BlockKey, int]:
         """Key -> GPU block of every cached block, held or free (a copy; for checks and tests)."""
-        return self._prefix_cache.entries() if self._prefix_cache else {}
+        return self._prefix_cache.entries() if self._prefix_cache is not None else {}
 
     def free_gpu_block_ids(self) -> list[int]:
         """Free GPU blocks in the order they will be handed out (for tests of the eviction order)."""
