@@ -71,6 +71,9 @@ def warn_open_binds(args: argparse.Namespace, api_key: str | None) -> None:
 def serve(args: argparse.Namespace) -> int:
     api_key = api_key_from(args.api_key, os.environ)
     warn_open_binds(args, api_key)  # first: a hub download may take minutes
+    if args.speculative_config is not None and args.batch_invariant:
+        raise SystemExit("pagedserve: --speculative-config cannot go with --batch-invariant (docs/"
+                         "speculative_decoding.md: a verification step is not covered by the batch-invariant kernels)")
     model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     keep_prefix_cache_exact(args, model.path)

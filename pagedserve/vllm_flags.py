@@ -36,7 +36,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--data-parallel-size", "-dp"), "pagedserve runs one engine per server; start more servers "
                 "behind a load balancer", accepted=("1",)),
     RefusedFlag(("--enable-expert-parallel",), "pagedserve has no expert parallelism", takes_value=False),
-    RefusedFlag(("--speculative-config",), f"speculative decoding: {NOT_YET}"),
     RefusedFlag(("--enable-lora",), f"LoRA adapters: {NOT_YET}", takes_value=False),
     RefusedFlag(("--lora-modules",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--max-loras",), f"LoRA adapters: {NOT_YET}"),

@@ -1,0 +1,82 @@
+"""--speculative-config (vLLM's JSON): n-gram parsed with vLLM's defaults, other methods and unknown keys
+refused by name; `pagedserve serve` takes it and forwards it to the scheduler (and LLM's keyword reaches it);
+refused with --batch-invariant. Argv only: no server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from pagedserve import launcher
+from pagedserve.cli import parse_args
+from pagedserve.launcher import _scheduler_argv
+from pagedserve.private_server import server_argv
+from scheduler_svc.config import scheduler_config_from_args
+from scheduler_svc.main import add_arguments as add_scheduler_arguments
+from scheduler_svc.speculative_config import SpeculativeConfig, speculative_config
+
+
+def test_ngram_takes_vllms_defaults_and_one_lookup_bound_sets_the_other():
+    config = speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (config.prompt_lookup_max, config.prompt_lookup_min, config.num_speculative_tokens) == (5, 5, 3)
+    assert config.disable_by_batch_size == 8
+    config = speculative_config('{"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 4}')
+    assert (config.method, config.prompt_lookup_max, config.prompt_lookup_min) == ("ngram", 4, 4)
+    config = speculative_config('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}')
+    assert (config.prompt_lookup_max, config.prompt_lookup_min) == (2, 2)
+    config = speculative_config('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                                '"prompt_lookup_min": 1, "disable_by_batch_size": 2}')
+    assert config == SpeculativeConfig(4, 4, 1, 2)
+    assert speculative_config(config.to_json()) == config
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "'eagle': needs a draft model"),
+    ('{"method": "draft_model", "num_speculative_tokens": 3}', "'draft_model': needs a draft model"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "'mtp': needs a draft model"),
+    ('{"method": "magic", "num_speculative_tokens": 1}', "'magic': unknown"),
+    ('{"num_speculative_tokens": 3}', "method is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x", "draft_tensor_parallel_size": 1}',
+     "unsupported key.s. draft_tensor_parallel_size, model"),
+    ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must lie in \[1, 16\]"),
+    ('{"method": "ngram", "num_speculative_tokens": 17}', r"num_speculative_tokens must lie in \[1, 16\]"),
+    ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
+     "prompt_lookup_min must be >= 1 and <= prompt_lookup_max"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}', "disable_by_batch_size"),
+    ('[1]', "must be a JSON object"),
+    ('{', "not JSON"),
+])
+def test_other_methods_unknown_keys_and_bad_values_are_refused_naming_them(text, message):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        speculative_config(text)
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+
+
+def test_serve_accepts_it_and_forwards_it_to_the_scheduler():
+    args = parse_args(["serve", "--speculative-config", SPEC])
+    argv = _scheduler_argv(args, [], "ipc:///tmp/x")
+    forwarded = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert forwarded["num_speculative_tokens"] == 3 and forwarded["prompt_lookup_min"] == 1
+    assert "--speculative-config" not in _scheduler_argv(parse_args(["serve"]), [], "ipc:///tmp/x")
+    parser = argparse.ArgumentParser()
+    add_scheduler_arguments(parser)
+    config = scheduler_config_from_args(parser.parse_args(argv))
+    assert config.speculative_config == SpeculativeConfig(3, 4, 1)
+
+
+def test_llm_keyword_becomes_the_flag():
+    argv = server_argv(None, {"speculative_config": json.loads(SPEC)})
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == json.loads(SPEC)
+
+
+def test_serve_refuses_it_with_batch_invariant(monkeypatch):
+    args = parse_args(["serve", "--speculative-config", SPEC, "--batch-invariant"])
+    monkeypatch.setattr(launcher, "resolve_servable_model", lambda args: pytest.fail("checked after the model"))
+    with pytest.raises(SystemExit, match="--speculative-config cannot go with --batch-invariant"):
+        launcher.serve(args)
