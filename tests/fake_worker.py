@@ -11,11 +11,14 @@ another row holds only the very token that row expects there (a block filled by 
 in the same step); anything else means copy-on-write was skipped. Sampling is
 a pure function of (seed, position), so a request's output does not depend on batching or preemption and
 `expected_output` can predict it; a beam row (num_beam_candidates > 0) samples nothing and returns that many
-distinct candidates, also a pure function of (seed, position).
+distinct candidates, also a pure function of (seed, position). A row with draft tokens is verified as the
+real worker does it: sampled at each draft position, drafts kept while they equal the samples
+(`accepted_drafts`), its row cut back to the kept ones and the token sampled after them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_svc.core.request import Request
@@ -68,8 +71,14 @@ class _Row:
 
 
 class FakeWorker:
-    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 model: Callable[[int, list[int]], int] | None = None) -> None:
+        """`model(seed, tokens before the position)`: the token sampled there (default: `token_at`, which
+        ignores the tokens; a model that repeats its context makes n-gram drafts come true)."""
         self.block_size = block_size
+        self.model = model
+        # Speculative decoding: request id -> drafts accepted in the last step (rows that had drafts).
+        self.accepted_drafts: dict[str, int] = {}
         self.gpu_blocks: list[list[int | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu_blocks: list[list[int | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.rows: dict[str, _Row] = {}
@@ -106,6 +115,11 @@ class FakeWorker:
             row.block_ids.extend(scheduled.new_block_ids)
             row.token_ids.extend(scheduled.new_token_ids)
             assert not scheduled.new_token_ids or row.num_beam_candidates, "tokens sent to a sampling row"
+            if scheduled.draft_token_ids:
+                assert scheduled.num_scheduled_tokens == 1 + len(scheduled.draft_token_ids)
+                assert row.num_computed_tokens == len(row.token_ids) - 1, "drafts on a row that is not a decode"
+                row.token_ids.extend(scheduled.draft_token_ids)  # computed with the last known token
+        drafts = {s.request_id: s.draft_token_ids for s in plan.scheduled_requests if s.draft_token_ids}
 
         num_scheduled = plan.num_scheduled_tokens()
         assert plan.total_num_scheduled_tokens == sum(num_scheduled.values())
@@ -119,20 +133,41 @@ class FakeWorker:
             self._write(self.rows[request_id], num_tokens, holders)
         sampled = {}
         self.beam_candidates = {}
+        self.accepted_drafts = {}
         for request_id, num_tokens in num_scheduled.items():
             row = self.rows[request_id]
             end = row.num_computed_tokens + num_tokens
             self._check_kv(row, end)  # attention reads every token up to the last scheduled one
             row.num_computed_tokens = end
+            if request_id in drafts:  # sample at each position; keep drafts while they equal the samples
+                num_drafts = len(drafts[request_id])
+                first = end - num_drafts  # the first draft's position
+                num_accepted = 0
+                while num_accepted < num_drafts and (
+                    self._sample(row, first + num_accepted) == row.token_ids[first + num_accepted]
+                ):
+                    num_accepted += 1
+                token = self._sample(row, first + num_accepted)
+                del row.token_ids[first + num_accepted :]
+                row.token_ids.append(token)
+                row.num_computed_tokens = first + num_accepted
+                sampled[request_id] = token
+                self.accepted_drafts[request_id] = num_accepted
+                continue
             if end < len(row.token_ids):
                 continue
             if row.num_beam_candidates:
                 self.beam_candidates[request_id] = beam_candidates_at(row.seed, end, row.num_beam_candidates)
             else:
-                token = token_at(row.seed, end)
+                token = self._sample(row, end)
                 row.token_ids.append(token)
                 sampled[request_id] = token
         return sampled
+
+    def _sample(self, row: _Row, position: int) -> int:
+        if self.model is None:
+            return token_at(row.seed, position)
+        return self.model(row.seed, row.token_ids[:position])
 
     def _write(self, row: _Row, num_tokens: int, holders: dict[int, list[tuple[_Row, int]]]) -> None:
         """Cache write of the row's scheduled tokens. A block another row holds may be written only with the

@@ -235,6 +235,21 @@ class BlockManager:
                 self._register_full_blocks(request, table, start, start + 1)
         return _IN_PLACE
 
+    def keep_accepted_slots(self, request: Request, first_draft_position: int) -> None:
+        """Speculative decoding: the request's computed tokens were cut back to the drafts it accepted (those
+        from `first_draft_position` on were computed in the step just applied). Frees the blocks allocated only
+        for rejected drafts, so the table covers the computed tokens again, and caches the full blocks the
+        accepted ones completed (never before: a draft block's content was a guess until the result)."""
+        table = self._gpu_tables.get(request.request_id)
+        if not table:
+            return
+        num_kept = self.num_blocks_for(request.num_computed_tokens)
+        if len(table) > num_kept:
+            rejected = table[num_kept:]
+            del table[num_kept:]
+            self._release_gpu(rejected)
+        self._register_full_blocks(request, table, first_draft_position, request.num_computed_tokens)
+
     def fork(self, parent_id: str, child_id: str, num_shared_tokens: int) -> None:
         """Give `child_id` the parent's first blocks covering `num_shared_tokens` tokens (one more holder each).
 

@@ -93,6 +93,10 @@ class Request:
     # Tokens sampled by planned steps whose results have not come back yet (one per such step): with step N
     # in flight the scheduler plans step N+1 as if its token were known (the worker feeds it from its row).
     num_pending_tokens: int = 0
+    # Speculative decoding: the draft tokens of this request's step in flight (planned with its decode, not yet
+    # verified); its computed tokens count them. Not planned again, nor preempted, until the result applies
+    # the accepted ones (`Scheduler.update_from_output`); () otherwise.
+    draft_token_ids: tuple[int, ...] = ()
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -35,7 +35,9 @@ from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
 from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequestData, SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
+from scheduler_svc.core.spec_decode_stats import SpecDecodeStats
 from scheduler_svc.core.step_planner import StepPlanner
+from scheduler_svc.speculative_config import SpeculativeConfig
 
 __all__ = [
     "NewRequestData",
@@ -47,13 +49,16 @@ __all__ = [
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, max_steps_in_flight: int = 1) -> None:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, max_steps_in_flight: int = 1,
+                 speculative: SpeculativeConfig | None = None) -> None:
         if limits.enable_prefix_caching != block_manager.enable_prefix_caching:
             raise ValueError("SchedulerLimits and BlockManager disagree on enable_prefix_caching")
         self.limits = limits
         self.block_manager = block_manager
         self._state = SchedulerState(limits, block_manager)
-        self._planner = StepPlanner(self._state)
+        self.speculative = speculative
+        self._planner = StepPlanner(self._state, speculative)
+        self.spec_decode_stats = SpecDecodeStats()
         self._finished_ids_to_report: list[str] = []
         if max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")
@@ -279,6 +284,7 @@ class Scheduler:
         self._state.awaiting_engine.discard(request_id)
         self._state.reporting_in_flight.discard(request_id)
         request.num_pending_tokens = 0  # any token still in flight for it is dropped
+        request.draft_token_ids = ()
         request.status = RequestStatus.finished_by(reason)
         request.finish_reason = reason
         del self._state.requests[request_id]
@@ -328,6 +334,7 @@ class Scheduler:
         for request in state.requests.values():
             request.num_computed_tokens = 0
             request.num_pending_tokens = 0
+            request.draft_token_ids = ()
         state.worker_rows.clear()
         state.unsent_token_ids.clear()
         state.reporting_in_flight.clear()
@@ -335,7 +342,7 @@ class Scheduler:
         self._finished_ids_to_report = []
         self._worker_cancels = []
         self.block_manager = state.block_manager = block_manager
-        self._planner = StepPlanner(state)
+        self._planner = StepPlanner(state, self.speculative)
         return lost_work
 
     @property
@@ -345,11 +352,18 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int], accepted_drafts: dict[str, int] | None = None
+    ) -> list[Request]:
         """Apply a step the worker ran (the oldest planned one): append the token sampled for each request that
         completed in it and finish those that hit a token-level stop (EOS unless ignore_eos, a stop token id:
         STOP; max_tokens or max_model_len: LENGTH). Finished requests are freed now and reported in the next
         output. A request preempted since the plan keeps its token (it resumes with it).
+
+        Speculative decoding: `accepted_drafts` (request id -> a, absent: 0) says how many of a request's draft
+        tokens the worker kept; it gains those a drafts then its sampled token, each checked for the stops
+        above (a stop inside the run drops the rest), its computed tokens lose the rejected drafts, the blocks
+        held only for them are freed and the full blocks the accepted ones completed are cached.
 
         Returns, in plan order, the requests that got a new token (finished or not), the beam rows whose last
         known token was computed (their candidates are in the worker's result; no token is expected), and the
@@ -362,7 +376,9 @@ class Scheduler:
         if not self._unapplied or output.step_id != self._unapplied[0][0].step_id:
             expected = self._unapplied[0][0].step_id if self._unapplied else None
             raise ValueError(f"expected the output of step {expected}, got step {output.step_id}")
+        accepted_drafts = accepted_drafts or {}
         live = self._check_sampled(output, self._unapplied[0][1], sampled)  # raises before anything changes
+        self._check_accepted(output, live, accepted_drafts)
         self._unapplied.popleft()
         updated = []
         for request in live:
@@ -371,14 +387,33 @@ class Scheduler:
                 self._state.awaiting_engine.add(request.request_id)
                 updated.append(request)
                 continue
-            token_id = sampled[request.request_id]
             request.num_pending_tokens -= 1
-            request.output_token_ids.append(token_id)
-            reason = self._token_stop_reason(request, token_id)
+            drafts, request.draft_token_ids = request.draft_token_ids, ()
+            num_accepted = accepted_drafts.get(request.request_id, 0)
+            first_draft_position = request.num_computed_tokens - len(drafts)
+            if drafts:
+                self.spec_decode_stats.count(len(drafts), num_accepted)
+                request.num_computed_tokens -= len(drafts) - num_accepted
+            reason = None
+            for token_id in (*drafts[:num_accepted], sampled[request.request_id]):
+                request.output_token_ids.append(token_id)
+                reason = self._token_stop_reason(request, token_id)
+                if reason is not None:
+                    break
+            if drafts:
+                self.block_manager.keep_accepted_slots(request, first_draft_position)
             if reason is not None:
                 self._finish(request, reason)
             updated.append(request)
         return updated
+
+    def _check_accepted(self, output: SchedulerOutput, live: list[Request], accepted_drafts: dict[str, int]) -> None:
+        """Every accepted count is for a live request of this step, at most its drafts."""
+        drafts = {request.request_id: len(request.draft_token_ids) for request in live}
+        for request_id, num_accepted in accepted_drafts.items():
+            if request_id in drafts and not 0 <= num_accepted <= drafts[request_id]:
+                raise ValueError(f"request {request_id}: {num_accepted} drafts accepted of {drafts[request_id]} "
+                                 f"in step {output.step_id}")
 
     def _check_sampled(
         self, output: SchedulerOutput, completing: dict[str, Request], sampled: dict[str, int]

@@ -10,7 +10,8 @@ travel once, as `NewRequestData`, when the worker holds no row for it; after tha
 applies a step in this order: drop `finished_request_ids` and `preempted_request_ids` rows, run `swap_out`,
 `swap_in`, `copy`, add `new_requests` rows, apply `scheduled_requests` diffs to their rows, run one forward
 over every scheduled token, and sample one token for each request whose computed tokens reach the end of its
-known tokens (for a beam row, return its top candidates instead).
+known tokens (for a beam row, return its top candidates instead); a row with draft tokens samples at each of
+their positions too and reports how many drafts it accepted before its token.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class ScheduledRequestData:
     # Copy-on-write: (index in the row's block table, new block id), applied before `new_block_ids` are
     # appended; the copy itself is in `SchedulerOutput.copy`.
     replaced_blocks: tuple[tuple[int, int], ...] = ()
+    # Speculative decoding: tokens proposed to follow the row's last known token, computed with it in this step
+    # (num_scheduled_tokens is 1 + their count); the worker keeps those its own sampling agrees with.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

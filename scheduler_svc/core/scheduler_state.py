@@ -59,8 +59,9 @@ class SchedulerState:
         A token in flight (`num_pending_tokens`) counts as known, so a running decode has one more to
         compute while its previous step runs; but it is idle while that token may be its last (max_tokens
         or max_model_len), and while preempted until the token is back (a resumed row carries every token).
+        None while its draft tokens are in flight: how many it keeps is known only from the result.
         """
-        if request.request_id in self.awaiting_engine or request.request_id in self.held:
+        if request.request_id in self.awaiting_engine or request.request_id in self.held or request.draft_token_ids:
             return 0
         if request.prefill_only:
             return max(0, request.num_prompt_tokens - 1 - request.num_computed_tokens)

@@ -27,3 +27,5 @@ class StepOutcome:
     # Requests the worker could not go on with (their grammar failed), with a short reason: each ends with an
     # error, the others go on (StepResult.failed_requests).
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: request id -> draft tokens kept before its `sampled` token (absent: none).
+    accepted_drafts: dict[str, int] = field(default_factory=dict)

@@ -34,6 +34,16 @@ Policy, per step:
    overtaking the head waits only until the requests ahead of it drain, and those behind it only until it
    runs: no head-of-line deadlock, no starvation (tests/test_scheduler_head_of_line.py).
 
+3. Speculative decoding (with a SpeculativeConfig, and only while at most disable_by_batch_size requests run):
+   last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
+   up to num_speculative_tokens n-gram draft tokens (`ngram_proposer.py`), computed with its token in one
+   forward: slots for 1 + d tokens, d capped so that even if all are accepted the request stays within
+   max_tokens and max_model_len, and 0 when the pool has no free block for them (drafts never preempt).
+   Only a request whose newest token is known (no token in flight) and that samples plainly gets drafts: no
+   penalties, bad words, grammar or logprobs, min_tokens reached (the worker verifies drafts by sampling at
+   each position: docs/speculative_decoding.md). A request with drafts in flight is neither
+   planned nor preempted until its result is applied (for at most the one step that verifies them).
+
 A request is preempted only before it is scheduled in the step (the victims of (1) come after the request
 being scheduled, or are idle): a scheduled step is never undone, which the prefix cache relies on (a block is
 cached as soon as it is allocated for tokens that fill it).
@@ -54,13 +64,16 @@ forks, as long as the engine acts on what it is reported.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.block_manager import SlotAllocation
+from scheduler_svc.core.ngram_proposer import propose_ngram_drafts
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.request_queue import scheduling_key
 from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequestData, SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
+from scheduler_svc.speculative_config import SpeculativeConfig
 
 
 @dataclass
@@ -79,13 +92,17 @@ class _StepDraft:
     # Scheduled in this step: never a victim later in the pass (their counts already advanced, so one whose
     # pending token may be its last looks idle).
     scheduled_ids: set[str] = field(default_factory=set)
+    # Plain decodes of rows the worker holds, newest token known: (request, index in scheduled_requests), the
+    # candidates for draft tokens (3).
+    decodes: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class StepPlanner:
-    def __init__(self, state: SchedulerState) -> None:
+    def __init__(self, state: SchedulerState, speculative: SpeculativeConfig | None = None) -> None:
         self._state = state
         self._limits = state.limits
         self._blocks = state.block_manager
+        self._speculative = speculative
 
     def plan(self, step_id: int, finished_request_ids: tuple[str, ...]) -> SchedulerOutput:
         draft = _StepDraft(token_budget=self._limits.max_num_batched_tokens)
@@ -93,6 +110,8 @@ class StepPlanner:
         self._schedule_running(draft)
         if not draft.num_preempted:
             self._schedule_inactive(draft)
+        if self._speculative is not None and len(self._state.running) <= self._speculative.disable_by_batch_size:
+            self._add_drafts(draft, self._speculative)
         return SchedulerOutput(
             step_id=step_id,
             new_requests=tuple(draft.new_requests),
@@ -117,7 +136,7 @@ class StepPlanner:
         for index in range(len(running) - 1, -1, -1):  # worst priority first
             if running[index].priority <= first.priority or self._could_start(first):
                 break
-            if running[index].request_id not in state.reporting_in_flight:
+            if running[index].request_id not in state.reporting_in_flight and not running[index].draft_token_ids:
                 self._preempt(running.pop(index), draft)
         first_key = scheduling_key(first)
         if self._could_start(first) or any(
@@ -204,6 +223,8 @@ class StepPlanner:
             if index == position or (needs_row and candidate.request_id not in state.worker_rows):
                 continue
             if candidate.request_id in draft.scheduled_ids or candidate.request_id in state.reporting_in_flight:
+                continue
+            if candidate.draft_token_ids:  # its result decides its computed tokens
                 continue
             if index > position or state.is_idle(candidate):
                 return running.pop(index)
@@ -323,7 +344,47 @@ class StepPlanner:
             if request.prefill_only or request.num_beam_candidates:
                 state.reporting_in_flight.add(request_id)
             else:
+                if num_new_tokens == 1 and not request.num_pending_tokens and draft.scheduled_requests and (
+                    draft.scheduled_requests[-1].request_id == request_id
+                ):
+                    draft.decodes.append((request, len(draft.scheduled_requests) - 1))
                 request.num_pending_tokens += 1
+
+    # ---- (3) draft tokens ---------------------------------------------------------------------------------
+
+    def _add_drafts(self, draft: _StepDraft, speculative: SpeculativeConfig) -> None:
+        """Give the step's plain decodes their draft tokens, in plan order, from the budget left."""
+        max_model_len = self._limits.max_model_len
+        for request, index in draft.decodes:
+            if draft.token_budget <= 0:
+                return
+            params = request.sampling_params
+            if not samples_plainly(request):
+                continue
+            # The step yields up to d + 1 tokens: never past max_tokens or max_model_len.
+            room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
+            num_drafts = min(speculative.num_speculative_tokens, draft.token_budget, room)
+            if num_drafts < 1:
+                continue
+            drafts = propose_ngram_drafts(request.all_token_ids, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max, num_drafts)
+            if not drafts:
+                continue
+            allocation = self._blocks.allocate_slots(request, len(drafts))
+            if allocation is None:
+                continue  # drafts never preempt anyone
+            draft.copy.extend(allocation.copies)
+            draft.token_budget -= len(drafts)
+            request.num_computed_tokens += len(drafts)
+            request.draft_token_ids = tuple(drafts)
+            data = draft.scheduled_requests[index]
+            draft.scheduled_requests[index] = dataclasses.replace(
+                data,
+                new_block_ids=data.new_block_ids + allocation.new_block_ids,
+                num_scheduled_tokens=data.num_scheduled_tokens + len(drafts),
+                replaced_blocks=data.replaced_blocks + allocation.replaced_blocks,
+                draft_token_ids=request.draft_token_ids,
+            )
 
     def _record_row(
         self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft
@@ -357,3 +418,21 @@ class StepPlanner:
                 eos_token_ids=request.eos_token_ids,
             )
         )
+
+
+def samples_plainly(request: Request) -> bool:
+    """Whether the worker's verification of drafts is exactly its plain sampling for this request: no state
+    that depends on the tokens before each position beyond the model's input (penalties, bad words, a grammar),
+    no per-token logprobs to report, no masked stop ids (min_tokens reached), not a beam row."""
+    params = request.sampling_params
+    return (
+        not request.num_beam_candidates
+        and not request.prefill_only
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.bad_words_token_ids
+        and not params.structured_grammar
+        and params.logprobs is None
+        and request.num_output_tokens >= params.min_tokens
+    )

@@ -47,6 +47,8 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
             entry.new_token_ids.extend(cached.new_token_ids)
         for index, block_id in cached.replaced_blocks:
             entry.replaced_blocks.add(index=index, block_id=block_id)
+        if cached.draft_token_ids:
+            entry.draft_token_ids.extend(cached.draft_token_ids)
     return message
 
 
@@ -89,6 +91,8 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
             for p in result.prompt_logprobs
         },
         failed={f.request_id: f.reason for f in result.failed_requests},
+        # Parallel to request_ids when some row had drafts; rows that accepted none are left out.
+        accepted_drafts={rid: count for rid, count in zip(request_ids, sampled.num_accepted_drafts) if count},
     )
 
 

@@ -1,0 +1,235 @@
+"""Speculative decoding in the scheduler: n-gram drafts for eligible plain decodes only, slots for 1 + d
+tokens, the budget and length caps, the batch-size switch, no plan while drafts are in flight; results with
+0..d drafts accepted, a stop inside an accepted run, rejected drafts' blocks freed, accepted blocks cached;
+and the whole output the same as without speculation, on a fake worker that verifies drafts. Pure Python."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.request import FinishReason, Request
+from scheduler_svc.core.sampling_params import SamplingParams
+from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
+from scheduler_svc.speculative_config import SpeculativeConfig
+from tests.fake_worker import FakeWorker
+
+PERIOD = [11, 12, 13, 14, 15]
+
+
+def cyclic_model(seed: int, tokens: list[int]) -> int:
+    """Continues PERIOD after the last token (a model whose output repeats its context); after token 99 it says 7."""
+    last = tokens[-1]
+    if last == 99:
+        return 7
+    return PERIOD[(PERIOD.index(last) + 1) % len(PERIOD)] if last in PERIOD else PERIOD[0]
+
+
+def make(k=3, disable_by_batch_size=8, block_size=4, num_gpu_blocks=64, max_num_batched_tokens=64,
+         max_model_len=256, model=cyclic_model):
+    limits = SchedulerLimits(8, max_num_batched_tokens, max_model_len)
+    manager = BlockManager(block_size, num_gpu_blocks, 0)
+    spec = None if k == 0 else SpeculativeConfig(k, 3, 1, disable_by_batch_size)
+    scheduler = Scheduler(limits, manager, speculative=spec)
+    return scheduler, FakeWorker(block_size, num_gpu_blocks, 0, model=model)
+
+
+def request(request_id, prompt=(11, 12, 13, 14, 15, 11, 12), max_tokens=20, **params):
+    return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, seed=1, **params), eos_token_ids=(0,))
+
+
+def step(scheduler, worker):
+    output = scheduler.schedule()
+    sampled = worker.execute(output)
+    updated = scheduler.update_from_output(output, sampled, worker.accepted_drafts)
+    scheduler.block_manager.check_invariants()
+    return output, updated
+
+
+def run(scheduler, worker, *requests):
+    for r in requests:
+        scheduler.add_request(r)
+    plans = []
+    while scheduler.has_unfinished_requests():
+        plans.append(step(scheduler, worker)[0])
+    return plans
+
+
+def drafts_of(output):
+    return {data.request_id: data.draft_token_ids for data in output.scheduled_requests if data.draft_token_ids}
+
+
+def test_a_repeating_output_is_drafted_accepted_and_equals_the_output_without_speculation():
+    plain, spec = request("a"), request("a")
+    plain_plans = run(*make(k=0), plain)
+    scheduler, worker = make(k=3)
+    spec_plans = run(scheduler, worker, spec)
+    assert spec.output_token_ids == plain.output_token_ids and len(spec.output_token_ids) == 20
+    assert len(spec_plans) < len(plain_plans) / 2  # up to 4 tokens per step
+    first_decode = spec_plans[1]
+    assert drafts_of(first_decode) == {"a": (14, 15, 11)}
+    (data,) = first_decode.scheduled_requests
+    assert data.num_scheduled_tokens == 4 and first_decode.total_num_scheduled_tokens == 4
+    stats = scheduler.spec_decode_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    per_pos = stats.num_accepted_tokens_per_pos
+    assert per_pos[0] == stats.num_drafts and sum(per_pos) == stats.num_accepted_tokens and len(per_pos) == 3
+    assert scheduler.block_manager.num_used_gpu_blocks == 0
+
+
+def test_rejected_drafts_are_dropped_their_blocks_freed_and_accepted_blocks_cached():
+    # The model ends the cycle with 99 -> 7: drafts proposed from the prompt's continuation get rejected there.
+    def model(seed, tokens):
+        return 99 if len(tokens) == 10 else cyclic_model(seed, tokens)
+
+    plain, spec = request("a", max_tokens=12), request("a", max_tokens=12)
+    run(*make(k=0, model=model), plain)
+    scheduler, worker = make(k=3, model=model)
+    scheduler.add_request(spec)
+    step(scheduler, worker)  # the prompt (7 tokens) and the first token, 13
+    output, _ = step(scheduler, worker)  # computes 13 with drafts 14 15 11; position 10 samples 99: 2 accepted
+    assert drafts_of(output) == {"a": (14, 15, 11)}
+    assert worker.accepted_drafts == {"a": 2}
+    assert spec.output_token_ids == [13, 14, 15, 99]
+    assert spec.num_computed_tokens == 10  # 7 + 13 + the two accepted drafts
+    assert len(scheduler.block_manager.block_table("a")) == 3  # the block of the rejected draft's slot is freed
+    cached = set(scheduler.block_manager.cached_blocks().values())
+    assert scheduler.block_manager.block_table("a")[1] in cached  # positions 4..7, completed by accepted drafts
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    assert spec.output_token_ids == plain.output_token_ids
+    assert scheduler.spec_decode_stats.num_accepted_tokens < scheduler.spec_decode_stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("num_accepted", [0, 1, 2, 3])
+def test_accepted_counts_zero_to_all_advance_tokens_and_computed_alike(num_accepted):
+    scheduler, worker = make(k=3)
+    r = request("a", max_tokens=50)
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    output = scheduler.schedule()
+    assert drafts_of(output) == {"a": (14, 15, 11)}
+    worker.execute(output)
+    computed_before = r.num_computed_tokens - 3
+    scheduler.update_from_output(output, {"a": 42}, {"a": num_accepted})
+    assert r.output_token_ids == [13, *(14, 15, 11)[:num_accepted], 42]
+    assert r.num_computed_tokens == computed_before + num_accepted
+    table = scheduler.block_manager.block_table("a")
+    assert len(table) == scheduler.block_manager.num_blocks_for(r.num_computed_tokens)
+    scheduler.block_manager.check_invariants()
+    with pytest.raises(ValueError, match="4 drafts accepted of 0"):
+        output = scheduler.schedule()
+        scheduler.update_from_output(output, {"a": 1}, {"a": 4})  # 42 is new: no drafts
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_request_there():
+    scheduler, worker = make(k=3)
+    r = Request("a", [11, 12, 13, 14, 15, 11, 12], SamplingParams(max_tokens=50, seed=1, stop_token_ids=(15,)))
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    output, updated = step(scheduler, worker)
+    assert drafts_of(output) == {"a": (14, 15, 11)} and worker.accepted_drafts == {"a": 3}
+    assert updated == [r] and r.finish_reason is FinishReason.STOP
+    assert r.output_token_ids == [13, 14, 15]  # 11 and the sampled token after it are dropped
+    assert scheduler.block_manager.num_used_gpu_blocks == 0
+
+
+def test_drafts_never_take_a_request_past_max_tokens_or_max_model_len():
+    scheduler, worker = make(k=3)
+    r = request("a", max_tokens=3)
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    output, _ = step(scheduler, worker)
+    assert drafts_of(output) == {"a": (14,)}  # 1 token out, 1 sampled now: room for one draft
+    assert r.output_token_ids == [13, 14, 15] and r.finish_reason is FinishReason.LENGTH
+    scheduler, worker = make(k=3, max_model_len=10)
+    r = request("b", max_tokens=50)
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    output, _ = step(scheduler, worker)
+    assert drafts_of(output) == {"b": (14,)} and r.num_tokens == 10 and r.finish_reason is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("params", [dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
+                                    dict(repetition_penalty=1.1), dict(logprobs=1), dict(min_tokens=5),
+                                    dict(bad_words_token_ids=((3,),)), dict(structured_grammar="start: x")])
+def test_only_requests_that_sample_plainly_get_drafts(params):
+    scheduler, worker = make(k=3)
+    scheduler.add_request(request("plain"))
+    scheduler.add_request(request("other", **params))
+    step(scheduler, worker)
+    output, _ = step(scheduler, worker)
+    assert set(drafts_of(output)) == {"plain"}
+
+
+def test_above_disable_by_batch_size_no_drafts():
+    scheduler, worker = make(k=3, disable_by_batch_size=2)
+    for name in "abc":
+        scheduler.add_request(request(name))
+    step(scheduler, worker)
+    output, _ = step(scheduler, worker)
+    assert drafts_of(output) == {}
+    scheduler, worker = make(k=3, disable_by_batch_size=3)
+    for name in "abc":
+        scheduler.add_request(request(name))
+    step(scheduler, worker)
+    output, _ = step(scheduler, worker)
+    assert set(drafts_of(output)) == {"a", "b", "c"}
+
+
+def test_drafts_take_only_the_budget_left_after_decodes_and_the_waiting():
+    scheduler, worker = make(k=3, max_num_batched_tokens=6)
+    scheduler.add_request(request("a", prompt=(11, 12, 13, 14, 15, 11)))
+    step(scheduler, worker)
+    scheduler.add_request(request("b", prompt=(1, 2, 3, 4)))
+    output = scheduler.schedule()
+    counts = output.num_scheduled_tokens()
+    assert counts["b"] == 4 and counts["a"] == 2 and drafts_of(output) == {"a": (13,)}  # 1 decode + 4 + 1 draft
+    assert output.total_num_scheduled_tokens == 6
+
+
+def test_a_request_with_drafts_in_flight_is_not_planned_until_its_result_is_applied():
+    limits = SchedulerLimits(8, 64, 256)
+    scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2,
+                          speculative=SpeculativeConfig(3, 3, 1, 8))
+    worker = FakeWorker(4, 64, 0, model=cyclic_model)
+    r = request("a")
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    with_drafts = scheduler.schedule()
+    assert drafts_of(with_drafts) == {"a": (14, 15, 11)}
+    ahead = scheduler.schedule()
+    assert ahead.total_num_scheduled_tokens == 0  # nothing to compute until the drafts are verified
+    scheduler.update_from_output(with_drafts, worker.execute(with_drafts), worker.accepted_drafts)
+    assert r.draft_token_ids == () and r.output_token_ids == [13, 14, 15, 11, 12]
+    assert drafts_of(scheduler.schedule()) == {"a": (13, 14, 15)}
+
+
+def test_a_request_with_a_token_in_flight_gets_no_drafts():
+    limits = SchedulerLimits(8, 64, 256)
+    scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2,
+                          speculative=SpeculativeConfig(3, 3, 1, 8))
+    scheduler.add_request(request("a"))
+    scheduler.schedule()  # the prompt: its first token is in flight
+    assert drafts_of(scheduler.schedule()) == {}
+
+
+def test_the_plan_codec_carries_drafts_out_and_accepted_counts_back():
+    from protos.pagedserve.v1 import worker_pb2
+    from scheduler_svc.worker_io.plan_codec import decode_step_result, encode_step_plan
+
+    scheduler, worker = make(k=3)
+    scheduler.add_request(request("a"))
+    scheduler.add_request(request("b", prompt=(1, 2, 3)))
+    step(scheduler, worker)
+    output = scheduler.schedule()
+    (entry_a, entry_b) = encode_step_plan(output).plan.scheduled_requests
+    assert list(entry_a.draft_token_ids) == [14, 15, 11] and entry_a.num_scheduled_tokens == 4
+    assert list(entry_b.draft_token_ids) == [] and entry_b.num_scheduled_tokens == 1
+    result = worker_pb2.StepResult()
+    result.sampled.request_ids.extend(["a", "b"])
+    result.sampled.token_ids.extend([12, 5])
+    result.sampled.logprobs.extend([0.0, 0.0])
+    result.sampled.num_accepted_drafts.extend([3, 0])
+    outcome = decode_step_result(result)
+    assert outcome.sampled == {"a": 12, "b": 5} and outcome.accepted_drafts == {"a": 3}
