@@ -191,14 +191,16 @@ class Engine:
         beam rounds, forks) only after the next plan is sent: the plan after a result is what the GPU waits
         for, the streams are not (vLLM's engine core likewise leaves detokenization to another process). A
         stop string found then ends its request one plan later: one more token computed and dropped.
+        While speculative decoding is on and at most its disable_by_batch_size requests run, nothing is
+        planned ahead (`Scheduler.max_steps_ahead`): the n-gram proposer needs each request's newest token.
         """
         sent = self._sent = deque()  # plans sent, results not received, oldest first
-        depth = self._scheduler.max_steps_in_flight
         timer = self.step_timer
         try:
             while True:
                 self._drain_inbox()
                 await self._send_worker_cancels()
+                depth = self._scheduler.max_steps_ahead()  # 1 while a small batch speculates
                 if len(sent) < depth:
                     timer.resume()
                     output = self._scheduler.schedule()
@@ -265,7 +267,7 @@ class Engine:
         timer.mark("wait_for_result")
         timer.add("of_which_read_not_taken", self._link.last_result_wait_s)
         outcome = decode_step_result(result)
-        updated = self._scheduler.update_from_output(output, outcome.sampled)
+        updated = self._scheduler.update_from_output(output, outcome.sampled, outcome.accepted_drafts)
         self._applied = (updated, outcome)
         timer.mark("update")
 
@@ -363,7 +365,8 @@ class Engine:
         suspects_changed = False
         for member_id, reason in outcome.failed.items():  # first: their last token is not to be streamed
             self._fail(member_id, f"structured output failed: {reason}")
-        self._metrics.on_step([*outcome.sampled, *outcome.beam_candidates], owners)  # metrics
+        accepted = (member_id for member_id, count in outcome.accepted_drafts.items() for _ in range(count))
+        self._metrics.on_step([*outcome.sampled, *accepted, *outcome.beam_candidates], owners)  # one per token
         for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`
             group = owners.get(member_id)
             if group is not None:

@@ -125,6 +125,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
                             enable_chunked_prefill=config.enable_chunked_prefill),
             _block_manager(config, pool),
             max_steps_in_flight=config.max_steps_in_flight if config.async_scheduling else 1,
+            speculative=config.speculative_config,
         )
         plan_log = PlanLogWriter(config.plan_log) if config.plan_log else None
         engine = Engine(scheduler, link, tokenizer, eos_token_ids, plan_log,

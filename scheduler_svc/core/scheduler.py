@@ -345,6 +345,15 @@ class Scheduler:
         self._planner = StepPlanner(state, self.speculative)
         return lost_work
 
+    def max_steps_ahead(self) -> int:
+        """How many planned steps may wait for their results now: `max_steps_in_flight`, but 1 (plan, wait,
+        apply, plan) while speculation is on and at most its disable_by_batch_size requests run, since drafts
+        are proposed only from a request's newest token (docs/speculative_decoding.md)."""
+        speculative = self.speculative
+        if speculative is not None and self.num_running <= speculative.disable_by_batch_size:
+            return 1
+        return self.max_steps_in_flight
+
     @property
     def num_steps_in_flight(self) -> int:
         """Planned steps that scheduled tokens and whose results have not been applied yet."""
