@@ -297,12 +297,19 @@ class ServerStats:
     request_params_n: LatencyHistogram
     request_params_max_tokens: LatencyHistogram
     iteration_tokens: LatencyHistogram
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def from_response(cls, response: generate_pb2.GetStatsResponse) -> ServerStats:
         values = {}
         for field in dataclasses.fields(cls):
             value = getattr(response, field.name)
-            values[field.name] = (LatencyHistogram.from_message(value)
-                                  if isinstance(value, generate_pb2.LatencyHistogram) else value)
+            if isinstance(value, generate_pb2.LatencyHistogram):
+                value = LatencyHistogram.from_message(value)
+            elif not isinstance(value, (int, float)):  # a repeated field
+                value = tuple(value)
+            values[field.name] = value
         return cls(**values)

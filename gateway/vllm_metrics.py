@@ -56,11 +56,19 @@ def vllm_families(stats: ServerStats, served: ServedModel) -> Iterator[Metric]:
          stats.prefix_cache_query_tokens),
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
          stats.prefix_cache_hit_tokens),
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", stats.spec_decode_num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", stats.spec_decode_num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.spec_decode_num_accepted_tokens),
     )
     for name, documentation, value in counters:
         counter = CounterMetricFamily(name, documentation, labels=_LABELS)
         counter.add_metric(labels, value)
         yield counter
+    per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Accepted tokens per draft position.", labels=(*_LABELS, "position"))
+    for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        per_position.add_metric([*labels, str(position)], value)
+    yield per_position
     success = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
                                   labels=(*_LABELS, "finished_reason"))
     for reason, value in (("stop", stats.num_finished_stop), ("length", stats.num_finished_length),

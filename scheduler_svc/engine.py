@@ -49,6 +49,10 @@ class EngineStats:
     prefix_cache_hit_rate: float
     prefix_cache_hit_tokens: int
     prefix_cache_query_tokens: int
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 # A request blamed for this many worker losses (no other sharing the blame) is failed instead of recomputed
@@ -159,6 +163,7 @@ class Engine:
     def stats(self) -> EngineStats:
         scheduler = self._scheduler
         blocks = scheduler.block_manager
+        spec = scheduler.spec_decode_stats
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -174,6 +179,10 @@ class Engine:
             prefix_cache_hit_rate=scheduler.prefix_cache_hit_rate,
             prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
             prefix_cache_query_tokens=scheduler.prefix_cache_query_tokens,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )
 
     def serving_metrics(self) -> ServingMetricsSnapshot:  # metrics

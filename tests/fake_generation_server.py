@@ -18,10 +18,12 @@ MODEL_INFO = generate_pb2.ModelInfoResponse(
     num_swap_blocks=50, eos_token_ids=[2, 7], has_tokenizer=True, has_chat_template=False, quantization="awq",
     kv_cache_dtype="fp8_e4m3",
 )
-# Every counter set to its field's position (1, 2, ...); every histogram to one observation in its first bucket.
+# Every counter set to its field's position (1, 2, ...), a repeated one to [position, position + 1]; every histogram
+# to one observation in its first bucket.
 STATS = generate_pb2.GetStatsResponse(**{
     field.name: (generate_pb2.LatencyHistogram(upper_bounds=[0.5, 1.0], counts=[1, 0, 0], sum=0.25, count=1)
-                 if field.message_type is not None else index + 1)
+                 if field.message_type is not None
+                 else [index + 1, index + 2] if field.is_repeated else index + 1)
     for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
 })
 

@@ -145,7 +145,9 @@ def test_model_info_and_stats_mirror_the_server_responses(client):
     assert [field.name for field in dataclasses.fields(ServerStats)] == proto_fields  # no counter left behind
     counters = [(index + 1, field.name) for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
                 if field.message_type is None]
-    assert [getattr(stats, name) for _, name in counters] == [position for position, _ in counters]
+    assert [getattr(stats, name) for _, name in counters] == [
+        (position, position + 1) if generate_pb2.GetStatsResponse.DESCRIPTOR.fields_by_name[name].is_repeated
+        else position for position, name in counters]
     histograms = set(proto_fields) - {name for _, name in counters}
     assert histograms == {"time_to_first_token", "time_per_output_token", "e2e_request_latency",
                           "inter_token_latency", "request_queue_time", "request_prefill_time",

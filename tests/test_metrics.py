@@ -30,7 +30,9 @@ VLLM_FAMILIES = {
     "gauge": ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
               "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "vllm:cache_config_info"),
     "counter": ("vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"),
+                "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:spec_decode_num_drafts",
+                "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+                "vllm:spec_decode_num_accepted_tokens_per_pos"),
     "histogram": ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                   "vllm:time_per_output_token_seconds", "vllm:request_time_per_output_token_seconds",
                   "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
@@ -140,7 +142,10 @@ def _rendered(model_name: str = SERVED_NAME) -> tuple[str, dict]:
     metrics.on_request_end("l", FinishReason.LENGTH)
     metrics.on_request_end("a", FinishReason.ABORT)
     response = generate_pb2.GetStatsResponse(num_running=2, num_kv_blocks=10, num_free_kv_blocks=4,
-                                             prefix_cache_query_tokens=30, prefix_cache_hit_tokens=12)
+                                             prefix_cache_query_tokens=30, prefix_cache_hit_tokens=12,
+                                             spec_decode_num_drafts=4, spec_decode_num_draft_tokens=12,
+                                             spec_decode_num_accepted_tokens=7,
+                                             spec_decode_num_accepted_tokens_per_pos=[4, 2, 1])
     fill_stats_response(response, metrics.snapshot())
     info = ModelInfo(model_name="the-model", max_model_len=128, vocab_size=100, block_size=16, num_kv_blocks=10,
                      num_swap_blocks=3, eos_token_ids=(2,), has_tokenizer=True, has_chat_template=False)
@@ -165,6 +170,10 @@ def test_vllm_families_have_vllms_types_labels_and_values():
     assert value[("vllm:prefix_cache_queries_total", None, None)] == 30
     assert value[("vllm:prefix_cache_hits_total", None, None)] == 12
     assert value[("vllm:generation_tokens_total", None, None)] == 5
+    assert value[("vllm:spec_decode_num_accepted_tokens_total", None, None)] == 7
+    positions = {s.labels["position"]: s.value for s in families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+                 if s.name.endswith("_total")}
+    assert positions == {"0": 4, "1": 2, "2": 1}
     for reason in ("stop", "length", "abort"):
         assert value[("vllm:request_success_total", reason, None)] == 1
     assert value[("vllm:e2e_request_latency_seconds_count", None, None)] == 2
