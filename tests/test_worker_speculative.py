@@ -80,10 +80,14 @@ def assert_row_consistent(worker: Worker, request_id: str, output: list[int]) ->
     assert batch.num_drafts[row] == 0
 
 
-@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_p=0.9, seed=1234)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_p=0.9, seed=1234),
+                                      dict(presence_penalty=-2.0, repetition_penalty=0.9)],
+                         ids=["greedy", "seeded", "penalized"])
 def test_right_drafts_are_all_kept_and_wrong_ones_give_the_plain_token(model_dir, sampling):
     """Steps with right drafts, a wrong one in the middle, a wrong first one, and plain decodes between, give
-    the plain run's tokens (seeded sampling too: each position's noise is keyed by its own position)."""
+    the plain run's tokens (seeded sampling too: each position's noise is keyed by its own position; penalties
+    too, though the scheduler sends them no drafts: each position counts the drafts before it; negative ones,
+    so that this model's output repeats tokens and the counts matter)."""
     ref = reference_output(model_dir, **sampling)
     wrong = [(token + 1) % 50 for token in ref]
     steps = [
