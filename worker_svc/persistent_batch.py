@@ -11,7 +11,7 @@ sampled token is written (`fill`).
 Speculative decoding: a scheduled request may bring draft tokens (`update`). They are written after the row's
 known tokens without counting them (`num_drafts` remembers how many), computed with its last known token in one
 chunk, and sampled at every one of those positions (the step's sampling entries, `StepInputs.sample_offsets`).
-`fill` then keeps the drafts that match the tokens sampled before them (`verify_drafts`) and the token sampled
+`fill` then keeps the drafts that match the tokens sampled before them (`accepted_drafts`) and the token sampled
 after the last kept one. A step with drafts is never overlapped (Worker.can_overlap), so its rows hold no
 PENDING_TOKEN: their drafts stay in place until verified.
 """

@@ -17,7 +17,8 @@ scheduler always sets, so each rank draws the same tokens without a collective; 
 input token (a decode's own last sample, on the device, possibly still in flight) is therefore already on
 every rank, and draft tokens are verified alike on every rank (the same sampled ids against the same drafts),
 so the rows stay the same. So only rank 0 sends each step's result; the other ranks send nothing per step
-but heartbeats, and a WorkerError if a step fails on them. The ranks agree on one KV pool size (the smallest) at setup.
+but heartbeats, and a WorkerError if a step fails on them. The ranks agree on one KV pool size (the smallest)
+at setup.
 """
 
 from __future__ import annotations
