@@ -25,7 +25,8 @@ def step_inputs(num_scheduled: list[int]) -> StepInputs:
     return StepInputs(rows=np.arange(len(num_scheduled)), input_ids=np.zeros(tokens, dtype=np.int64),
                       positions=np.zeros(tokens, dtype=np.int64), slot_mapping=np.zeros(tokens, dtype=np.int64),
                       query_start_loc=starts, seq_lens=np.asarray(num_scheduled), block_tables=np.zeros((1, 1)),
-                      sample_rows=empty, logits_indices=empty, num_decode_seqs=num_scheduled.count(1),
+                      sample_rows=empty, sample_offsets=empty, logits_indices=empty, num_draft_tokens=0,
+                      num_decode_seqs=num_scheduled.count(1),
                       pending_input_indices=empty, pending_sources=empty)
 
 

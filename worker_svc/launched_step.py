@@ -29,6 +29,10 @@ class LaunchedStep:
     kind: str = "decode"
     timed_as: str = "decode"  # the kind, and whether rows are constrained (the step timers' split)
     sampled_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # The draw's entries, one per row of its logits: sampled_rows itself, unless a row has drafts (then that
+    # row 1 + d times, and draw_offsets says each entry's position after the row's last known token).
+    draw_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    draw_offsets: np.ndarray | None = None
     request_ids: list[str] = field(default_factory=list)  # of sampled_rows, at launch
     num_logprobs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     pending: PendingTokens | None = None
@@ -47,9 +51,10 @@ class LaunchedStep:
         """Whether the step's tokens are on the host (or it sampled none)."""
         return self.sampled is None or self.sampled.ready()
 
-    def sampled_tokens(self, sampled: np.ndarray) -> worker_pb2.SampledTokens:
-        """The sampled rows' result from the draw's host copy (`DeviceSample.wait`), as parallel lists:
-        whole-column numpy, no loop over the rows."""
+    def sampled_tokens(self, sampled: np.ndarray, num_accepted: np.ndarray | None = None) -> worker_pb2.SampledTokens:
+        """The sampled rows' result from the draw's host copy (`DeviceSample.wait`; with drafts, each row's
+        taken entry), as parallel lists: whole-column numpy, no loop over the rows. `num_accepted`: each row's
+        kept drafts, in a step where some row had drafts."""
         k = (sampled.shape[1] - 3) // 2
         num_top = np.clip(self.num_logprobs, 0, k)
         top = np.arange(k) < num_top[:, None]  # each row's first num_top columns, row after row
@@ -58,4 +63,5 @@ class LaunchedStep:
             logprobs=sampled[:, 1].tolist(),
             ranks=np.where(self.num_logprobs >= 0, sampled[:, 2], 0).astype(np.int64).tolist(),
             num_top=num_top.tolist(), top_token_ids=sampled[:, 3 : 3 + k][top].astype(np.int64).tolist(),
-            top_logprobs=sampled[:, 3 + k :][top].tolist())
+            top_logprobs=sampled[:, 3 + k :][top].tolist(),
+            num_accepted_drafts=[] if num_accepted is None else num_accepted.tolist())

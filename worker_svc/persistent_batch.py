@@ -7,6 +7,13 @@ gathered from the rows with whole-array operations, never a Python loop over tok
 appended here, on the worker: the scheduler is told them but never sends them back. A constrained row's
 grammar matcher (`grammar_matchers.py`) is made with its row and dropped with it, and advanced when the row's
 sampled token is written (`fill`).
+
+Speculative decoding: a scheduled request may bring draft tokens (`update`). They are written after the row's
+known tokens without counting them (`num_drafts` remembers how many), computed with its last known token in one
+chunk, and sampled at every one of those positions (the step's sampling entries, `StepInputs.sample_offsets`).
+`fill` then keeps the drafts that match the tokens sampled before them (`accepted_drafts`) and the token sampled
+after the last kept one. A step with drafts is never overlapped (Worker.can_overlap), so its rows hold no
+PENDING_TOKEN: their drafts stay in place until verified.
 """
 
 from __future__ import annotations
@@ -38,8 +45,12 @@ class StepInputs:
     seq_lens: np.ndarray  # [B] context length after this step
     block_tables: np.ndarray  # [B, max blocks in use]
     # Rows whose computed tokens reach their last known token: they sample (or, beam rows, return candidates).
+    # Sampling entries: such a row once, at offset 0; a row with d drafts 1 + d times in a row, at offsets
+    # 0..d (the token after its last known token, after each draft). logits_indices: each entry's token index.
     sample_rows: np.ndarray  # [S]
-    logits_indices: np.ndarray  # [S] index of each such row's last scheduled token in the token axis
+    sample_offsets: np.ndarray  # [S]
+    logits_indices: np.ndarray  # [S]
+    num_draft_tokens: int  # in the whole step (0: every sampling row samples once, at offset 0)
     num_decode_seqs: int  # leading rows with exactly one scheduled token
     # Input tokens still pending from the step in flight: their indices in input_ids, and where each sits
     # in that step's sampled ids (its `sampled_rows` order). Empty unless steps overlap.
@@ -67,6 +78,8 @@ class PersistentBatch:
         self.token_ids = np.zeros((max_num_seqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
+        # Draft tokens written after the row's known tokens for the step being built or run (0 once verified).
+        self.num_drafts = np.zeros(max_num_seqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
@@ -125,6 +138,7 @@ class PersistentBatch:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._request_of_row[row] = None
+            self.num_drafts[row] = 0
             self.logit_bias.clear(row)
             self.min_tokens_masked.clear(row)
             self.bad_words[row] = ()
@@ -187,9 +201,11 @@ class PersistentBatch:
             raise
 
     def update(self, scheduled: worker_pb2.ScheduledRequest) -> int:
-        """Applies a scheduled request's diff to its row: copy-on-write replacements, new blocks, and the
-        tokens the scheduler chose for it (beam rows)."""
+        """Applies a scheduled request's diff to its row: copy-on-write replacements, new blocks, the tokens the
+        scheduler chose for it (beam rows) and its draft tokens (written after its known tokens, not counted)."""
         row = self._row_of[scheduled.request_id]
+        if scheduled.draft_token_ids:
+            self._write_drafts(row, scheduled)
         for replaced in scheduled.replaced_blocks:
             self.block_table[row, replaced.index] = replaced.block_id
         # Most steps are decodes that bring no block and no token: they cost a dict lookup, not numpy calls
@@ -204,6 +220,22 @@ class PersistentBatch:
             self.token_ids[row, self.num_tokens[row] : self.num_tokens[row] + len(tokens)] = tokens
             self.num_tokens[row] += len(tokens)
         return row
+
+    def _write_drafts(self, row: int, scheduled: worker_pb2.ScheduledRequest) -> None:
+        """Drafts are only for rows sampled from the row's own logits at each position (the scheduler's rule):
+        a beam row's, a constrained row's (its matcher advances token by token) or a row returning logprobs
+        (one result entry per row) would be answered wrongly, so the plan is refused."""
+        if (self.num_beam_candidates[row] or self.num_logprobs[row] >= 0
+                or (self.grammars is not None and self.grammars.follows_sampled_tokens(np.asarray([row])))):
+            raise ValueError(f"request {scheduled.request_id}: draft tokens for a beam, logprobs or constrained row")
+        drafts = np.asarray(scheduled.draft_token_ids, dtype=np.int64)
+        start = self.num_tokens[row]
+        if (scheduled.num_scheduled_tokens != 1 + len(drafts) or self.num_computed_tokens[row] != start - 1
+                or start + len(drafts) >= self.token_ids.shape[1]):
+            raise ValueError(f"request {scheduled.request_id}: {len(drafts)} drafts, but not on a decode of "
+                             f"{1 + len(drafts)} scheduled tokens within max_model_len")
+        self.token_ids[row, start : start + len(drafts)] = drafts
+        self.num_drafts[row] = len(drafts)
 
     def build_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepInputs:
         """Gathers the inputs of one step: `num_scheduled[i]` tokens of row `rows[i]`, from its first
@@ -220,7 +252,13 @@ class PersistentBatch:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = computed + num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
-        samples = seq_lens == self.num_tokens[rows]
+        drafts = self.num_drafts[rows]
+        num_draft_tokens = int(drafts.sum())
+        samples = seq_lens == self.num_tokens[rows] + drafts
+        sample_rows, sample_offsets = rows[samples], np.zeros(int(samples.sum()), dtype=np.int64)
+        logits_indices = query_start_loc[1:][samples] - 1
+        if num_draft_tokens:
+            sample_rows, sample_offsets, logits_indices = _draft_entries(sample_rows, logits_indices, drafts[samples])
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
         return StepInputs(
             rows=rows,
@@ -230,8 +268,10 @@ class PersistentBatch:
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_tables=self.block_table[rows, :max_blocks],
-            sample_rows=rows[samples],
-            logits_indices=query_start_loc[1:][samples] - 1,
+            sample_rows=sample_rows,
+            sample_offsets=sample_offsets,
+            logits_indices=logits_indices,
+            num_draft_tokens=num_draft_tokens,
             num_decode_seqs=int(np.argmax(num_scheduled != 1)) if (num_scheduled != 1).any() else len(rows),
             pending_input_indices=pending,
             pending_sources=self.pending_source[token_row[pending]],
@@ -240,20 +280,58 @@ class PersistentBatch:
     def begin_step(self, inputs: StepInputs, sampled_rows: np.ndarray) -> PendingTokens:
         """Marks a launched step's tokens computed and gives each sampled row its next token as PENDING_TOKEN
         (beam rows get theirs from the scheduler instead), so the next step can be built before the sampled
-        ids reach the host. `fill` writes them then."""
+        ids reach the host. `fill` writes them then. A row with drafts keeps them in place (and its computed
+        count includes them) until `fill` verifies them: no step is built meanwhile."""
         self.num_computed_tokens[inputs.rows] = inputs.seq_lens
         positions = self.num_tokens[sampled_rows].copy()
-        self.token_ids[sampled_rows, positions] = PENDING_TOKEN
-        self.num_tokens[sampled_rows] += 1
+        plain = sampled_rows[self.num_drafts[sampled_rows] == 0] if inputs.num_draft_tokens else sampled_rows
+        self.token_ids[plain, self.num_tokens[plain]] = PENDING_TOKEN
+        self.num_tokens[plain] += 1
         self.pending_source[sampled_rows] = np.arange(len(sampled_rows))
         return PendingTokens(sampled_rows, self.generation[sampled_rows].copy(), positions)
 
-    def fill(self, pending: PendingTokens, sampled_token_ids: np.ndarray) -> list[worker_pb2.FailedRequest]:
+    def accepted_drafts(self, rows: np.ndarray, offsets: np.ndarray,
+                        sampled_token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample-and-match over a step's sampling entries (`rows`, `offsets`, as in StepInputs; each row's
+        entries together, from offset 0): a row keeps its drafts while each equals the token sampled at its
+        position. Returns, per row (its offset-0 entry's order), the index of the entry whose token it takes
+        (the first that differs from its draft, or the one after the last draft) and its number of kept drafts.
+        Whole-array: the entry after a row's last draft has no draft, so every row's run of matches ends."""
+        first = np.flatnonzero(offsets == 0)
+        num_drafts = self.num_drafts[rows]
+        is_draft = offsets < num_drafts
+        drafts = self.token_ids[rows, self.num_tokens[rows] + np.where(is_draft, offsets, 0)]
+        matches = is_draft & (drafts == sampled_token_ids)
+        taken = np.minimum.reduceat(np.where(matches, len(rows), np.arange(len(rows))), first)
+        return taken, taken - first
+
+    def fill(self, pending: PendingTokens, sampled_token_ids: np.ndarray,
+             num_accepted: np.ndarray | None = None) -> list[worker_pb2.FailedRequest]:
         """Writes the sampled tokens of a step begun with `begin_step`, in its rows still held by the same
-        requests. Returns the requests whose grammar failed on them (`GrammarMatchers.advance`)."""
+        requests. Returns the requests whose grammar failed on them (`GrammarMatchers.advance`).
+        `num_accepted` (a step with drafts: each row's kept drafts, `accepted_drafts`): a row's known tokens
+        become its old ones, its kept drafts (already in place) and its token; its computed ones, all but that
+        token (the rejected drafts' K/V is overwritten later)."""
         same = self.generation[pending.rows] == pending.generations
-        self.token_ids[pending.rows[same], pending.positions[same]] = sampled_token_ids[same]
+        rows, positions = pending.rows[same], pending.positions[same]
+        if num_accepted is not None:
+            positions = positions + num_accepted[same]
+            self.num_tokens[rows] = positions + 1
+            self.num_computed_tokens[rows] = positions
+            self.num_drafts[rows] = 0
+        self.token_ids[rows, positions] = sampled_token_ids[same]
         if self.grammars is None:
             return []
         return [worker_pb2.FailedRequest(request_id=self.request_id_of(row), reason=reason)
-                for row, reason in self.grammars.advance(pending.rows[same], sampled_token_ids[same])]
+                for row, reason in self.grammars.advance(rows, sampled_token_ids[same])]
+
+
+def _draft_entries(rows: np.ndarray, last_indices: np.ndarray,
+                   num_drafts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sampling entries of rows that sample (`last_indices`: each one's last scheduled token in the token
+    axis; `num_drafts`: its drafts, the last tokens of its chunk): rows, offsets and token indices of 1 + d
+    entries per row, at the row's last known token and each draft."""
+    counts = 1 + num_drafts
+    entry = np.repeat(np.arange(len(rows)), counts)
+    offsets = np.arange(int(counts.sum()), dtype=np.int64) - (np.cumsum(counts) - counts)[entry]
+    return rows[entry], offsets, last_indices[entry] - num_drafts[entry] + offsets

@@ -15,8 +15,10 @@ rank samples instead of rank 0 broadcasting its tokens: the logits are gathered 
 model's vocab-parallel head and every request's randomness is keyed by its (seed, position), which the
 scheduler always sets, so each rank draws the same tokens without a collective; the persistent batch's next
 input token (a decode's own last sample, on the device, possibly still in flight) is therefore already on
-every rank. So only rank 0 sends each step's result; the other ranks send nothing per step but heartbeats,
-and a WorkerError if a step fails on them. The ranks agree on one KV pool size (the smallest) at setup.
+every rank, and draft tokens are verified alike on every rank (the same sampled ids against the same drafts),
+so the rows stay the same. So only rank 0 sends each step's result; the other ranks send nothing per step
+but heartbeats, and a WorkerError if a step fails on them. The ranks agree on one KV pool size (the smallest)
+at setup.
 """
 
 from __future__ import annotations
@@ -143,18 +145,23 @@ class Worker:
     def _launch_draw(self, step: LaunchedStep, inputs: StepInputs, logits: torch.Tensor | None,
                      behind_another: bool) -> None:
         """Queues the draw of the rows that sample (or defers it: see below), marks their next tokens pending
-        in the rows, and scores the beam rows' candidates."""
+        in the rows, and scores the beam rows' candidates. A row with drafts is drawn at each of its sampling
+        entries (`StepInputs.sample_offsets`) and verified in `finish`."""
         batch = self.batch
         is_beam = batch.num_beam_candidates[inputs.sample_rows] > 0
-        step.sampled_rows = inputs.sample_rows[~is_beam]
+        step.draw_rows = inputs.sample_rows[~is_beam]
+        step.sampled_rows = step.draw_rows
+        if inputs.num_draft_tokens:
+            step.draw_offsets = inputs.sample_offsets[~is_beam]
+            step.sampled_rows = step.draw_rows[step.draw_offsets == 0]
         if len(step.sampled_rows):
             # Who sampled, as of now: a row may be handed to another request before the step finishes.
             step.request_ids = [batch.request_id_of(row) for row in step.sampled_rows.tolist()]
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
             # The sampling inputs as of now (a row's seed position is its token count before begin_step).
-            tensors = build_sampling_tensors(batch, step.sampled_rows, self.runner.device)
+            tensors = build_sampling_tensors(batch, step.draw_rows, self.runner.device, step.draw_offsets)
             draw = partial(self._draw, self.runner.select_rows(logits, np.flatnonzero(~is_beam)), step, tensors)
-            if behind_another and batch.grammars.follows_sampled_tokens(step.sampled_rows):
+            if behind_another and batch.grammars.follows_sampled_tokens(step.draw_rows):
                 # A grammar's mask needs the token the step in flight samples (a waiting grammar: whether it
                 # starts): queued forward first, the mask and the draw once that step is finished (`complete`),
                 # still while this step's forward runs.
@@ -174,7 +181,7 @@ class Worker:
         """The constrained sampled rows' bitmasks: filled in the background while the queued forward pass ran
         (from `begin_masks`, if called), else now."""
         if step.masks is None:
-            return self.batch.grammars.bitmask(step.sampled_rows)
+            return self.batch.grammars.bitmask(step.draw_rows)
         waited = time.perf_counter()
         masks, step.masks = step.masks.result(), None
         if masks is not None:
@@ -186,7 +193,7 @@ class Worker:
         call it once the step it was launched behind is finished. The caller prepares the next step
         meanwhile, and `complete` (the next `launch` calls it before its forward pass) takes the masks."""
         if step.deferred_sample is not None and step.masks is None:
-            step.masks = self.batch.grammars.bitmask_in_background(step.sampled_rows)
+            step.masks = self.batch.grammars.bitmask_in_background(step.draw_rows)
 
     @torch.inference_mode()
     def complete(self, step: LaunchedStep) -> None:
@@ -206,9 +213,15 @@ class Worker:
                                             step.sampled.copied if step.sampled is not None else None)
         if step.pending is not None:
             self.gpu_clock.on_finished(step.timed_as, step.behind_another)
-            step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64)))
+            num_accepted = None
+            if step.draw_offsets is not None:  # each row's token: its first sampled one that differs from a draft
+                taken, num_accepted = self.batch.accepted_drafts(step.draw_rows, step.draw_offsets,
+                                                                 sampled[:, 0].astype(np.int64))
+                sampled = sampled[taken]
+            step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64),
+                                                               num_accepted))
             timer.mark("wait_for_gpu")
-            step.result.sampled.CopyFrom(step.sampled_tokens(sampled))
+            step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted))
         timer.mark("result")
         return step.result
 
@@ -220,9 +233,15 @@ class Worker:
     def can_overlap(self, plan: worker_pb2.StepPlan) -> bool:
         """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
         its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
-        token in flight is not there yet. A grammar's row may: its draw waits for that token (`complete`)."""
+        token in flight is not there yet. A grammar's row may: its draw waits for that token (`complete`).
+        Speculative decoding is never overlapped: a row's drafts follow its newest token on the host, and a
+        step with drafts is verified on the host (`finish`) before any other plan touches the rows."""
         batch = self.batch
+        if batch.num_drafts.any():  # the step in flight has drafts (reset once verified)
+            return False
         for scheduled in plan.scheduled_requests:
+            if scheduled.draft_token_ids:
+                return False
             row = batch.row_of(scheduled.request_id)
             if batch.reads_history(row):
                 return False

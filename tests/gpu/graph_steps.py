@@ -90,7 +90,8 @@ def build_step(context_lens: list[int], query_lens: list[int], pending: list[int
     inputs = StepInputs(
         rows=rows, input_ids=host_ids, positions=positions, slot_mapping=slot_mapping,
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=tables, sample_rows=rows,
-        logits_indices=query_start_loc[1:] - 1, num_decode_seqs=num_decodes,
+        sample_offsets=np.zeros(len(rows), dtype=np.int64), logits_indices=query_start_loc[1:] - 1,
+        num_draft_tokens=0, num_decode_seqs=num_decodes,
         pending_input_indices=pending_indices, pending_sources=sources)
     return Step(inputs, input_ids, torch.as_tensor(previous_sampled, device=DEVICE))
 
