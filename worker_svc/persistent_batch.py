@@ -311,13 +311,17 @@ class PersistentBatch:
         requests. Returns the requests whose grammar failed on them (`GrammarMatchers.advance`).
         `num_accepted` (a step with drafts: each row's kept drafts, `accepted_drafts`): a row's known tokens
         become its old ones, its kept drafts (already in place) and its token; its computed ones, all but that
-        token (the rejected drafts' K/V is overwritten later)."""
+        token (the rejected drafts' K/V is overwritten later). A row that had drafts drops the blocks past its
+        computed tokens, as the scheduler frees them (BlockManager.keep_accepted_slots): its next new blocks
+        follow the kept ones."""
         same = self.generation[pending.rows] == pending.generations
         rows, positions = pending.rows[same], pending.positions[same]
         if num_accepted is not None:
             positions = positions + num_accepted[same]
             self.num_tokens[rows] = positions + 1
             self.num_computed_tokens[rows] = positions
+            had_drafts = rows[self.num_drafts[rows] > 0]
+            self.num_blocks[had_drafts] = -(-self.num_computed_tokens[had_drafts] // self.block_size)
             self.num_drafts[rows] = 0
         self.token_ids[rows, positions] = sampled_token_ids[same]
         if self.grammars is None:

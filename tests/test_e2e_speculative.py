@@ -1,0 +1,93 @@
+"""N-gram speculative decoding through the real processes (`pagedserve serve --speculative-config`): concurrent
+greedy and seeded requests give exactly the tokens of a server without speculation, with drafts proposed and
+accepted (the spec_decode counters in the stats and /metrics), beside prefix-cache hits and preemption, and at
+`-tp 2`; refusals of what is not served.
+
+Why copy-heavy prompts: a random tiny model continues a text that repeats a pattern with that pattern more
+often than not, so the n-gram proposer finds matches and some drafts are kept (the counters say how many)."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from tests.test_model_refusals import _serve
+
+SPECULATIVE = ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_max": 3, "prompt_lookup_min": 1})]
+# 12 blocks of 16 tokens: the prompts' shared prefix is cached, and all of them at once do not fit (preemption).
+SMALL_POOL = ["--num-kv-blocks", "12", "--max-num-batched-tokens", "64", "--swap-space", "0.01"]
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    """A shared prefix, then a short pattern repeated (what the model tends to go on with)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 512) for _ in range(20)]
+    prompts = []
+    for _ in range(count):
+        pattern = [rng.randrange(3, 512) for _ in range(rng.randrange(2, 5))]
+        prompts.append(prefix + pattern * rng.randrange(3, 6))
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=3)
+
+
+def _run(model, logs, prompts, *flags, **sampling):
+    """Each prompt's tokens from concurrent requests, the stats after, and the gateway's /metrics text."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with running_server(logs, "--model", str(model), *SMALL_POOL, *flags, http=True) as server:
+        def one(prompt):
+            with server.client() as client:
+                return client.generate(prompt, max_tokens=24, ignore_eos=True, **sampling)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(one, prompts))
+        stats = server.wait_all_blocks_free()
+        with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+    return [list(result.token_ids) for result in results], stats, metrics
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=7)],
+                         ids=["greedy", "seeded"])
+def test_speculation_gives_the_tokens_of_no_speculation_and_keeps_drafts(model, tmp_path, sampling):
+    prompts = _prompts(6, seed=1)
+    plain, plain_stats, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "swap", **sampling)
+    speculative, stats, metrics = _run(model, tmp_path / "spec", prompts, "--preemption-mode", "swap",
+                                              *SPECULATIVE, **sampling)
+    assert speculative == plain
+    assert plain_stats.spec_decode_num_drafts == 0
+    assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_accepted_tokens > 0, stats
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert sum(stats.spec_decode_num_accepted_tokens_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert stats.prefix_cache_hit_tokens > 0
+    assert stats.num_steps < plain_stats.num_steps, "kept drafts save steps"
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{model.name}"}} ' in metrics
+
+
+def test_speculation_over_two_ranks_with_recompute_preemption_gives_the_single_rank_tokens(model, tmp_path):
+    prompts = _prompts(6, seed=2)
+    plain, _, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "recompute", temperature=0.0)
+    speculative, stats, _ = _run(model, tmp_path / "spec", prompts, "--preemption-mode", "recompute", "-tp", "2",
+                                 *SPECULATIVE, temperature=0.0)
+    assert speculative == plain
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
+
+
+def test_serve_refuses_other_methods_and_batch_invariant_speculation_in_one_line(model):
+    draft = json.dumps({"method": "draft_model", "model": "x", "num_speculative_tokens": 3})
+    for args, words in (((("--speculative-config", draft)), "draft_model"),
+                        ((*SPECULATIVE, "--batch-invariant"), "--batch-invariant")):
+        result = _serve(model, *args, timeout=90)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode != 0 and "Traceback" not in result.stderr
+        assert len(lines) == 1 and words in lines[0], result.stderr
