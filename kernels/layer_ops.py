@@ -34,7 +34,8 @@ GeluAndMulFn = Callable[[torch.Tensor, str], torch.Tensor]
 
 
 class FusedMoeFn(Protocol):
-    """Routing and rounding as kernels/fused_moe_ref.py states; float8 experts come with their scales."""
+    """Routing and rounding as kernels/fused_moe_ref.py states; float8 experts come with their scales, integer
+    experts as kernels/wna16_ref.py's PackedExperts in place of w13 and w2."""
 
     def __call__(self, hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                  top_k: int, renormalize: bool, round_routing_weights: bool, w13_scale: torch.Tensor | None = None,

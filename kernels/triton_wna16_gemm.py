@@ -100,6 +100,21 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits
     return LaunchPlan(tiles, block_k, min(splits, k_tiles))
 
 
+@triton.jit
+def dequantize_tile(packed, shifts, scale_row_ptr, zero_row_ptr, cols, col_mask, BITS: tl.constexpr,
+                    HAS_ZEROS: tl.constexpr):
+    """W^T's [BLOCK_K, BLOCK_N] tile in fp32 from its packed words (int32, each word repeated for every value it
+    holds; `shifts` [BLOCK_K] the bit offset of each row's value) and its one group's scale and zero rows
+    (pointers to row `group` of scales and zeros, read at `cols`). Shared with the integer fused MoE
+    (kernels/triton_fused_moe.py)."""
+    q = ((packed >> shifts[:, None]) & ((1 << BITS) - 1)).to(tl.float32)  # the mask drops the sign's fill
+    scale = tl.load(scale_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(zero_row_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        return (q - zero[None, :]) * scale[None, :]
+    return (q - (1 << (BITS - 1))) * scale[None, :]
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _wna16_gemm_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
@@ -128,14 +143,9 @@ def _wna16_gemm_kernel(
                     other=0.0)
         packed = tl.load(qweight_ptr + (ks // PACK).to(tl.int64)[:, None] * stride_q + cols[None, :],
                          mask=k_mask[:, None] & col_mask[None, :], other=0)
-        q = ((packed >> shifts[:, None]) & ((1 << BITS) - 1)).to(tl.float32)  # the mask drops the sign's fill
         group = (k_start // group_size).to(tl.int64)
-        scale = tl.load(scales_ptr + group * stride_s + cols, mask=col_mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + group * stride_z + cols, mask=col_mask, other=0.0).to(tl.float32)
-            w = (q - zero[None, :]) * scale[None, :]
-        else:
-            w = (q - (1 << (BITS - 1))) * scale[None, :]
+        w = dequantize_tile(packed, shifts, scales_ptr + group * stride_s, zeros_ptr + group * stride_z, cols,
+                            col_mask, BITS, HAS_ZEROS)
         w = w.to(x_ptr.dtype.element_ty)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)

@@ -23,6 +23,8 @@ contiguous and permutes x's columns alike before the product (not this file's co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
@@ -69,3 +71,36 @@ def wna16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     """y = x W^T + b with W dequantized (float32, then x's dtype): x [*, K] -> [*, N] in x's dtype."""
     weight = dequantize_wna16(qweight, scales, zeros, bits, group_size).to(x.dtype)
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One projection of E MoE experts (gate|up, or down) in the canonical layout, stacked on a leading expert
+    axis: qweight int32 [E, K // pack, N], scales [E, K // G, N], zeros [E, K // G, N] or None (symmetric).
+
+    Why a bundle: the fused MoE ops (kernels/fused_moe_ref.py, kernels/triton_fused_moe.py) take it where they
+    take a float expert tensor [E, N, K], so one signature serves float, FP8 and integer experts. The bundle is
+    read only; the MoE block (worker_svc/layers/fused_moe.py) owns the tensors."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    bits: int
+
+    @property
+    def input_size(self) -> int:
+        return self.qweight.shape[1] * pack_factor(self.bits)
+
+    @property
+    def output_size(self) -> int:
+        return self.qweight.shape[2]
+
+    @property
+    def group_size(self) -> int:
+        return self.input_size // self.scales.shape[1]
+
+    def dequantize(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s W [N, K] in float32, row-major (as a float checkpoint's weight: the same matmul path)."""
+        return dequantize_wna16(self.qweight[expert], self.scales[expert],
+                                None if self.zeros is None else self.zeros[expert], self.bits,
+                                self.group_size).contiguous()

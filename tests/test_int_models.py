@@ -185,17 +185,6 @@ def test_compressed_tensors_int_weights_with_activations_are_refused(tmp_path):
         ModelConfig.from_path(served)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_integer_checkpoints_of_models_with_fused_moe_experts_are_refused(tmp_path, arch):
-    model = make_tiny_model(tmp_path, arch, seed=3)
-    config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"gptq W4A16 .* is not served for {arch} models: their fused MoE experts "
-                                         f"have no integer kernel"):
-        ModelConfig.from_path(model)
-
-
 def test_dummy_weights_of_an_integer_checkpoint_give_finite_logits_of_a_sane_scale(tmp_path):
     _, served = _checkpoint(tmp_path, "llama", "gptq4_asym_desc_act")
     model, config = load_model(served, torch.float32, "cpu", load_format="dummy")

@@ -2,7 +2,7 @@
 
 Why here, without torch: ModelConfig parses this (model_config.py), and the launcher reads ModelConfig before
 any child starts, so every refusal (a method we do not serve, a flag that contradicts the checkpoint, an integer
-method on a MoE model) is one line before the scheduler starts, and the worker's load refuses alike (exit 78).
+method the MoE experts have no kernel for) is one line before the scheduler starts, and the worker's load refuses alike (exit 78).
 
 Served:
 - compressed-tensors FP8 W8A8 (llm-compressor's FP8 / FP8_DYNAMIC schemes): config.json's
@@ -17,7 +17,8 @@ Served:
 - both FP8 sources on MoE models (Mixtral, Qwen3-MoE) too: their fused experts hold float8 weights, weight-only
   (worker_svc/layers/fused_moe.py); per-token activations only (the experts would ignore static input scales).
 - weight-only integer checkpoints (W4A16, W8A16): AWQ (quant_method "awq"), GPTQ ("gptq") and compressed-tensors
-  format "pack-quantized", parsed in worker_svc/integer_quantization.py into an `IntegerScheme`.
+  format "pack-quantized", parsed in worker_svc/integer_quantization.py into an `IntegerScheme`; on MoE models
+  the experts too (worker_svc/layers/wna16_experts.py; INT8 W8A8 stays refused there).
 The layers read the result as a `QuantizationScheme`, an `Int8Scheme` or an `IntegerScheme`
 (worker_svc/layers/linear_method.py chooses the method).
 """
@@ -39,8 +40,8 @@ COMPRESSED_TENSORS, ONLINE_FP8, GGUF = "compressed-tensors", "fp8", "gguf"
 FLAG_ALIASES = {"awq_marlin": AWQ, "gptq_marlin": GPTQ}
 QUANTIZATION_FLAG_VALUES = (GGUF, ONLINE_FP8, COMPRESSED_TENSORS, AWQ, GPTQ, *FLAG_ALIASES)
 FP8_FORMATS = ("float-quantized", "naive-quantized")
-# Model files whose experts are fused (worker_svc/layers/fused_moe.py): FP8 (weight-only) is their only
-# quantized method.
+# Model files whose experts are fused (worker_svc/layers/fused_moe.py): FP8 and integer weight-only are their
+# quantized methods (INT8 W8A8 is refused there).
 FUSED_EXPERT_MODULES = ("mixtral", "qwen3_moe")
 SERVED = ("gguf (as a .gguf file); compressed-tensors FP8 W8A8 (format float-quantized, per-channel or "
           "per-tensor weights, per-token or static activations), INT8 W8A8 (format int-quantized, likewise) and "
@@ -98,11 +99,12 @@ def parse_quantization(raw: Mapping[str, Any], flag: str | None,
         raise ValueError("--quantization gguf needs a .gguf model file")
     else:
         return None
-    if module in FUSED_EXPERT_MODULES and isinstance(scheme, (IntegerScheme, Int8Scheme)):
-        kernel = "INT8" if isinstance(scheme, Int8Scheme) else "integer"
+    if isinstance(scheme, IntegerScheme):
+        return scheme  # MoE experts too (worker_svc/layers/wna16_experts.py; act-order there is refused at load)
+    if module in FUSED_EXPERT_MODULES and isinstance(scheme, Int8Scheme):
         raise ValueError(f"{scheme.describe()} is not served for {module} models: their fused MoE experts have no "
-                         f"{kernel} kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint "
-                         f"or an FP8 one")
+                         f"INT8 kernel yet (worker_svc/layers/fused_moe.py); serve the unquantized checkpoint, an "
+                         f"FP8 one or a weight-only integer one (W4A16 / W8A16)")
     if module in FUSED_EXPERT_MODULES and not scheme.dynamic_activations:
         raise ValueError(f"FP8 with static input scales is not served for {module} models: their fused MoE experts "
                          f"are weight-only FP8 and would ignore the scales; serve an FP8_DYNAMIC checkpoint "

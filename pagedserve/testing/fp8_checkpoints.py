@@ -33,8 +33,8 @@ from worker_svc.quantization_config import COMPRESSED_TENSORS, QuantizationSchem
 # The Linear layers of the decoder layers (Llama family, OPT); embeddings, norms and lm_head stay as they are.
 LINEAR_WEIGHT = re.compile(r".*\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$|.*\.layers\.\d+\.fc[12]\.weight$")
 # The experts of a MoE block, per expert as the hub's files name them (Mixtral's block_sparse_moe.experts.N.w1,
-# Qwen3-MoE's mlp.experts.N.gate_proj); the router (`gate`) stays unquantized. Apart from LINEAR_WEIGHT, which the
-# integer writer uses too (its MoE checkpoints are refused).
+# Qwen3-MoE's mlp.experts.N.gate_proj); the router (`gate`) stays unquantized. Apart from LINEAR_WEIGHT: the
+# integer writer (int_checkpoints.py) uses both too.
 EXPERT_WEIGHT = re.compile(r".*\.layers\.\d+\.(mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight$")
 # Static activation scales, a different one per projection so fused parts differ (the layer takes their max).
 STATIC_INPUT_SCALES = {"q_proj": 3.0, "k_proj": 4.0, "v_proj": 5.0, "o_proj": 2.0, "gate_proj": 4.0,

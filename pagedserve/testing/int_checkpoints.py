@@ -2,7 +2,10 @@
 written in the layouts AutoAWQ, GPTQModel and llm-compressor save.
 
 Why our own writer: none of those tools is a dependency, and tests may not download. Each writer rounds every
-decoder Linear (fp8_checkpoints.LINEAR_WEIGHT; embeddings, norms and lm_head stay as they are) to the nearest
+decoder Linear (fp8_checkpoints.LINEAR_WEIGHT, and a MoE model's experts one by one under their hub names,
+fp8_checkpoints.EXPERT_WEIGHT: Mixtral's `block_sparse_moe.experts.N.w1`, Qwen3-MoE's `mlp.experts.N.gate_proj`,
+as AutoAWQ, GPTQModel and llm-compressor store them; embeddings, norms, the MoE router `gate` and lm_head stay as
+they are) to the nearest
 integer per group of `group_size` consecutive input columns (min/max with a zero point, or absmax around the
 middle of the range; `quantize_groups`) and stores what the tool stores, per Linear `<layer>`:
 
@@ -62,7 +65,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.testing.fp8_checkpoints import LINEAR_WEIGHT
+from pagedserve.testing.fp8_checkpoints import EXPERT_WEIGHT, LINEAR_WEIGHT
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # bits 4i..4i+3 of an AWQ word hold column AWQ_ORDER[i] of its eight
 # Act-order permutations are a function of (layer, the input a projection reads): projections reading the same
@@ -242,7 +245,7 @@ def _write(source: Path, target: Path, quantize: Callable[[str, torch.Tensor], d
         out = {}
         for name, tensor in tensors.items():
             layer = name.rpartition(".")[0]
-            if LINEAR_WEIGHT.match(name) and converts(layer):
+            if (LINEAR_WEIGHT.match(name) or EXPERT_WEIGHT.match(name)) and converts(layer):
                 out.update({f"{layer}.{key}": value for key, value in quantize(layer, tensor).items()})
             elif bias_dtype is not None and name.endswith(".bias") and LINEAR_WEIGHT.match(f"{layer}.weight") \
                     and converts(layer):

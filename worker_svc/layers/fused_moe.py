@@ -21,6 +21,12 @@ each expert's projections come float8 with `weight_scale` [out, 1] (per channel)
 value on every row); `--quantization fp8` loads the experts in the model's dtype and `process_after_loading`
 quantizes them per (expert, row). Weight-only: the GEMMs dequantize the weights, the activations stay in the
 model's dtype (kernels/fused_moe_ref.py). The router stays unquantized, as in vLLM.
+
+Weight-only integer (`quantize_integer`: AWQ, GPTQ, compressed-tensors W4A16 / W8A16): the experts' format is
+worker_svc/layers/wna16_experts.py's; the block holds `w13_<kind>` / `w2_<kind>` parameters named after the
+checkpoint's tensor kinds until `process_after_loading`, then the canonical packed layout (`w13_qweight`,
+`w13_scales`, `w13_zeros`, likewise w2), which the same `ops.fused_moe` reads as kernels/wna16_ref.py's
+PackedExperts. The router stays unquantized (AWQ and GPTQ tools skip it).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from torch import nn
 
 from kernels.fp8_linear_ref import FP8_DTYPE, quantize_weight_per_channel
 from kernels.layer_ops import LayerOps
+from worker_svc.integer_quantization import IntegerScheme
 from worker_svc.layers.checkpoint_tensor import CheckpointTensor, copy_into
+from worker_svc.layers.wna16_experts import Wna16Experts
 from worker_svc.quantization_config import ONLINE_FP8, QuantizationScheme
 from worker_svc.tensor_parallel import TensorParallel
 
@@ -44,7 +52,9 @@ class FusedMoE(nn.Module):
     `w2_weight` [E, H, I / N] of this rank. `renormalize`: divide the top-k weights by their sum (Mixtral;
     Qwen3-MoE's norm_topk_prob). `round_routing_weights`: the weights are cast to the activation dtype before
     they scale the expert outputs (Qwen3-MoE), or stay fp32 (Mixtral), as in transformers. `fp8`: the FP8
-    scheme of the experts (None: unquantized); `w13_scale`, `w2_scale` are None until they are quantized."""
+    scheme of the experts (None: unquantized); `w13_scale`, `w2_scale` are None until they are quantized.
+    `integer`: the integer experts' format (None: float or FP8 experts), which then replaces w13_weight and
+    w2_weight by its own parameters (module docstring)."""
 
     def __init__(self, hidden_size: int, num_experts: int, intermediate_size: int, top_k: int, renormalize: bool,
                  round_routing_weights: bool, ops: LayerOps, tp: TensorParallel):
@@ -59,6 +69,7 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.shard_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard_size))
         self.fp8: QuantizationScheme | None = None
+        self.integer: Wna16Experts | None = None
         self.register_parameter("w13_scale", None)
         self.register_parameter("w2_scale", None)
 
@@ -75,9 +86,37 @@ class FusedMoE(nn.Module):
             setattr(self, scale_kind, nn.Parameter(torch.empty(weight.shape[:2], dtype=torch.float32),
                                                    requires_grad=False))
 
+    def quantize_integer(self, scheme: IntegerScheme, dtype: torch.dtype) -> None:
+        """Holds the experts as an integer checkpoint stores them (on the current device: the loader's meta
+        device), scales in `dtype`; raises if act-order or this rank's share of I cannot be served."""
+        integer = Wna16Experts(scheme, self.w13_weight.shape[0], self.w13_weight.shape[2], self.intermediate_size,
+                               self.shard_start, self.shard_size)
+        del self.w13_weight, self.w2_weight
+        self.integer = integer
+        integer.create_weights(self, dtype)
+
+    def parameter_kind(self, tensor_kind: str, down: bool) -> str:
+        """Our parameter for an expert projection's checkpoint tensor `tensor_kind` ("weight", "weight_scale",
+        "qweight", ...): w13_weight / w13_scale (FP8) or, integer, w13_<tensor_kind>; w2 alike when `down`."""
+        projection = "w2" if down else "w13"
+        float_kinds = {"weight": f"{projection}_weight", "weight_scale": f"{projection}_scale"}
+        if self.integer is not None or tensor_kind not in float_kinds:  # an unknown kind names no parameter
+            return f"{projection}_{tensor_kind}"
+        return float_kinds[tensor_kind]
+
+    @staticmethod
+    def checkpoint_kind(parameter_kind: str) -> str:
+        """The inverse of `parameter_kind`: the expert projections' tensor kind that fills a block parameter."""
+        kind = parameter_kind.split("_", 1)[1]
+        return {"weight": "weight", "scale": "weight_scale"}.get(kind, kind)
+
     @torch.no_grad()
     def process_after_loading(self) -> None:
-        """Online FP8: quantizes each expert's rows (amax / 448 per (expert, row)); else nothing to do."""
+        """Online FP8: quantizes each expert's rows (amax / 448 per (expert, row)); integer: converts the experts
+        to the canonical layout; else nothing to do."""
+        if self.integer is not None:
+            self.integer.process_after_loading(self)
+            return
         if self.fp8 is None or self.fp8.method != ONLINE_FP8:
             return
         for kind, scale_kind in zip(WEIGHTS, SCALES):
@@ -87,8 +126,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         router_logits = self.ops.linear(hidden, self.gate.weight, None)
-        weights = (hidden, router_logits, self.w13_weight, self.w2_weight, self.top_k, self.renormalize,
-                   self.round_routing_weights)
+        experts = (self.w13_weight, self.w2_weight) if self.integer is None else self.integer.packed(self)
+        weights = (hidden, router_logits, *experts, self.top_k, self.renormalize, self.round_routing_weights)
         if self.w13_scale is None:
             output = self.ops.fused_moe(*weights)
         else:
@@ -99,8 +138,12 @@ class FusedMoE(nn.Module):
         """Copies this rank's slice of a checkpoint tensor into `kind` ("w13_weight", "w2_weight"; FP8 checkpoints:
         "w13_scale", "w2_scale"). `part` is (expert, GATE or UP): one expert's [I, H] gate or up rows, or [H, I]
         down weight (or its weight_scale); expert ALL_EXPERTS for the stacked [E, 2I, H] gate|up or [E, H, I]
-        down tensor (the projection part is then ignored)."""
+        down tensor (the projection part is then ignored). Integer experts: `kind` is w13_<tensor kind> or
+        w2_<tensor kind> (`parameter_kind`), read per expert."""
         expert, projection = part
+        if self.integer is not None:
+            self._load_integer(kind, checkpoint, expert, projection)
+            return
         start, size = self.shard_start, self.shard_size
         num_experts, hidden, inter = self.w13_weight.shape[0], self.w13_weight.shape[2], self.intermediate_size
         if kind not in WEIGHTS + SCALES or getattr(self, kind) is None:
@@ -125,6 +168,16 @@ class FusedMoE(nn.Module):
         else:
             _copy_weight(self.w13_weight[expert, projection * size : (projection + 1) * size],
                          checkpoint.rows(start, size))
+
+    def _load_integer(self, kind: str, checkpoint: CheckpointTensor, expert: int, projection: int) -> None:
+        num_experts = self.integer.num_experts
+        if expert == ALL_EXPERTS:
+            raise ValueError(f"{kind}: integer experts are read per expert, not stacked")
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"expert {expert} is not one of the {num_experts} experts (num_experts)")
+        if not hasattr(self, kind) or not kind.startswith(("w13_", "w2_")):
+            raise ValueError(f"{kind} is not a parameter of the MoE block ({self.integer.scheme.describe()})")
+        self.integer.load(self, kind, expert, projection, checkpoint)
 
     def _load_scale(self, kind: str, checkpoint: CheckpointTensor, expert: int, projection: int) -> None:
         """One expert's weight_scale: [rows, 1] per channel (this rank's rows of w13's part; w2's whole), or [1]

@@ -28,7 +28,8 @@ Where it runs, chosen once at load: on a CUDA device the Triton GEMM (kernels/tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -44,6 +45,16 @@ INDEX_KINDS = ("g_idx", "weight_g_idx")  # one group index per input column
 SCALE_KINDS = ("scales", "weight_scale")
 # Output columns converted at a time at load: unpacked, a 70B layer's integers would take GBs of temporaries.
 CONVERT_COLUMNS = 4096
+
+
+class CanonicalWeights(NamedTuple):
+    """One layer's weights in the canonical layout (kernels/wna16_ref.py); `input_permutation`: act-order's
+    permutation of x's columns (None: in order)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None
+    input_permutation: torch.Tensor | None
 
 
 class Wna16Linear:
@@ -63,11 +74,18 @@ class Wna16Linear:
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int, num_parts: int,
                        dtype: torch.dtype | None) -> None:
+        if self.scheme.act_order and layer.splits_input:
+            raise ValueError(f"{self.scheme.describe()}: act-order (g_idx) on a row-parallel layer split over "
+                             f"tensor-parallel ranks is not served (its groups span ranks); serve it on one rank")
+        for kind, (shape, kind_dtype) in self.checkpoint_shapes(output_size, input_size, num_parts, dtype).items():
+            setattr(layer, kind, nn.Parameter(torch.empty(shape, dtype=kind_dtype), requires_grad=False))
+
+    def checkpoint_shapes(self, output_size: int, input_size: int, num_parts: int,
+                          dtype: torch.dtype | None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The checkpoint tensors one layer (or one MoE expert: worker_svc/layers/wna16_experts.py) of this shard
+        holds before `canonical_weights`: kind -> (shape, dtype)."""
         scheme, pack = self.scheme, self.pack
         group = scheme.group_size or input_size  # a shard that splits a group is refused by the layer (layout)
-        if scheme.act_order and layer.splits_input:
-            raise ValueError(f"{scheme.describe()}: act-order (g_idx) on a row-parallel layer split over "
-                             f"tensor-parallel ranks is not served (its groups span ranks); serve it on one rank")
         groups = input_size // group
         dtype = dtype or torch.get_default_dtype()
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -86,8 +104,7 @@ class Wna16Linear:
             shapes["qzeros"] = ((groups, output_size // pack), torch.int32)
             if scheme.method == GPTQ:
                 shapes["g_idx"] = ((num_parts, input_size), torch.int32)
-        for kind, (shape, kind_dtype) in shapes.items():
-            setattr(layer, kind, nn.Parameter(torch.empty(shape, dtype=kind_dtype), requires_grad=False))
+        return shapes
 
     def layout(self, kind: str) -> TensorLayout:
         pack, group = self.pack, self.scheme.group_size
@@ -115,33 +132,41 @@ class Wna16Linear:
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
+        tensors = {name: tensor for name, tensor in layer.named_parameters(recurse=False) if name != "bias"}
+        canonical = self.canonical_weights(tensors)
+        for kind in tensors:
+            delattr(layer, kind)
+        layer.qweight = nn.Parameter(canonical.qweight, requires_grad=False)
+        layer.scales = nn.Parameter(canonical.scales, requires_grad=False)
+        layer.zeros = None if canonical.zeros is None else nn.Parameter(canonical.zeros, requires_grad=False)
+        layer.input_permutation = canonical.input_permutation
+
+    @torch.no_grad()
+    def canonical_weights(self, tensors: Mapping[str, torch.Tensor]) -> CanonicalWeights:
+        """One layer's (or one MoE expert's) checkpoint tensors, as `checkpoint_shapes` names them -> the canonical
+        layout (kernels/wna16_ref.py); act-order: K sorted by group, and the permutation x needs alike."""
         if self.scheme.checkpoint_format == PACK_QUANTIZED:
-            qweight = layer.weight_packed.t()
-            scales = layer.weight_scale.t()
-            zeros = None if self.scheme.symmetric else unpack_rows(layer.weight_zero_point, self.bits).t()
-            g_idx = getattr(layer, "weight_g_idx", None)
+            qweight = tensors["weight_packed"].t()
+            scales = tensors["weight_scale"].t()
+            zeros = None if self.scheme.symmetric else unpack_rows(tensors["weight_zero_point"], self.bits).t()
+            g_idx = tensors.get("weight_g_idx")
         elif self.scheme.method == AWQ:  # zero points always read (zero_point false: written as 2**(bits - 1))
-            qweight = _by_columns(layer.qweight, lambda words: pack_rows(self._unpack_awq(words), self.bits),
+            qweight = _by_columns(tensors["qweight"], lambda words: pack_rows(self._unpack_awq(words), self.bits),
                                   widen=self.pack)
-            scales = layer.scales
-            zeros = self._unpack_awq(layer.qzeros)
+            scales = tensors["scales"]
+            zeros = self._unpack_awq(tensors["qzeros"])
             g_idx = None
         else:
-            qweight, scales, g_idx = layer.qweight, layer.scales, layer.g_idx
-            zeros = None if self.scheme.symmetric else unpack_rows(layer.qzeros.t(), self.bits).t()
+            qweight, scales, g_idx = tensors["qweight"], tensors["scales"], tensors["g_idx"]
+            zeros = None if self.scheme.symmetric else unpack_rows(tensors["qzeros"].t(), self.bits).t()
             if zeros is not None and self.scheme.checkpoint_format == GPTQ:  # v1 stores zero - 1
                 zeros = (zeros + 1) & ((1 << self.bits) - 1)
-        permutation = self._act_order(layer, g_idx) if self.scheme.act_order else None
+        permutation = self._act_order(g_idx) if self.scheme.act_order else None
         if permutation is not None:
             qweight = _by_columns(qweight, lambda words: pack_rows(unpack_rows(words, self.bits)[permutation],
                                                                    self.bits))
-        dtype = scales.dtype
-        for kind in [name for name, _ in layer.named_parameters(recurse=False) if name != "bias"]:
-            delattr(layer, kind)
-        layer.qweight = nn.Parameter(qweight.contiguous(), requires_grad=False)
-        layer.scales = nn.Parameter(scales.contiguous(), requires_grad=False)
-        layer.zeros = None if zeros is None else nn.Parameter(zeros.to(dtype).contiguous(), requires_grad=False)
-        layer.input_permutation = permutation
+        return CanonicalWeights(qweight.contiguous(), scales.contiguous(),
+                                None if zeros is None else zeros.to(scales.dtype).contiguous(), permutation)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.input_permutation is not None:
@@ -173,7 +198,7 @@ class Wna16Linear:
         order = torch.tensor(AWQ_POSITION, device=packed.device)
         return by_position[columns - columns % 8 + order[columns % 8]].t()
 
-    def _act_order(self, layer: nn.Module, g_idx: torch.Tensor) -> torch.Tensor | None:
+    def _act_order(self, g_idx: torch.Tensor) -> torch.Tensor | None:
         """The input permutation that sorts K by group (None: already sorted); raises if the fused parts'
         g_idx differ or a group does not hold exactly group_size columns."""
         if not all(torch.equal(g_idx[0], part) for part in g_idx[1:]):

@@ -21,6 +21,7 @@ from kernels.attention_backend import AttentionBackend
 from kernels.layer_ops import LayerOps
 from service_runtime.load_refusal import LoadRefused
 from worker_svc.layers.fp8_linear import has_fp8_tensor_cores
+from worker_svc.integer_quantization import IntegerScheme
 from worker_svc.layers.fused_moe import FusedMoE
 from worker_svc.layers.linear_method import choose_linear_method
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -89,8 +90,9 @@ def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype
     `config.quantization` chooses, unless the checkpoint `ignore`s the layer. A fused layer (q|k|v) is
     quantized only if none of its checkpoint projections is ignored, and refused if only some are; a layer
     whose shard the method cannot hold (a split packed int32 or group) is refused naming it. A MoE block's
-    experts (FP8 only: ModelConfig refuses other methods there) are quantized alike, all of a block or none;
-    its router never is."""
+    experts (FP8 or weight-only integer: ModelConfig refuses INT8 W8A8 there) are quantized alike, all of a block or none;
+    its router never is. Integer experts (worker_svc/layers/wna16_experts.py) are refused naming the block when
+    act-order or this rank's share of the intermediate size cannot be served."""
     if config.quantization is None:
         return
     method = choose_linear_method(config.quantization, device)
@@ -108,6 +110,14 @@ def set_linear_methods(model: nn.Module, config: ModelConfig, dtype: torch.dtype
         if any(ignored):
             raise ValueError(f"the checkpoint's quantization ignore list leaves some of {sources} unquantized, but "
                              f"they are fused into one matmul ({name}); ignore all of them or none")
+        if isinstance(module, FusedMoE) and isinstance(config.quantization, IntegerScheme):
+            try:
+                with torch.device("meta"):
+                    module.quantize_integer(config.quantization, dtype)
+            except ValueError as error:
+                raise ValueError(f"{config.quantization.describe()} cannot serve the experts of {name} over "
+                                 f"{tensor_parallel.world_size} tensor-parallel rank(s): {error}") from None
+            continue
         if isinstance(module, FusedMoE):
             if device.type == "cuda" and not has_fp8_tensor_cores(device):
                 raise ValueError(f"{config.quantization.describe()} MoE experts need a GPU of compute capability "
@@ -158,8 +168,11 @@ def _fill_random(model: nn.Module) -> None:
     for name, parameter in model.named_parameters():
         generator = torch.Generator(device=parameter.device).manual_seed(zlib.crc32(name.encode()))
         module_name, _, kind = name.rpartition(".")
-        method = getattr(modules[module_name], "linear_method", None)
-        if hasattr(method, "fill_random") and kind != "bias":  # an integer method's own tensors
+        module = modules[module_name]
+        method = getattr(module, "linear_method", None)
+        if isinstance(module, FusedMoE) and module.integer is not None:
+            module.integer.fill_random(kind, parameter, generator)  # integer experts' tensors
+        elif hasattr(method, "fill_random") and kind != "bias":  # an integer method's own tensors
             method.fill_random(kind, parameter, generator)
         elif name.endswith("_scale"):  # an FP8 layer's scales: its float8 weights N(0, 1) dequantize to N(0, 0.02)
             parameter.fill_(0.02)

@@ -4,8 +4,9 @@ MLP of some layers, and the mapping of the checkpoints' expert names onto the bl
 Who owns what: a family file (mixtral.py, qwen3_moe.py) reads its config.json keys into a `MoeShape` and
 refuses what it does not support; this class builds the blocks (worker_svc/layers/fused_moe.py) and loads
 them. Our parameters are `model.layers.L.mlp.{gate.weight, w13_weight, w2_weight}` whatever the family calls
-the block (Mixtral's hub files say `block_sparse_moe`; transformers 5 renames it `mlp` too), and for an FP8
-checkpoint `w13_scale`, `w2_scale`, filled from each expert projection's `weight_scale`.
+the block (Mixtral's hub files say `block_sparse_moe`; transformers 5 renames it `mlp` too), for an FP8
+checkpoint `w13_scale`, `w2_scale`, filled from each expert projection's `weight_scale`, and for an integer one
+`w13_<tensor>`, `w2_<tensor>` from each expert projection's `<tensor>` (qweight, scales, ...: FusedMoE.parameter_kind).
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.tensor_parallel import TensorParallel
 
-# model.layers.L.<block>.experts.N.<projection>.weight (hub files; an FP8 checkpoint's also .weight_scale) /
-# model.layers.L.<block>.experts.<stacked> (transformers 5's in-memory layout) / model.layers.L.<block>.gate.weight
-# (the router)
-PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale)")
+# model.layers.L.<block>.experts.N.<projection>.<tensor> (hub files: .weight; an FP8 checkpoint's also
+# .weight_scale; an integer one's .qweight, .scales, ...) / model.layers.L.<block>.experts.<stacked> (transformers
+# 5's in-memory layout) / model.layers.L.<block>.gate.weight (the router)
+PER_EXPERT = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(\d+)\.(\w+)\.(\w+)")
 STACKED = re.compile(r"(model\.layers\.\d+)\.(\w+)\.experts\.(gate_up_proj|down_proj)")
 ROUTER = re.compile(r"(model\.layers\.\d+)\.(\w+)\.gate\.weight")
 # Our parameters of a block.
-BLOCK_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.(w13_weight|w2_weight|w13_scale|w2_scale|gate\.weight)")
+BLOCK_PARAM = re.compile(r"(model\.layers\.\d+)\.mlp\.((?:w13|w2)_\w+|gate\.weight)")
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             if projection not in self.expert_projections:
                 raise ValueError(f"checkpoint tensor {name!r}: expert projection {projection!r} is not one of "
                                  f"{self.expert_projections} (gate, up, down)")
-            gate, up, _ = self.expert_projections
-            kind = ("w13" if projection in (gate, up) else "w2") + ("_scale" if tensor == "weight_scale" else "_weight")
+            gate, up, down = self.expert_projections
+            kind = self.get_submodule(f"{layer}.mlp").parameter_kind(tensor, down=projection == down)
             return f"{layer}.mlp.{kind}", (int(expert), UP if projection == up else GATE)
         if (match := self._block_match(STACKED, name)) is not None:
             layer, _, stacked = match.groups()
@@ -101,7 +102,7 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
             return [f"{block}.gate.weight"]
         gate, up, down = self.expert_projections
         projections = [down] if kind.startswith("w2") else [gate, up]
-        tensor = "weight_scale" if kind.endswith("_scale") else "weight"
+        tensor = FusedMoE.checkpoint_kind(kind)
         num_experts = self.moe_shape(self.config).num_experts
         return [f"{block}.experts.{e}.{p}.{tensor}" for e in range(num_experts) for p in projections]
 
