@@ -56,16 +56,17 @@ class SpeculativeConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SpeculativeConfig:
-        """From vLLM's keys, refusing other methods and unknown keys by name (ValueError)."""
-        unknown = sorted(set(options) - set(_KEYS))
-        if unknown:
-            raise ValueError(f"unsupported key(s) {', '.join(unknown)} (served: {', '.join(_KEYS)})")
+        """From vLLM's keys, refusing other methods (first: a draft model's config has its own keys) and unknown
+        keys by name (ValueError)."""
         method = options.get("method")
         if method is None:
             raise ValueError("method is required (served: ngram)")
         if method not in NGRAM_METHODS:
             kind = "needs a draft model or heads, not served yet" if method in MODEL_METHODS else "unknown"
             raise ValueError(f"method {method!r}: {kind} (served: ngram)")
+        unknown = sorted(set(options) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"unsupported key(s) {', '.join(unknown)} (served: {', '.join(_KEYS)})")
         if "num_speculative_tokens" not in options:
             raise ValueError("num_speculative_tokens is required")
         for key in _KEYS[1:]:
