@@ -1,0 +1,119 @@
+"""Lone-request TPOT with n-gram speculative decoding against speculation off, per number of draft tokens k, on a
+model shape (benchmarks/model_shapes.py) with two kinds of weights, in one run:
+
+- **repeater** (acceptance about 1, the mechanism's ceiling): the shape's checkpoint with tied random embeddings
+  and every layer's o_proj and down_proj zero, so each layer adds nothing and the model predicts the token it
+  was given (its embedding is nearest itself): greedy output repeats the prompt's last token, and after a few
+  tokens the n-gram proposer's drafts are all kept. Written once as safetensors (nothing can be downloaded on a
+  lent GPU machine, and random weights never copy).
+- **random** (`--load-format dummy`, acceptance about 0): what a step with drafts costs when none is kept.
+
+Per (weights, k): TPOT of one greedy request on the idle engine (gaps between stream chunks divided by the tokens
+each chunk carries, so a chunk of several accepted tokens counts per token), the mean tokens per verification
+step (1 + accepted / drafts, from the spec_decode counters), and the ratio to speculation off. Issue 37's targets:
+repeater with k = 4 on the 8B shape <= 0.45x off; random: cost per step <= 1.10x off.
+
+    python -m benchmarks.speculative_tpot --shape llama-3.1-8b --out $OUT   # on a lent GPU machine
+    python -m benchmarks.speculative_tpot --shape tiny --device cpu --out /tmp/spec   # the script's own check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from client import AsyncClient, Client
+from pagedserve.llm import LLM
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18] * 8  # a repeated pattern: the proposer finds matches at once
+OUTPUT_LEN = 128
+WARMUP_LEN = 16
+
+
+def write_repeater(shape: str, directory: Path, device: str) -> Path:
+    """The shape's checkpoint whose layers add nothing (o_proj and down_proj zero; embeddings tied)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.model_shapes import hf_config
+
+    config = hf_config(shape, tie_word_embeddings=True)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                parameter.zero_()
+    model.save_pretrained(directory)
+    return directory
+
+
+async def _lone_tpot(target: str, max_tokens: int) -> float:
+    """Seconds per output token of one greedy stream (first chunk excluded: it carries the prefill)."""
+    stamps, counts = [], []
+    async with AsyncClient(target) as client:
+        async for chunk in client.generate_stream(PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
+            stamps.append(time.perf_counter())
+            counts.append(len(chunk.token_ids))
+    return (stamps[-1] - stamps[0]) / max(1, sum(counts[1:]))
+
+
+def measure(model: str, k: int, options: dict) -> dict:
+    """One engine: k draft tokens (0: speculation off); TPOT (median of 3 lone requests) and acceptance."""
+    if k:
+        options = {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
+                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+    with LLM(model, **options) as llm:
+        asyncio.run(_lone_tpot(llm.target, WARMUP_LEN))  # compiles, graphs
+        tpots = [asyncio.run(_lone_tpot(llm.target, OUTPUT_LEN)) for _ in range(3)]
+        with Client(llm.target) as client:
+            stats = client.stats()
+    drafts = stats.spec_decode_num_drafts
+    return {"k": k, "tpot_ms": 1e3 * statistics.median(tpots), "tpot_runs_ms": [1e3 * t for t in tpots],
+            "drafts": drafts, "draft_tokens": stats.spec_decode_num_draft_tokens,
+            "accepted_tokens": stats.spec_decode_num_accepted_tokens,
+            "tokens_per_verification": 1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else None}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.1-8b", help="a benchmarks/model_shapes.py shape, or 'tiny'")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp())
+    options = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
+               "max_model_len": 1024}
+    if args.shape == "tiny":  # the script's own check on the CPU: a test-sized Llama
+        from pagedserve.testing.tiny_models import make_tiny_model
+
+        random_model = repeater = str(make_tiny_model(work, "llama", seed=1, tie_word_embeddings=True))
+        options["max_model_len"] = 512  # the tiny model's limit
+        random_options = dict(options)
+    else:
+        from benchmarks.model_shapes import write_config_dir
+
+        random_model = str(write_config_dir(args.shape, work / "random"))
+        repeater = str(write_repeater(args.shape, work / "repeater", args.device))
+        random_options = {**options, "load_format": "dummy"}
+    report = {"shape": args.shape, "device": args.device, "runs": {}}
+    for weights, model, engine_options in (("repeater", repeater, options), ("random", random_model, random_options)):
+        runs = [measure(model, k, engine_options) for k in [0, *args.ks]]
+        off = runs[0]["tpot_ms"]
+        for run in runs:
+            run["tpot_over_off"] = run["tpot_ms"] / off
+        report["runs"][weights] = runs
+        print(weights, json.dumps(runs), flush=True)
+    (args.out / f"speculative_tpot_{args.shape}.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
