@@ -35,14 +35,12 @@ OUTPUT_LEN = 128
 WARMUP_LEN = 16
 
 
-def write_repeater(shape: str, directory: Path, device: str) -> Path:
-    """The shape's checkpoint whose layers add nothing (o_proj and down_proj zero; embeddings tied)."""
+def write_repeater(config, directory: Path, device: str) -> Path:
+    """A checkpoint of the transformers `config` (tied embeddings) whose layers add nothing (o_proj and down_proj
+    zero): checked on the CPU, a tiny one repeats the prompt's last token."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from benchmarks.model_shapes import hf_config
-
-    config = hf_config(shape, tie_word_embeddings=True)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -92,17 +90,21 @@ def main() -> int:
     options = {"device": args.device, "dtype": "bfloat16" if args.device == "cuda" else "float32",
                "max_model_len": 1024}
     if args.shape == "tiny":  # the script's own check on the CPU: a test-sized Llama
-        from pagedserve.testing.tiny_models import make_tiny_model
+        from transformers import LlamaConfig
 
-        random_model = repeater = str(make_tiny_model(work, "llama", seed=1, tie_word_embeddings=True))
-        options["max_model_len"] = 512  # the tiny model's limit
-        random_options = dict(options)
+        config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                             architectures=["LlamaForCausalLM"])
+        config.save_pretrained(work / "random")
+        random_model = str(work / "random")
     else:
-        from benchmarks.model_shapes import write_config_dir
+        from benchmarks.model_shapes import hf_config, write_config_dir
 
+        config = hf_config(args.shape, tie_word_embeddings=True)
         random_model = str(write_config_dir(args.shape, work / "random"))
-        repeater = str(write_repeater(args.shape, work / "repeater", args.device))
-        random_options = {**options, "load_format": "dummy"}
+    repeater = str(write_repeater(config, work / "repeater", args.device))
+    random_options = {**options, "load_format": "dummy"}
     report = {"shape": args.shape, "device": args.device, "runs": {}}
     for weights, model, engine_options in (("repeater", repeater, options), ("random", random_model, random_options)):
         runs = [measure(model, k, engine_options) for k in [0, *args.ks]]

@@ -31,13 +31,15 @@ def test_no_match_no_drafts_and_min_n_bounds_the_search():
     assert propose_ngram_drafts([1, 2, 1, 2], 1, 2, 0) == []
 
 
-def test_k_caps_the_drafts_and_the_tokens_end_them():
+def test_k_caps_the_drafts_and_past_the_known_tokens_the_period_goes_on():
     assert propose_ngram_drafts([1, 2, 3, 4, 5, 6, 1, 2], 1, 2, 2) == [3, 4]
-    assert propose_ngram_drafts([1, 2, 3, 1, 2], 2, 2, 10) == [3, 1, 2]
+    # [1, 2] recurs 3 tokens later: after the known [3, 1, 2] the drafts go on with period 3 (vLLM stops there).
+    assert propose_ngram_drafts([1, 2, 3, 1, 2], 2, 2, 7) == [3, 1, 2, 3, 1, 2, 3]
 
 
 def test_an_overlapping_occurrence_counts_a_repeated_token_continues_itself():
-    assert propose_ngram_drafts([4, 4, 4, 4], 1, 3, 2) == [4]  # [4, 4, 4] at 0, followed by the last 4
+    # [4, 4, 4] at 0, followed by the last 4; the period is 1: a run of one token proposes k of it.
+    assert propose_ngram_drafts([4, 4, 4, 4], 1, 3, 3) == [4, 4, 4]
 
 
 def test_a_few_thousand_tokens_cost_little():

@@ -6,7 +6,10 @@ way it continued then; proposing that continuation costs no model and the worker
 
 The rule (vLLM's): find the longest suffix of the tokens, n from `max_n` down to `min_n`, that also occurred
 earlier; propose the up to `k` tokens that followed its most recent earlier occurrence. No occurrence: no
-drafts. Cost per call: for each n, one backwards scan for the suffix's last token, comparing the n-gram only
+drafts. One difference: when that continuation runs into the end of the known tokens (the occurrence is less
+than k tokens back, as in a repeated token or a short repeated phrase), vLLM proposes fewer tokens; we go on
+with the same period (the suffix recurs every P tokens, so token i of the proposal is the one P before it),
+which is what a repeating output does next: k drafts instead of one in a run of one repeated token. Cost per call: for each n, one backwards scan for the suffix's last token, comparing the n-gram only
 where that token matches (`list.index` on a reversed view is C speed), so a few thousand tokens take well
 under a millisecond unless the text is one token repeated, where the first candidate already matches.
 """
@@ -25,7 +28,11 @@ def propose_ngram_drafts(token_ids: list[int], min_n: int, max_n: int, k: int) -
         start = _last_earlier_occurrence(token_ids, reversed_ids, n)
         if start is not None:
             follow = start + n
-            return token_ids[follow : follow + k]
+            drafts = token_ids[follow : follow + k]
+            period = num_tokens - follow  # the suffix recurs every `period` tokens
+            while len(drafts) < k:  # the slice held every known token after the occurrence: `period` of them
+                drafts.append(drafts[len(drafts) - period])
+            return drafts
     return []
 
 
