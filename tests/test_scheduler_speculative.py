@@ -152,7 +152,8 @@ def test_drafts_never_take_a_request_past_max_tokens_or_max_model_len():
 
 @pytest.mark.parametrize("params", [dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
                                     dict(repetition_penalty=1.1), dict(logprobs=1), dict(min_tokens=5),
-                                    dict(bad_words_token_ids=((3,),)), dict(structured_grammar="start: x")])
+                                    dict(bad_words_token_ids=((3,),)), dict(structured_grammar="start: x"),
+                                    dict(stop=("x",))])
 def test_only_requests_that_sample_plainly_get_drafts(params):
     scheduler, worker = make(k=3)
     scheduler.add_request(request("plain"))

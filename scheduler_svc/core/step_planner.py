@@ -40,7 +40,7 @@ Policy, per step:
    forward: slots for 1 + d tokens, d capped so that even if all are accepted the request stays within
    max_tokens and max_model_len, and 0 when the pool has no free block for them (drafts never preempt).
    Only a request whose newest token is known (no token in flight) and that samples plainly gets drafts: no
-   penalties, bad words, grammar or logprobs, min_tokens reached (the worker verifies drafts by sampling at
+   penalties, bad words, grammar, logprobs or stop strings, min_tokens reached (the worker verifies drafts by sampling at
    each position: docs/speculative_decoding.md). A request with drafts in flight is neither
    planned nor preempted until its result is applied (for at most the one step that verifies them).
 
@@ -423,7 +423,9 @@ class StepPlanner:
 def samples_plainly(request: Request) -> bool:
     """Whether the worker's verification of drafts is exactly its plain sampling for this request: no state
     that depends on the tokens before each position beyond the model's input (penalties, bad words, a grammar),
-    no per-token logprobs to report, no masked stop ids (min_tokens reached), not a beam row."""
+    no per-token logprobs to report, no masked stop ids (min_tokens reached), not a beam row. Nor stop strings:
+    they are found on the text after the step is applied, too late to drop the accepted tokens after one
+    (the stream would cut its text there, but token_ids and completion_tokens would keep them)."""
     params = request.sampling_params
     return (
         not request.num_beam_candidates
@@ -433,6 +435,7 @@ def samples_plainly(request: Request) -> bool:
         and params.repetition_penalty == 1.0
         and not params.bad_words_token_ids
         and not params.structured_grammar
+        and not params.stop
         and params.logprobs is None
         and request.num_output_tokens >= params.min_tokens
     )
