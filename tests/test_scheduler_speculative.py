@@ -234,3 +234,64 @@ def test_the_plan_codec_carries_drafts_out_and_accepted_counts_back():
     result.sampled.num_accepted_drafts.extend([3, 0])
     outcome = decode_step_result(result)
     assert outcome.sampled == {"a": 12, "b": 5} and outcome.accepted_drafts == {"a": 3}
+
+
+class _FakeWorkerLink:
+    """The engine's WorkerLink, with the fake worker running each plan when its result is asked for."""
+
+    last_result_wait_s = 0.0
+
+    def __init__(self, worker: FakeWorker, outputs: dict) -> None:
+        self._worker, self._outputs = worker, outputs
+
+    async def send_plan(self, plan) -> None:
+        pass
+
+    async def send_cancels(self, request_ids) -> None:
+        pass
+
+    async def receive_result(self, step_id: int):
+        from protos.pagedserve.v1 import worker_pb2
+
+        sampled = self._worker.execute(self._outputs[step_id])
+        result = worker_pb2.StepResult()
+        result.sampled.request_ids.extend(sampled)
+        result.sampled.token_ids.extend(sampled.values())
+        result.sampled.logprobs.extend([0.0] * len(sampled))
+        result.sampled.num_accepted_drafts.extend(self._worker.accepted_drafts.get(rid, 0) for rid in sampled)
+        return result
+
+
+def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended():
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+
+    scheduler, worker = make(k=3)
+    outputs = {}
+    schedule = scheduler.schedule
+
+    def recorded_schedule():
+        output = schedule()
+        outputs[output.step_id] = output
+        return output
+
+    scheduler.schedule = recorded_schedule
+    engine = Engine(scheduler, _FakeWorkerLink(worker, outputs), None, eos_token_ids=(0,))
+    # 13, then 14 15 11 drafted and all accepted (and 12 sampled after them): the stop id 15 drops 11 and 12.
+    r = Request("a", [11, 12, 13, 14, 15, 11, 12], SamplingParams(max_tokens=50, seed=1, stop_token_ids=(15,)))
+    scheduler.add_request(r)
+
+    async def run_until_finished():
+        loop = asyncio.create_task(engine.run())
+        while scheduler.has_unfinished_requests() or scheduler.num_steps_in_flight:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(run_until_finished())
+    assert scheduler.spec_decode_stats.num_accepted_tokens == 3
+    assert r.output_token_ids == [13, 14, 15]
+    assert engine.serving_metrics().num_generation_tokens == 3
