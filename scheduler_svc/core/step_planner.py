@@ -344,8 +344,8 @@ class StepPlanner:
             if request.prefill_only or request.num_beam_candidates:
                 state.reporting_in_flight.add(request_id)
             else:
-                if num_new_tokens == 1 and not request.num_pending_tokens and draft.scheduled_requests and (
-                    draft.scheduled_requests[-1].request_id == request_id
+                if self._speculative is not None and num_new_tokens == 1 and not request.num_pending_tokens and (
+                    draft.scheduled_requests and draft.scheduled_requests[-1].request_id == request_id
                 ):
                     draft.decodes.append((request, len(draft.scheduled_requests) - 1))
                 request.num_pending_tokens += 1
