@@ -43,7 +43,15 @@ def step(scheduler, worker):
     sampled = worker.execute(output)
     updated = scheduler.update_from_output(output, sampled, worker.accepted_drafts)
     scheduler.block_manager.check_invariants()
+    assert_worker_tables_match(scheduler, worker)
     return output, updated
+
+
+def assert_worker_tables_match(scheduler, worker):
+    """Every row the worker holds for a live request has the scheduler's block table for it."""
+    for request_id, row in worker.rows.items():
+        if scheduler.get_request(request_id) is not None:
+            assert row.block_ids == scheduler.block_manager.block_table(request_id), request_id
 
 
 def run(scheduler, worker, *requests):
@@ -78,23 +86,34 @@ def test_a_repeating_output_is_drafted_accepted_and_equals_the_output_without_sp
 
 
 def test_rejected_drafts_are_dropped_their_blocks_freed_and_accepted_blocks_cached():
-    # The model ends the cycle with 99 -> 7: drafts proposed from the prompt's continuation get rejected there.
+    # The model ends the cycle with 99 -> 7 at position 8: drafts proposed from the prompt get rejected there.
     def model(seed, tokens):
-        return 99 if len(tokens) == 10 else cyclic_model(seed, tokens)
+        return 99 if len(tokens) == 8 else cyclic_model(seed, tokens)
 
-    plain, spec = request("a", max_tokens=12), request("a", max_tokens=12)
+    prompt = (11, 12, 13, 14, 15, 11)
+    plain, spec = request("a", prompt, max_tokens=12), request("a", prompt, max_tokens=12)
     run(*make(k=0, model=model), plain)
     scheduler, worker = make(k=3, model=model)
     scheduler.add_request(spec)
-    step(scheduler, worker)  # the prompt (7 tokens) and the first token, 13
-    output, _ = step(scheduler, worker)  # computes 13 with drafts 14 15 11; position 10 samples 99: 2 accepted
-    assert drafts_of(output) == {"a": (14, 15, 11)}
-    assert worker.accepted_drafts == {"a": 2}
-    assert spec.output_token_ids == [13, 14, 15, 99]
-    assert spec.num_computed_tokens == 10  # 7 + 13 + the two accepted drafts
-    assert len(scheduler.block_manager.block_table("a")) == 3  # the block of the rejected draft's slot is freed
+    step(scheduler, worker)  # the prompt (6 tokens) and the first token, 12
+    table_before = list(scheduler.block_manager.block_table("a"))
+    output = scheduler.schedule()  # computes 12 (position 6) with drafts 13 14 15 (positions 7, 8, 9)
+    assert drafts_of(output) == {"a": (13, 14, 15)}
+    (data,) = output.scheduled_requests
+    assert len(table_before) == 2 and len(data.new_block_ids) == 1  # a third block, for positions 8 and 9
+    sampled = worker.execute(output)
+    assert worker.accepted_drafts == {"a": 1}  # position 8 samples 99
+    scheduler.update_from_output(output, sampled, worker.accepted_drafts)
+    scheduler.block_manager.check_invariants()
+    assert spec.output_token_ids == [12, 13, 99]
+    assert spec.num_computed_tokens == 8  # 6 + 12 + the accepted draft 13
+    assert scheduler.block_manager.block_table("a") == table_before  # the rejected drafts' block is freed
+    assert_worker_tables_match(scheduler, worker)
     cached = set(scheduler.block_manager.cached_blocks().values())
-    assert scheduler.block_manager.block_table("a")[1] in cached  # positions 4..7, completed by accepted drafts
+    assert table_before[1] in cached  # positions 4..7, completed by the accepted draft
+    output, _ = step(scheduler, worker)  # 99 at position 8: a new block, appended after the kept two
+    (data,) = output.scheduled_requests
+    assert len(data.new_block_ids) == 1 and len(scheduler.block_manager.block_table("a")) == 3
     while scheduler.has_unfinished_requests():
         step(scheduler, worker)
     assert spec.output_token_ids == plain.output_token_ids
