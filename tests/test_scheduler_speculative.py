@@ -1,7 +1,9 @@
 """Speculative decoding in the scheduler: n-gram drafts for eligible plain decodes only, slots for 1 + d
 tokens, the budget and length caps, the batch-size switch, no plan while drafts are in flight; results with
 0..d drafts accepted, a stop inside an accepted run, rejected drafts' blocks freed, accepted blocks cached;
-and the whole output the same as without speculation, on a fake worker that verifies drafts. Pure Python."""
+no planning ahead while a small batch speculates; abort, worker loss and victim selection while drafts are in
+flight; the engine's generation-token count; and the whole output the same as without speculation, on a fake
+worker that verifies drafts and whose block tables must equal the scheduler's after every step. Pure Python."""
 
 from __future__ import annotations
 
@@ -225,6 +227,89 @@ def test_a_request_with_drafts_in_flight_is_not_planned_until_its_result_is_appl
     assert drafts_of(scheduler.schedule()) == {"a": (13, 14, 15)}
 
 
+def async_scheduler(num_gpu_blocks=64, disable_by_batch_size=8, max_steps_in_flight=2):
+    limits = SchedulerLimits(8, 64, 256)
+    spec = SpeculativeConfig(3, 3, 1, disable_by_batch_size)
+    scheduler = Scheduler(limits, BlockManager(4, num_gpu_blocks, 0), max_steps_in_flight, speculative=spec)
+    return scheduler, FakeWorker(4, num_gpu_blocks, 0, model=cyclic_model)
+
+
+def test_a_small_batch_that_speculates_is_not_planned_ahead():
+    scheduler, _ = async_scheduler(disable_by_batch_size=2)
+    for name in "ab":
+        scheduler.add_request(request(name))
+    scheduler.schedule()
+    assert scheduler.num_running == 2 and scheduler.max_steps_ahead() == 1
+    scheduler.add_request(request("c"))
+    scheduler.schedule()
+    assert scheduler.num_running == 3 and scheduler.max_steps_ahead() == 2  # above disable_by_batch_size
+    plain = Scheduler(SchedulerLimits(8, 64, 256), BlockManager(4, 64, 0), max_steps_in_flight=2)
+    plain.add_request(request("a"))
+    plain.schedule()
+    assert plain.max_steps_ahead() == 2
+
+
+def test_an_abort_while_drafts_are_in_flight_frees_everything_and_skips_the_result():
+    scheduler, worker = async_scheduler()
+    r = request("a")
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    with_drafts = scheduler.schedule()
+    assert drafts_of(with_drafts) == {"a": (14, 15, 11)}
+    assert scheduler.abort_request("a")
+    assert scheduler.take_worker_cancels() == ["a"]  # its verification step may be dropped by the worker
+    assert r.draft_token_ids == () and scheduler.block_manager.num_used_gpu_blocks == 0
+    sampled = worker.execute(with_drafts)  # the worker ran it anyway
+    assert scheduler.update_from_output(with_drafts, sampled, worker.accepted_drafts) == []
+    assert r.output_token_ids == [13] and scheduler.spec_decode_stats.num_drafts == 0
+    scheduler.block_manager.check_invariants()
+    assert len(scheduler.block_manager.cached_blocks()) == 1  # positions 0..3; 4..7 was to be completed by 13
+
+
+def test_a_worker_loss_while_drafts_are_in_flight_recomputes_without_them():
+    plain = request("a")
+    run(*make(k=0), plain)
+    scheduler, worker = async_scheduler()
+    r = request("a")
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    assert drafts_of(scheduler.schedule()) == {"a": (14, 15, 11)}
+    (lost,) = scheduler.recover_from_worker_loss(BlockManager(4, 64, 0))
+    assert (lost.request_id, lost.num_output_tokens, lost.num_lost_samples, lost.joined) == ("a", 1, 1, False)
+    assert r.draft_token_ids == () and r.num_computed_tokens == 0 and r.output_token_ids == [13]
+    assert scheduler.num_steps_in_flight == 0
+    worker = FakeWorker(4, 64, 0, model=cyclic_model)
+    first = scheduler.schedule()  # the prompt and 13 recomputed; drafts again once its next token is back
+    assert drafts_of(first) == {} and first.num_scheduled_tokens() == {"a": 8}
+    scheduler.update_from_output(first, worker.execute(first), worker.accepted_drafts)
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    assert r.output_token_ids == plain.output_token_ids
+
+
+def test_a_request_with_drafts_in_flight_is_never_a_victim():
+    # b (earlier, penalised: no drafts) decodes each step; a's drafts take the pool's last free block.
+    scheduler, worker = async_scheduler(num_gpu_blocks=5)
+    b = request("b", prompt=(1, 2, 3, 4, 5, 6, 7), max_tokens=5, presence_penalty=0.5)
+    a = request("a", max_tokens=10)
+    scheduler.add_request(b)
+    scheduler.add_request(a)
+    step(scheduler, worker)
+    with_drafts = scheduler.schedule()
+    assert drafts_of(with_drafts) == {"a": (14, 15, 11)} and scheduler.block_manager.num_free_gpu_blocks == 0
+    ahead = scheduler.schedule()  # b's next decode needs a block: not a's, whose drafts are being verified
+    assert ahead.preempted_request_ids == ("b",) and ahead.total_num_scheduled_tokens == 0
+    assert a.draft_token_ids == (14, 15, 11) and scheduler.num_running == 1 and scheduler.num_waiting == 1
+    sampled = worker.execute(with_drafts)
+    accepted = worker.accepted_drafts
+    worker.execute(ahead)  # the worker drops b's row (the engine sends a plan that carries block work)
+    scheduler.update_from_output(with_drafts, sampled, accepted)
+    assert a.output_token_ids == [13, 14, 15, 11, 12]
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    assert a.output_token_ids == [13, 14, 15, 11, 12, 13, 14, 15, 11, 12] and len(b.output_token_ids) == 5
+
+
 def test_a_request_with_a_token_in_flight_gets_no_drafts():
     limits = SchedulerLimits(8, 64, 256)
     scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2,
@@ -281,16 +366,18 @@ class _FakeWorkerLink:
         return result
 
 
-def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended():
+def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended_and_never_plans_ahead():
     import asyncio
 
     from scheduler_svc.engine import Engine
 
-    scheduler, worker = make(k=3)
+    scheduler, worker = async_scheduler()  # max_steps_in_flight 2, but a small batch speculates
     outputs = {}
     schedule = scheduler.schedule
+    steps_in_flight_when_planning = []
 
     def recorded_schedule():
+        steps_in_flight_when_planning.append(scheduler.num_steps_in_flight)
         output = schedule()
         outputs[output.step_id] = output
         return output
@@ -314,3 +401,4 @@ def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended():
     assert scheduler.spec_decode_stats.num_accepted_tokens == 3
     assert r.output_token_ids == [13, 14, 15]
     assert engine.serving_metrics().num_generation_tokens == 3
+    assert set(steps_in_flight_when_planning) == {0}
