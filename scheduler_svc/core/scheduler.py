@@ -349,8 +349,7 @@ class Scheduler:
         """How many planned steps may wait for their results now: `max_steps_in_flight`, but 1 (plan, wait,
         apply, plan) while speculation is on and at most its disable_by_batch_size requests run, since drafts
         are proposed only from a request's newest token (docs/speculative_decoding.md)."""
-        speculative = self.speculative
-        if speculative is not None and self.num_running <= speculative.disable_by_batch_size:
+        if self.speculative is not None and self.speculative.is_on_for(self.num_running):
             return 1
         return self.max_steps_in_flight
 

@@ -110,7 +110,7 @@ class StepPlanner:
         self._schedule_running(draft)
         if not draft.num_preempted:
             self._schedule_inactive(draft)
-        if self._speculative is not None and len(self._state.running) <= self._speculative.disable_by_batch_size:
+        if self._speculative is not None and self._speculative.is_on_for(len(self._state.running)):
             self._add_drafts(draft, self._speculative)
         return SchedulerOutput(
             step_id=step_id,
