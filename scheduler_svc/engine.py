@@ -101,7 +101,8 @@ class Engine:
         # Poison requests: which requests worker losses are blamed on, and which of them wait for their turn.
         self._suspects = WorkerLossSuspects(MAX_WORKER_LOSSES_PER_REQUEST)
         self._sent: deque[SchedulerOutput] = deque()  # the running loop's plans whose results are not back
-        self._applied: tuple[list[Request], object] | None = None  # a result applied, not yet published (`run`)
+        # A result applied, not yet published (`run`): updated requests, outcome, appended drafts (`_publish`).
+        self._applied: tuple[list[Request], object, list[str]] | None = None
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
         self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
@@ -276,18 +277,26 @@ class Engine:
         timer.mark("wait_for_result")
         timer.add("of_which_read_not_taken", self._link.last_result_wait_s)
         outcome = decode_step_result(result)
-        updated = self._scheduler.update_from_output(output, outcome.sampled, outcome.accepted_drafts)
-        self._applied = (updated, outcome)
+        scheduler = self._scheduler
+        # Rows with accepted drafts: how many output tokens each had, to count those it actually appended.
+        drafted = [(request, request.num_output_tokens) for request_id in outcome.accepted_drafts
+                   if (request := scheduler.get_request(request_id)) is not None]
+        updated = scheduler.update_from_output(output, outcome.sampled, outcome.accepted_drafts)
+        # A stop inside an accepted run drops the rest (the sampled token included); a request that left
+        # before its result appends nothing. Its sampled token counts as without speculation, once.
+        appended_drafts = [request.request_id for request, before in drafted
+                           for _ in range(request.num_output_tokens - before - 1)]
+        self._applied = (updated, outcome, appended_drafts)
         timer.mark("update")
 
     def _publish_applied(self) -> bool:
         """Publishes the applied result not yet published, if any; returns whether there was one."""
         if self._applied is None:
             return False
-        (updated, outcome), self._applied = self._applied, None
+        (updated, outcome, appended_drafts), self._applied = self._applied, None
         timer = self.step_timer
         timer.resume()
-        self._publish(updated, outcome)
+        self._publish(updated, outcome, appended_drafts)
         timer.mark("publish")
         return True
 
@@ -369,13 +378,13 @@ class Engine:
             if command.finished:  # a group with nothing to compute (prompt_only.py: a one-token prompt)
                 self._forget(command, FinishReason.LENGTH)
 
-    def _publish(self, updated: list[Request], outcome) -> None:
+    def _publish(self, updated: list[Request], outcome, appended_drafts: list[str]) -> None:
+        """`appended_drafts`: a request's id once per accepted draft token it appended."""
         owners = self._context.owners
         suspects_changed = False
         for member_id, reason in outcome.failed.items():  # first: their last token is not to be streamed
             self._fail(member_id, f"structured output failed: {reason}")
-        accepted = (member_id for member_id, count in outcome.accepted_drafts.items() for _ in range(count))
-        self._metrics.on_step([*outcome.sampled, *accepted, *outcome.beam_candidates], owners)  # one per token
+        self._metrics.on_step([*outcome.sampled, *appended_drafts, *outcome.beam_candidates], owners)  # one per token
         for member_id, chunk in outcome.prompt_logprobs.items():  # prefill chunks are not in `updated`
             group = owners.get(member_id)
             if group is not None:

@@ -54,6 +54,10 @@ class SpeculativeConfig:
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
 
+    def is_on_for(self, num_running: int) -> bool:
+        """Whether a step with `num_running` running requests speculates (drafts, and no planning ahead)."""
+        return num_running <= self.disable_by_batch_size
+
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SpeculativeConfig:
         """From vLLM's keys, refusing other methods (first: a draft model's config has its own keys) and unknown

@@ -13,7 +13,8 @@ a pure function of (seed, position), so a request's output does not depend on ba
 `expected_output` can predict it; a beam row (num_beam_candidates > 0) samples nothing and returns that many
 distinct candidates, also a pure function of (seed, position). A row with draft tokens is verified as the
 real worker does it: sampled at each draft position, drafts kept while they equal the samples
-(`accepted_drafts`), its row cut back to the kept ones and the token sampled after them.
+(`accepted_drafts`), its row cut back to the kept ones and the token sampled after them, its block table to the
+blocks of its computed tokens.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class FakeWorker:
                 del row.token_ids[first + num_accepted :]
                 row.token_ids.append(token)
                 row.num_computed_tokens = first + num_accepted
+                # The scheduler frees the blocks held only for rejected drafts: the table covers the computed
+                # tokens again, and the next plan's new blocks are appended after them (as the worker does).
+                del row.block_ids[-(-row.num_computed_tokens // self.block_size) :]
                 sampled[request_id] = token
                 self.accepted_drafts[request_id] = num_accepted
                 continue

@@ -1,7 +1,9 @@
 """Speculative decoding in the scheduler: n-gram drafts for eligible plain decodes only, slots for 1 + d
 tokens, the budget and length caps, the batch-size switch, no plan while drafts are in flight; results with
 0..d drafts accepted, a stop inside an accepted run, rejected drafts' blocks freed, accepted blocks cached;
-and the whole output the same as without speculation, on a fake worker that verifies drafts. Pure Python."""
+no planning ahead while a small batch speculates; abort, worker loss and victim selection while drafts are in
+flight; the engine's generation-token count; and the whole output the same as without speculation, on a fake
+worker that verifies drafts and whose block tables must equal the scheduler's after every step. Pure Python."""
 
 from __future__ import annotations
 
@@ -43,7 +45,15 @@ def step(scheduler, worker):
     sampled = worker.execute(output)
     updated = scheduler.update_from_output(output, sampled, worker.accepted_drafts)
     scheduler.block_manager.check_invariants()
+    assert_worker_tables_match(scheduler, worker)
     return output, updated
+
+
+def assert_worker_tables_match(scheduler, worker):
+    """Every row the worker holds for a live request has the scheduler's block table for it."""
+    for request_id, row in worker.rows.items():
+        if scheduler.get_request(request_id) is not None:
+            assert row.block_ids == scheduler.block_manager.block_table(request_id), request_id
 
 
 def run(scheduler, worker, *requests):
@@ -78,23 +88,34 @@ def test_a_repeating_output_is_drafted_accepted_and_equals_the_output_without_sp
 
 
 def test_rejected_drafts_are_dropped_their_blocks_freed_and_accepted_blocks_cached():
-    # The model ends the cycle with 99 -> 7: drafts proposed from the prompt's continuation get rejected there.
+    # The model ends the cycle with 99 -> 7 at position 8: drafts proposed from the prompt get rejected there.
     def model(seed, tokens):
-        return 99 if len(tokens) == 10 else cyclic_model(seed, tokens)
+        return 99 if len(tokens) == 8 else cyclic_model(seed, tokens)
 
-    plain, spec = request("a", max_tokens=12), request("a", max_tokens=12)
+    prompt = (11, 12, 13, 14, 15, 11)
+    plain, spec = request("a", prompt, max_tokens=12), request("a", prompt, max_tokens=12)
     run(*make(k=0, model=model), plain)
     scheduler, worker = make(k=3, model=model)
     scheduler.add_request(spec)
-    step(scheduler, worker)  # the prompt (7 tokens) and the first token, 13
-    output, _ = step(scheduler, worker)  # computes 13 with drafts 14 15 11; position 10 samples 99: 2 accepted
-    assert drafts_of(output) == {"a": (14, 15, 11)}
-    assert worker.accepted_drafts == {"a": 2}
-    assert spec.output_token_ids == [13, 14, 15, 99]
-    assert spec.num_computed_tokens == 10  # 7 + 13 + the two accepted drafts
-    assert len(scheduler.block_manager.block_table("a")) == 3  # the block of the rejected draft's slot is freed
+    step(scheduler, worker)  # the prompt (6 tokens) and the first token, 12
+    table_before = list(scheduler.block_manager.block_table("a"))
+    output = scheduler.schedule()  # computes 12 (position 6) with drafts 13 14 15 (positions 7, 8, 9)
+    assert drafts_of(output) == {"a": (13, 14, 15)}
+    (data,) = output.scheduled_requests
+    assert len(table_before) == 2 and len(data.new_block_ids) == 1  # a third block, for positions 8 and 9
+    sampled = worker.execute(output)
+    assert worker.accepted_drafts == {"a": 1}  # position 8 samples 99
+    scheduler.update_from_output(output, sampled, worker.accepted_drafts)
+    scheduler.block_manager.check_invariants()
+    assert spec.output_token_ids == [12, 13, 99]
+    assert spec.num_computed_tokens == 8  # 6 + 12 + the accepted draft 13
+    assert scheduler.block_manager.block_table("a") == table_before  # the rejected drafts' block is freed
+    assert_worker_tables_match(scheduler, worker)
     cached = set(scheduler.block_manager.cached_blocks().values())
-    assert scheduler.block_manager.block_table("a")[1] in cached  # positions 4..7, completed by accepted drafts
+    assert table_before[1] in cached  # positions 4..7, completed by the accepted draft
+    output, _ = step(scheduler, worker)  # 99 at position 8: a new block, appended after the kept two
+    (data,) = output.scheduled_requests
+    assert len(data.new_block_ids) == 1 and len(scheduler.block_manager.block_table("a")) == 3
     while scheduler.has_unfinished_requests():
         step(scheduler, worker)
     assert spec.output_token_ids == plain.output_token_ids
@@ -152,7 +173,8 @@ def test_drafts_never_take_a_request_past_max_tokens_or_max_model_len():
 
 @pytest.mark.parametrize("params", [dict(presence_penalty=0.5), dict(frequency_penalty=0.5),
                                     dict(repetition_penalty=1.1), dict(logprobs=1), dict(min_tokens=5),
-                                    dict(bad_words_token_ids=((3,),)), dict(structured_grammar="start: x")])
+                                    dict(bad_words_token_ids=((3,),)), dict(structured_grammar="start: x"),
+                                    dict(stop=("x",))])
 def test_only_requests_that_sample_plainly_get_drafts(params):
     scheduler, worker = make(k=3)
     scheduler.add_request(request("plain"))
@@ -205,6 +227,89 @@ def test_a_request_with_drafts_in_flight_is_not_planned_until_its_result_is_appl
     assert drafts_of(scheduler.schedule()) == {"a": (13, 14, 15)}
 
 
+def async_scheduler(num_gpu_blocks=64, disable_by_batch_size=8, max_steps_in_flight=2):
+    limits = SchedulerLimits(8, 64, 256)
+    spec = SpeculativeConfig(3, 3, 1, disable_by_batch_size)
+    scheduler = Scheduler(limits, BlockManager(4, num_gpu_blocks, 0), max_steps_in_flight, speculative=spec)
+    return scheduler, FakeWorker(4, num_gpu_blocks, 0, model=cyclic_model)
+
+
+def test_a_small_batch_that_speculates_is_not_planned_ahead():
+    scheduler, _ = async_scheduler(disable_by_batch_size=2)
+    for name in "ab":
+        scheduler.add_request(request(name))
+    scheduler.schedule()
+    assert scheduler.num_running == 2 and scheduler.max_steps_ahead() == 1
+    scheduler.add_request(request("c"))
+    scheduler.schedule()
+    assert scheduler.num_running == 3 and scheduler.max_steps_ahead() == 2  # above disable_by_batch_size
+    plain = Scheduler(SchedulerLimits(8, 64, 256), BlockManager(4, 64, 0), max_steps_in_flight=2)
+    plain.add_request(request("a"))
+    plain.schedule()
+    assert plain.max_steps_ahead() == 2
+
+
+def test_an_abort_while_drafts_are_in_flight_frees_everything_and_skips_the_result():
+    scheduler, worker = async_scheduler()
+    r = request("a")
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    with_drafts = scheduler.schedule()
+    assert drafts_of(with_drafts) == {"a": (14, 15, 11)}
+    assert scheduler.abort_request("a")
+    assert scheduler.take_worker_cancels() == ["a"]  # its verification step may be dropped by the worker
+    assert r.draft_token_ids == () and scheduler.block_manager.num_used_gpu_blocks == 0
+    sampled = worker.execute(with_drafts)  # the worker ran it anyway
+    assert scheduler.update_from_output(with_drafts, sampled, worker.accepted_drafts) == []
+    assert r.output_token_ids == [13] and scheduler.spec_decode_stats.num_drafts == 0
+    scheduler.block_manager.check_invariants()
+    assert len(scheduler.block_manager.cached_blocks()) == 1  # positions 0..3; 4..7 was to be completed by 13
+
+
+def test_a_worker_loss_while_drafts_are_in_flight_recomputes_without_them():
+    plain = request("a")
+    run(*make(k=0), plain)
+    scheduler, worker = async_scheduler()
+    r = request("a")
+    scheduler.add_request(r)
+    step(scheduler, worker)
+    assert drafts_of(scheduler.schedule()) == {"a": (14, 15, 11)}
+    (lost,) = scheduler.recover_from_worker_loss(BlockManager(4, 64, 0))
+    assert (lost.request_id, lost.num_output_tokens, lost.num_lost_samples, lost.joined) == ("a", 1, 1, False)
+    assert r.draft_token_ids == () and r.num_computed_tokens == 0 and r.output_token_ids == [13]
+    assert scheduler.num_steps_in_flight == 0
+    worker = FakeWorker(4, 64, 0, model=cyclic_model)
+    first = scheduler.schedule()  # the prompt and 13 recomputed; drafts again once its next token is back
+    assert drafts_of(first) == {} and first.num_scheduled_tokens() == {"a": 8}
+    scheduler.update_from_output(first, worker.execute(first), worker.accepted_drafts)
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    assert r.output_token_ids == plain.output_token_ids
+
+
+def test_a_request_with_drafts_in_flight_is_never_a_victim():
+    # b (earlier, penalised: no drafts) decodes each step; a's drafts take the pool's last free block.
+    scheduler, worker = async_scheduler(num_gpu_blocks=5)
+    b = request("b", prompt=(1, 2, 3, 4, 5, 6, 7), max_tokens=5, presence_penalty=0.5)
+    a = request("a", max_tokens=10)
+    scheduler.add_request(b)
+    scheduler.add_request(a)
+    step(scheduler, worker)
+    with_drafts = scheduler.schedule()
+    assert drafts_of(with_drafts) == {"a": (14, 15, 11)} and scheduler.block_manager.num_free_gpu_blocks == 0
+    ahead = scheduler.schedule()  # b's next decode needs a block: not a's, whose drafts are being verified
+    assert ahead.preempted_request_ids == ("b",) and ahead.total_num_scheduled_tokens == 0
+    assert a.draft_token_ids == (14, 15, 11) and scheduler.num_running == 1 and scheduler.num_waiting == 1
+    sampled = worker.execute(with_drafts)
+    accepted = worker.accepted_drafts
+    worker.execute(ahead)  # the worker drops b's row (the engine sends a plan that carries block work)
+    scheduler.update_from_output(with_drafts, sampled, accepted)
+    assert a.output_token_ids == [13, 14, 15, 11, 12]
+    while scheduler.has_unfinished_requests():
+        step(scheduler, worker)
+    assert a.output_token_ids == [13, 14, 15, 11, 12, 13, 14, 15, 11, 12] and len(b.output_token_ids) == 5
+
+
 def test_a_request_with_a_token_in_flight_gets_no_drafts():
     limits = SchedulerLimits(8, 64, 256)
     scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2,
@@ -233,3 +338,67 @@ def test_the_plan_codec_carries_drafts_out_and_accepted_counts_back():
     result.sampled.num_accepted_drafts.extend([3, 0])
     outcome = decode_step_result(result)
     assert outcome.sampled == {"a": 12, "b": 5} and outcome.accepted_drafts == {"a": 3}
+
+
+class _FakeWorkerLink:
+    """The engine's WorkerLink, with the fake worker running each plan when its result is asked for."""
+
+    last_result_wait_s = 0.0
+
+    def __init__(self, worker: FakeWorker, outputs: dict) -> None:
+        self._worker, self._outputs = worker, outputs
+
+    async def send_plan(self, plan) -> None:
+        pass
+
+    async def send_cancels(self, request_ids) -> None:
+        pass
+
+    async def receive_result(self, step_id: int):
+        from protos.pagedserve.v1 import worker_pb2
+
+        sampled = self._worker.execute(self._outputs[step_id])
+        result = worker_pb2.StepResult()
+        result.sampled.request_ids.extend(sampled)
+        result.sampled.token_ids.extend(sampled.values())
+        result.sampled.logprobs.extend([0.0] * len(sampled))
+        result.sampled.num_accepted_drafts.extend(self._worker.accepted_drafts.get(rid, 0) for rid in sampled)
+        return result
+
+
+def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended_and_never_plans_ahead():
+    import asyncio
+
+    from scheduler_svc.engine import Engine
+
+    scheduler, worker = async_scheduler()  # max_steps_in_flight 2, but a small batch speculates
+    outputs = {}
+    schedule = scheduler.schedule
+    steps_in_flight_when_planning = []
+
+    def recorded_schedule():
+        steps_in_flight_when_planning.append(scheduler.num_steps_in_flight)
+        output = schedule()
+        outputs[output.step_id] = output
+        return output
+
+    scheduler.schedule = recorded_schedule
+    engine = Engine(scheduler, _FakeWorkerLink(worker, outputs), None, eos_token_ids=(0,))
+    # 13, then 14 15 11 drafted and all accepted (and 12 sampled after them): the stop id 15 drops 11 and 12.
+    r = Request("a", [11, 12, 13, 14, 15, 11, 12], SamplingParams(max_tokens=50, seed=1, stop_token_ids=(15,)))
+    scheduler.add_request(r)
+
+    async def run_until_finished():
+        loop = asyncio.create_task(engine.run())
+        while scheduler.has_unfinished_requests() or scheduler.num_steps_in_flight:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+    asyncio.run(run_until_finished())
+    assert scheduler.spec_decode_stats.num_accepted_tokens == 3
+    assert r.output_token_ids == [13, 14, 15]
+    assert engine.serving_metrics().num_generation_tokens == 3
+    assert set(steps_in_flight_when_planning) == {0}

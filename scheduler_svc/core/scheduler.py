@@ -349,8 +349,7 @@ class Scheduler:
         """How many planned steps may wait for their results now: `max_steps_in_flight`, but 1 (plan, wait,
         apply, plan) while speculation is on and at most its disable_by_batch_size requests run, since drafts
         are proposed only from a request's newest token (docs/speculative_decoding.md)."""
-        speculative = self.speculative
-        if speculative is not None and self.num_running <= speculative.disable_by_batch_size:
+        if self.speculative is not None and self.speculative.is_on_for(self.num_running):
             return 1
         return self.max_steps_in_flight
 
@@ -397,27 +396,38 @@ class Scheduler:
                 updated.append(request)
                 continue
             request.num_pending_tokens -= 1
-            drafts, request.draft_token_ids = request.draft_token_ids, ()
-            num_accepted = accepted_drafts.get(request.request_id, 0)
-            first_draft_position = request.num_computed_tokens - len(drafts)
-            if drafts:
-                self.spec_decode_stats.count(len(drafts), num_accepted)
-                request.num_computed_tokens -= len(drafts) - num_accepted
-            reason = None
-            for token_id in (*drafts[:num_accepted], sampled[request.request_id]):
+            if request.draft_token_ids:
+                reason = self._apply_drafts(request, sampled[request.request_id],
+                                            accepted_drafts.get(request.request_id, 0))
+            else:
+                token_id = sampled[request.request_id]
                 request.output_token_ids.append(token_id)
                 reason = self._token_stop_reason(request, token_id)
-                if reason is not None:
-                    break
-            if drafts:
-                self.block_manager.keep_accepted_slots(request, first_draft_position)
             if reason is not None:
                 self._finish(request, reason)
             updated.append(request)
         return updated
 
+    def _apply_drafts(self, request: Request, token_id: int, num_accepted: int) -> FinishReason | None:
+        """Append a verified request's accepted drafts then its sampled token, up to a token-level stop, and
+        give back the slots of the rejected drafts. Returns the stop's reason, if one was met."""
+        drafts, request.draft_token_ids = request.draft_token_ids, ()
+        first_draft_position = request.num_computed_tokens - len(drafts)
+        self.spec_decode_stats.count(len(drafts), num_accepted)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        reason = None
+        for token_id in (*drafts[:num_accepted], token_id):
+            request.output_token_ids.append(token_id)
+            reason = self._token_stop_reason(request, token_id)
+            if reason is not None:
+                break
+        self.block_manager.keep_accepted_slots(request, first_draft_position)
+        return reason
+
     def _check_accepted(self, output: SchedulerOutput, live: list[Request], accepted_drafts: dict[str, int]) -> None:
         """Every accepted count is for a live request of this step, at most its drafts."""
+        if not accepted_drafts:  # no row kept a draft (always, with speculation off)
+            return
         drafts = {request.request_id: len(request.draft_token_ids) for request in live}
         for request_id, num_accepted in accepted_drafts.items():
             if request_id in drafts and not 0 <= num_accepted <= drafts[request_id]:

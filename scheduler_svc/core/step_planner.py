@@ -40,7 +40,7 @@ Policy, per step:
    forward: slots for 1 + d tokens, d capped so that even if all are accepted the request stays within
    max_tokens and max_model_len, and 0 when the pool has no free block for them (drafts never preempt).
    Only a request whose newest token is known (no token in flight) and that samples plainly gets drafts: no
-   penalties, bad words, grammar or logprobs, min_tokens reached (the worker verifies drafts by sampling at
+   penalties, bad words, grammar, logprobs or stop strings, min_tokens reached (the worker verifies drafts by sampling at
    each position: docs/speculative_decoding.md). A request with drafts in flight is neither
    planned nor preempted until its result is applied (for at most the one step that verifies them).
 
@@ -110,7 +110,7 @@ class StepPlanner:
         self._schedule_running(draft)
         if not draft.num_preempted:
             self._schedule_inactive(draft)
-        if self._speculative is not None and len(self._state.running) <= self._speculative.disable_by_batch_size:
+        if self._speculative is not None and self._speculative.is_on_for(len(self._state.running)):
             self._add_drafts(draft, self._speculative)
         return SchedulerOutput(
             step_id=step_id,
@@ -344,8 +344,8 @@ class StepPlanner:
             if request.prefill_only or request.num_beam_candidates:
                 state.reporting_in_flight.add(request_id)
             else:
-                if num_new_tokens == 1 and not request.num_pending_tokens and draft.scheduled_requests and (
-                    draft.scheduled_requests[-1].request_id == request_id
+                if self._speculative is not None and num_new_tokens == 1 and not request.num_pending_tokens and (
+                    draft.scheduled_requests and draft.scheduled_requests[-1].request_id == request_id
                 ):
                     draft.decodes.append((request, len(draft.scheduled_requests) - 1))
                 request.num_pending_tokens += 1
@@ -423,7 +423,9 @@ class StepPlanner:
 def samples_plainly(request: Request) -> bool:
     """Whether the worker's verification of drafts is exactly its plain sampling for this request: no state
     that depends on the tokens before each position beyond the model's input (penalties, bad words, a grammar),
-    no per-token logprobs to report, no masked stop ids (min_tokens reached), not a beam row."""
+    no per-token logprobs to report, no masked stop ids (min_tokens reached), not a beam row. Nor stop strings:
+    they are found on the text after the step is applied, too late to drop the accepted tokens after one
+    (the stream would cut its text there, but token_ids and completion_tokens would keep them)."""
     params = request.sampling_params
     return (
         not request.num_beam_candidates
@@ -433,6 +435,7 @@ def samples_plainly(request: Request) -> bool:
         and params.repetition_penalty == 1.0
         and not params.bad_words_token_ids
         and not params.structured_grammar
+        and not params.stop
         and params.logprobs is None
         and request.num_output_tokens >= params.min_tokens
     )
