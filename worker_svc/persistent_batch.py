@@ -298,10 +298,13 @@ class PersistentBatch:
         (the first that differs from its draft, or the one after the last draft) and its number of kept drafts.
         Whole-array: the entry after a row's last draft has no draft, so every row's run of matches ends."""
         first = np.flatnonzero(offsets == 0)
-        num_drafts = self.num_drafts[rows]
-        is_draft = offsets < num_drafts
-        drafts = self.token_ids[rows, self.num_tokens[rows] + np.where(is_draft, offsets, 0)]
-        matches = is_draft & (drafts == sampled_token_ids)
+        is_draft = offsets < self.num_drafts[rows]
+        # Only the draft entries are read: a plain row's token count already counts its pending token, and
+        # may reach max_model_len.
+        draft_rows = rows[is_draft]
+        matches = np.zeros(len(rows), dtype=bool)
+        matches[is_draft] = (self.token_ids[draft_rows, self.num_tokens[draft_rows] + offsets[is_draft]]
+                             == sampled_token_ids[is_draft])
         taken = np.minimum.reduceat(np.where(matches, len(rows), np.arange(len(rows))), first)
         return taken, taken - first
 
