@@ -54,8 +54,10 @@ def decode(*requests: worker_pb2.ScheduledRequest, new_requests=()) -> worker_pb
     return worker_pb2.StepPlan(new_requests=list(new_requests), scheduled_requests=list(requests))
 
 
-def output_of(worker: Worker, plans: list[worker_pb2.StepPlan]) -> dict[str, list[int]]:
-    """Each request's tokens as the scheduler learns them: a row's kept drafts, then its sampled token."""
+def output_of(worker: Worker, plans: list[worker_pb2.StepPlan],
+              logprobs: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
+    """Each request's tokens as the scheduler learns them: a row's kept drafts, then its sampled token (and,
+    into `logprobs`, their logprobs: the kept drafts' from accepted_draft_logprobs, row after row)."""
     out: dict[str, list[int]] = {}
     for plan in plans:
         drafts = {s.request_id: list(s.draft_token_ids) for s in plan.scheduled_requests}
@@ -63,8 +65,13 @@ def output_of(worker: Worker, plans: list[worker_pb2.StepPlan]) -> dict[str, lis
         accepted = list(sampled.num_accepted_drafts) or [0] * len(sampled.request_ids)
         assert len(accepted) == len(sampled.request_ids)
         assert bool(sampled.num_accepted_drafts) == any(drafts.values()), "filled only when some row had drafts"
-        for request_id, token_id, kept in zip(sampled.request_ids, sampled.token_ids, accepted):
+        assert len(sampled.accepted_draft_logprobs) == sum(accepted)
+        kept_logprobs = iter(sampled.accepted_draft_logprobs)
+        for request_id, token_id, logprob, kept in zip(sampled.request_ids, sampled.token_ids, sampled.logprobs,
+                                                       accepted):
             out.setdefault(request_id, []).extend(drafts.get(request_id, [])[:kept] + [token_id])
+            if logprobs is not None:
+                logprobs.setdefault(request_id, []).extend([next(kept_logprobs) for _ in range(kept)] + [logprob])
     return out
 
 
@@ -127,6 +134,22 @@ def test_a_row_with_drafts_beside_a_prefill_chunk_and_a_plain_decode(model_dir):
     assert output["b"] == reference["b"] and output["c"] == reference["c"]
     for request_id, tokens in output.items():
         assert_row_consistent(worker, request_id, tokens)
+
+
+def test_kept_drafts_report_the_logprobs_of_decoding_them_one_at_a_time(model_dir):
+    """Two rows keep drafts in one step: each kept draft's logprob comes back, row after row, equal to its
+    token's logprob in the run without drafts (so cumulative logprobs and per-token logprobs do not change)."""
+    first = decode(new_requests=[new("a"), new("b")])
+    reference_logprobs: dict[str, list[float]] = {}
+    reference = output_of(make_worker(model_dir), [first] + [decode(scheduled("a"), scheduled("b"))] * 4,
+                          reference_logprobs)
+    a, b = reference["a"], reference["b"]
+    logprobs: dict[str, list[float]] = {}
+    output = output_of(make_worker(model_dir), [first, decode(scheduled("a", [a[1], a[2], (a[3] + 1) % 50]),
+                                                              scheduled("b", [b[1], b[2], b[3]]))], logprobs)
+    assert output == {"a": a[:4], "b": b[:5]}
+    for request_id, tokens in output.items():
+        assert logprobs[request_id] == pytest.approx(reference_logprobs[request_id][: len(tokens)], abs=1e-5)
 
 
 def test_drafts_crossing_into_a_new_block_then_rejected_leave_the_next_block_after_the_kept_ones(model_dir):

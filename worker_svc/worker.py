@@ -213,15 +213,18 @@ class Worker:
                                             step.sampled.copied if step.sampled is not None else None)
         if step.pending is not None:
             self.gpu_clock.on_finished(step.timed_as, step.behind_another)
-            num_accepted = None
+            num_accepted = kept_logprobs = None
             if step.draw_offsets is not None:  # each row's token: its first sampled one that differs from a draft
                 taken, num_accepted = self.batch.accepted_drafts(step.draw_rows, step.draw_offsets,
                                                                  sampled[:, 0].astype(np.int64))
+                # A kept draft's entries come first in its row's: offsets below the row's kept count.
+                num_entries = np.diff(taken - num_accepted, append=len(sampled))
+                kept_logprobs = sampled[step.draw_offsets < np.repeat(num_accepted, num_entries), 1]
                 sampled = sampled[taken]
             step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64),
                                                                num_accepted))
             timer.mark("wait_for_gpu")
-            step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted))
+            step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted, kept_logprobs))
         timer.mark("result")
         return step.result
 
