@@ -51,7 +51,8 @@ def scheduled(request_id: str, drafts=(), num_tokens: int = 1, new_blocks=()) ->
 
 
 def decode(*requests: worker_pb2.ScheduledRequest, new_requests=()) -> worker_pb2.StepPlan:
-    return worker_pb2.StepPlan(new_requests=list(new_requests), scheduled_requests=list(requests))
+    return worker_pb2.StepPlan(new_requests=list(new_requests), scheduled_requests=list(requests),
+                               has_draft_tokens=any(r.draft_token_ids for r in requests))
 
 
 def output_of(worker: Worker, plans: list[worker_pb2.StepPlan],
@@ -87,7 +88,7 @@ def assert_row_consistent(worker: Worker, request_id: str, output: list[int]) ->
     known = PROMPTS[request_id] + output
     assert batch.num_tokens[row] == len(known) and batch.num_computed_tokens[row] == len(known) - 1
     assert batch.token_ids[row, : len(known)].tolist() == known
-    assert batch.num_drafts[row] == 0
+    assert batch.num_drafts[row] == 0 and batch.num_rows_with_drafts == 0
 
 
 @pytest.mark.parametrize("sampling", [{}, dict(temperature=1.0, top_p=0.9, seed=1234),
@@ -200,6 +201,10 @@ def test_a_plan_with_drafts_is_not_overlapped_nor_launched_behind_one(model_dir)
     assert not worker.can_overlap(decode(scheduled("b"))), "the step in flight's drafts are verified first"
     worker.finish(in_flight)
     assert worker.can_overlap(decode(scheduled("a"), scheduled("b")))
+    unmarked = decode(scheduled("a", [3, 4]), scheduled("b"))
+    unmarked.has_draft_tokens = False  # the flag can_overlap reads: a plan without it is refused, not overlapped
+    with pytest.raises(ValueError, match="has_draft_tokens"):
+        worker.execute(unmarked)
 
 
 def test_drafts_for_a_row_returning_logprobs_are_refused(model_dir):

@@ -49,6 +49,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
             entry.replaced_blocks.add(index=index, block_id=block_id)
         if cached.draft_token_ids:
             entry.draft_token_ids.extend(cached.draft_token_ids)
+            plan.has_draft_tokens = True
     return message
 
 
