@@ -44,7 +44,8 @@ def model(tmp_path_factory):
 
 
 def _run(model, logs, prompts, *flags, **sampling):
-    """Each prompt's tokens from concurrent requests, the stats after, and the gateway's /metrics text."""
+    """Each prompt's output (CompletionOutput) from concurrent requests, the stats after, and the gateway's
+    /metrics text."""
     logs.mkdir(parents=True, exist_ok=True)
     with running_server(logs, "--model", str(model), *SMALL_POOL, *flags, http=True) as server:
         def one(prompt):
@@ -56,7 +57,11 @@ def _run(model, logs, prompts, *flags, **sampling):
         stats = server.wait_all_blocks_free()
         with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as response:
             metrics = response.read().decode()
-    return [list(result.token_ids) for result in results], stats, metrics
+    return [result.outputs[0] for result in results], stats, metrics
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(output.token_ids) for output in outputs]
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=7)],
@@ -66,7 +71,14 @@ def test_speculation_gives_the_tokens_of_no_speculation_and_keeps_drafts(model, 
     plain, plain_stats, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "swap", **sampling)
     speculative, stats, metrics = _run(model, tmp_path / "spec", prompts, "--preemption-mode", "swap",
                                               *SPECULATIVE, **sampling)
-    assert speculative == plain
+    assert _tokens(speculative) == _tokens(plain)
+    # Each message's logprobs (one per token, as the SDK assembles them) and the cumulative logprob: the kept
+    # drafts' come back too, each computed in a chunk instead of alone (float rounding only).
+    for spec_output, plain_output in zip(speculative, plain):
+        assert len(spec_output.logprobs) == len(plain_output.logprobs) == 64
+        assert spec_output.logprobs == pytest.approx(plain_output.logprobs, abs=1e-5)
+        # A float on the wire: one step of a float32 near -165 is 1.5e-5, hence relative.
+        assert spec_output.cumulative_logprob == pytest.approx(plain_output.cumulative_logprob, rel=1e-6, abs=1e-5)
     assert plain_stats.spec_decode_num_drafts == 0
     assert stats.spec_decode_num_drafts > 0, stats
     if sampling["temperature"] == 0.0:
@@ -82,7 +94,7 @@ def test_speculation_over_two_ranks_with_recompute_preemption_gives_the_single_r
     plain, _, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "recompute", temperature=0.0)
     speculative, stats, _ = _run(model, tmp_path / "spec", prompts, "--preemption-mode", "recompute", "-tp", "2",
                                  *SPECULATIVE, temperature=0.0)
-    assert speculative == plain
+    assert _tokens(speculative) == _tokens(plain)
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
 
 

@@ -328,7 +328,9 @@ def test_the_plan_codec_carries_drafts_out_and_accepted_counts_back():
     scheduler.add_request(request("b", prompt=(1, 2, 3)))
     step(scheduler, worker)
     output = scheduler.schedule()
-    (entry_a, entry_b) = encode_step_plan(output).plan.scheduled_requests
+    plan = encode_step_plan(output).plan
+    (entry_a, entry_b) = plan.scheduled_requests
+    assert plan.has_draft_tokens
     assert list(entry_a.draft_token_ids) == [14, 15, 11] and entry_a.num_scheduled_tokens == 4
     assert list(entry_b.draft_token_ids) == [] and entry_b.num_scheduled_tokens == 1
     result = worker_pb2.StepResult()

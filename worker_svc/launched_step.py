@@ -51,10 +51,11 @@ class LaunchedStep:
         """Whether the step's tokens are on the host (or it sampled none)."""
         return self.sampled is None or self.sampled.ready()
 
-    def sampled_tokens(self, sampled: np.ndarray, num_accepted: np.ndarray | None = None) -> worker_pb2.SampledTokens:
+    def sampled_tokens(self, sampled: np.ndarray, num_accepted: np.ndarray | None = None,
+                       accepted_logprobs: np.ndarray | None = None) -> worker_pb2.SampledTokens:
         """The sampled rows' result from the draw's host copy (`DeviceSample.wait`; with drafts, each row's
         taken entry), as parallel lists: whole-column numpy, no loop over the rows. `num_accepted`: each row's
-        kept drafts, in a step where some row had drafts."""
+        kept drafts, in a step where some row had drafts; `accepted_logprobs`: theirs, row after row."""
         k = (sampled.shape[1] - 3) // 2
         num_top = np.clip(self.num_logprobs, 0, k)
         top = np.arange(k) < num_top[:, None]  # each row's first num_top columns, row after row
@@ -64,4 +65,5 @@ class LaunchedStep:
             ranks=np.where(self.num_logprobs >= 0, sampled[:, 2], 0).astype(np.int64).tolist(),
             num_top=num_top.tolist(), top_token_ids=sampled[:, 3 : 3 + k][top].astype(np.int64).tolist(),
             top_logprobs=sampled[:, 3 + k :][top].tolist(),
-            num_accepted_drafts=[] if num_accepted is None else num_accepted.tolist())
+            num_accepted_drafts=[] if num_accepted is None else num_accepted.tolist(),
+            accepted_draft_logprobs=[] if accepted_logprobs is None else accepted_logprobs.tolist())

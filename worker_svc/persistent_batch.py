@@ -80,6 +80,8 @@ class PersistentBatch:
         self.num_computed_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         # Draft tokens written after the row's known tokens for the step being built or run (0 once verified).
         self.num_drafts = np.zeros(max_num_seqs, dtype=np.int64)
+        # How many rows have drafts: 0 (speculation off, or no drafts this step) skips their work in a step.
+        self.num_rows_with_drafts = 0
         self.block_table = np.zeros((max_num_seqs, max_blocks), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int64)
         self.temperature = np.zeros(max_num_seqs, dtype=np.float32)
@@ -138,6 +140,7 @@ class PersistentBatch:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._request_of_row[row] = None
+            self.num_rows_with_drafts -= bool(self.num_drafts[row])
             self.num_drafts[row] = 0
             self.logit_bias.clear(row)
             self.min_tokens_masked.clear(row)
@@ -235,6 +238,7 @@ class PersistentBatch:
             raise ValueError(f"request {scheduled.request_id}: {len(drafts)} drafts, but not on a decode of "
                              f"{1 + len(drafts)} scheduled tokens within max_model_len")
         self.token_ids[row, start : start + len(drafts)] = drafts
+        self.num_rows_with_drafts += not self.num_drafts[row]
         self.num_drafts[row] = len(drafts)
 
     def build_inputs(self, rows: np.ndarray, num_scheduled: np.ndarray) -> StepInputs:
@@ -252,9 +256,12 @@ class PersistentBatch:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
         seq_lens = computed + num_scheduled
         max_blocks = int(-(-seq_lens.max() // self.block_size)) if len(rows) else 0
-        drafts = self.num_drafts[rows]
-        num_draft_tokens = int(drafts.sum())
-        samples = seq_lens == self.num_tokens[rows] + drafts
+        if self.num_rows_with_drafts:
+            drafts = self.num_drafts[rows]
+            num_draft_tokens = int(drafts.sum())
+            samples = seq_lens == self.num_tokens[rows] + drafts
+        else:
+            num_draft_tokens, samples = 0, seq_lens == self.num_tokens[rows]
         sample_rows, sample_offsets = rows[samples], np.zeros(int(samples.sum()), dtype=np.int64)
         logits_indices = query_start_loc[1:][samples] - 1
         if num_draft_tokens:
@@ -298,10 +305,13 @@ class PersistentBatch:
         (the first that differs from its draft, or the one after the last draft) and its number of kept drafts.
         Whole-array: the entry after a row's last draft has no draft, so every row's run of matches ends."""
         first = np.flatnonzero(offsets == 0)
-        num_drafts = self.num_drafts[rows]
-        is_draft = offsets < num_drafts
-        drafts = self.token_ids[rows, self.num_tokens[rows] + np.where(is_draft, offsets, 0)]
-        matches = is_draft & (drafts == sampled_token_ids)
+        is_draft = offsets < self.num_drafts[rows]
+        # Only the draft entries are read: a plain row's token count already counts its pending token, and
+        # may reach max_model_len.
+        draft_rows = rows[is_draft]
+        matches = np.zeros(len(rows), dtype=bool)
+        matches[is_draft] = (self.token_ids[draft_rows, self.num_tokens[draft_rows] + offsets[is_draft]]
+                             == sampled_token_ids[is_draft])
         taken = np.minimum.reduceat(np.where(matches, len(rows), np.arange(len(rows))), first)
         return taken, taken - first
 
@@ -322,6 +332,7 @@ class PersistentBatch:
             self.num_computed_tokens[rows] = positions
             had_drafts = rows[self.num_drafts[rows] > 0]
             self.num_blocks[had_drafts] = -(-self.num_computed_tokens[had_drafts] // self.block_size)
+            self.num_rows_with_drafts -= len(had_drafts)
             self.num_drafts[rows] = 0
         self.token_ids[rows, positions] = sampled_token_ids[same]
         if self.grammars is None:

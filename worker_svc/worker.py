@@ -131,7 +131,10 @@ class Worker:
         batch.grammars.prepare([new.sampling.structured_grammar for new in plan.new_requests
                                 if new.sampling.structured_grammar])
         rows = [batch.add(new) for new in plan.new_requests]
-        return rows + [batch.update(scheduled) for scheduled in plan.scheduled_requests]
+        rows += [batch.update(scheduled) for scheduled in plan.scheduled_requests]
+        if batch.num_rows_with_drafts and not plan.has_draft_tokens:  # `can_overlap` reads the flag
+            raise ValueError(f"step {plan.step_id}: draft tokens in a plan without has_draft_tokens")
+        return rows
 
     def _step_inputs(self, plan: worker_pb2.StepPlan, rows: list[int]) -> StepInputs:
         """The step's model inputs, decodes (one token) first: attention backends run them with their own
@@ -213,15 +216,18 @@ class Worker:
                                             step.sampled.copied if step.sampled is not None else None)
         if step.pending is not None:
             self.gpu_clock.on_finished(step.timed_as, step.behind_another)
-            num_accepted = None
+            num_accepted = kept_logprobs = None
             if step.draw_offsets is not None:  # each row's token: its first sampled one that differs from a draft
                 taken, num_accepted = self.batch.accepted_drafts(step.draw_rows, step.draw_offsets,
                                                                  sampled[:, 0].astype(np.int64))
+                # A kept draft's entries come first in its row's: offsets below the row's kept count.
+                num_entries = np.diff(taken - num_accepted, append=len(sampled))
+                kept_logprobs = sampled[step.draw_offsets < np.repeat(num_accepted, num_entries), 1]
                 sampled = sampled[taken]
             step.result.failed_requests.extend(self.batch.fill(step.pending, sampled[:, 0].astype(np.int64),
                                                                num_accepted))
             timer.mark("wait_for_gpu")
-            step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted))
+            step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted, kept_logprobs))
         timer.mark("result")
         return step.result
 
@@ -237,11 +243,9 @@ class Worker:
         Speculative decoding is never overlapped: a row's drafts follow its newest token on the host, and a
         step with drafts is verified on the host (`finish`) before any other plan touches the rows."""
         batch = self.batch
-        if batch.num_drafts.any():  # the step in flight has drafts (reset once verified)
+        if plan.has_draft_tokens or batch.num_rows_with_drafts:  # the latter: the step in flight's, until verified
             return False
         for scheduled in plan.scheduled_requests:
-            if scheduled.draft_token_ids:
-                return False
             row = batch.row_of(scheduled.request_id)
             if batch.reads_history(row):
                 return False

@@ -29,3 +29,5 @@ class StepOutcome:
     failed: dict[str, str] = field(default_factory=dict)
     # Speculative decoding: request id -> draft tokens kept before its `sampled` token (absent: none).
     accepted_drafts: dict[str, int] = field(default_factory=dict)
+    # Their logprobs, in order (as `logprobs` for the sampled token): one logprob per token of the step.
+    accepted_draft_logprobs: dict[str, tuple[float, ...]] = field(default_factory=dict)

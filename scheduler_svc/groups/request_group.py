@@ -126,8 +126,9 @@ class SingleSequence(RequestGroup):
         self._add(self.root)
 
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
-        self._cumulative_logprob += outcome.logprobs.get(request.request_id, 0.0)
         delta = _advance(self._stream, request, self.context.scheduler, outcome)
+        for logprob in delta.logprobs:  # one by one, as without speculative decoding
+            self._cumulative_logprob += logprob
         if delta.token_ids and not self._sent_first:
             self._sent_first = True
             delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
@@ -169,8 +170,9 @@ class ParallelSampling(RequestGroup):
             self._release(request.request_id)
             return
         child_id = request.request_id
-        self._logprob[child_id] += outcome.logprobs.get(child_id, 0.0)
         delta = _advance(self._streams[child_id], request, self.context.scheduler, outcome)
+        for logprob in delta.logprobs:
+            self._logprob[child_id] += logprob
         self._token_logprobs[child_id].extend(delta.logprobs)
         self._token_ranks[child_id].extend(delta.token_logprobs)
         if delta.token_ids and child_id not in self._sent_first:
@@ -229,10 +231,15 @@ def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outco
     delta, stopped_by_string = stream.advance(request)
     if stopped_by_string:  # no-op when the same token already ended it by length: STOP wins here
         scheduler.finish_request(request.request_id, FinishReason.STOP)
-    if len(delta.token_ids) == 1:  # a step samples one token per sequence
-        logprob = outcome.logprobs.get(request.request_id)
-        if logprob is not None:
-            delta.logprobs = (logprob,)
+    # A step samples one token per sequence, after the drafts it kept (speculative decoding), of which the
+    # request took the first len(token_ids) (a stop token ends it there).
+    logprob = outcome.logprobs.get(request.request_id)
+    if delta.token_ids and logprob is not None:
+        drafts = outcome.accepted_draft_logprobs.get(request.request_id)
+        step_logprobs = (logprob,) if drafts is None else (*drafts, logprob)
+        if len(delta.token_ids) <= len(step_logprobs):
+            delta.logprobs = step_logprobs[: len(delta.token_ids)]
+    if len(delta.token_ids) == 1:  # rows returning logprobs (rank and alternatives) have no drafts
         ranked = outcome.token_logprobs.get(request.request_id)
         if ranked is not None:
             delta.token_logprobs = (ranked,)

@@ -49,6 +49,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
             entry.replaced_blocks.add(index=index, block_id=block_id)
         if cached.draft_token_ids:
             entry.draft_token_ids.extend(cached.draft_token_ids)
+            plan.has_draft_tokens = True
     return message
 
 
@@ -93,7 +94,20 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
         failed={f.request_id: f.reason for f in result.failed_requests},
         # Parallel to request_ids when some row had drafts; rows that accepted none are left out.
         accepted_drafts={rid: count for rid, count in zip(request_ids, sampled.num_accepted_drafts) if count},
+        accepted_draft_logprobs=_accepted_draft_logprobs(sampled, request_ids),
     )
+
+
+def _accepted_draft_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple]:
+    """Each row's slice of the flat kept drafts' logprobs (num_accepted_drafts of them, row after row)."""
+    if not sampled.accepted_draft_logprobs:
+        return {}
+    flat, out, start = list(sampled.accepted_draft_logprobs), {}, 0
+    for request_id, count in zip(request_ids, sampled.num_accepted_drafts):
+        if count:
+            out[request_id] = tuple(flat[start : start + count])
+            start += count
+    return out
 
 
 def _token_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str], token_ids: list[int],
