@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from scheduler_svc.api.grammar_limits import GrammarLimits
-from scheduler_svc.speculative_config import SpeculativeConfig, speculative_config
+from scheduler_svc.core.speculative_config import SpeculativeConfig, speculative_config
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from service_runtime.config_flags import add_config_arguments, flag, flag_values, shared_flag_field
@@ -183,7 +183,7 @@ class SchedulerConfig:
              "\"disable_any_whitespace\": true|false} (the engine is llguidance); pagedserve's grammar limits too: "
              "max_repetition, max_grammar_size, max_items_in_row, initial_lexer_fuel, step_lexer_fuel, "
              "step_max_items, max_lexer_states, grammar_compile_timeout_s (scheduler_svc/api/grammar_limits.py)")
-    # vLLM's speculative decoding options (speculative_config.py); None: off. Only n-gram proposals are served.
+    # vLLM's speculative decoding options (core/speculative_config.py); None: off. Only n-gram proposals are served.
     speculative_config: SpeculativeConfig | None = flag(
         "--speculative-config", default=None, parse=speculative_config, show=SpeculativeConfig.to_json,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '

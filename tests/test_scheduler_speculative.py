@@ -13,7 +13,7 @@ from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
-from scheduler_svc.speculative_config import SpeculativeConfig
+from scheduler_svc.core.speculative_config import SpeculativeConfig
 from tests.fake_worker import FakeWorker
 
 PERIOD = [11, 12, 13, 14, 15]

@@ -15,7 +15,7 @@ from pagedserve.launcher import _scheduler_argv
 from pagedserve.private_server import server_argv
 from scheduler_svc.config import scheduler_config_from_args
 from scheduler_svc.main import add_arguments as add_scheduler_arguments
-from scheduler_svc.speculative_config import SpeculativeConfig, speculative_config
+from scheduler_svc.core.speculative_config import SpeculativeConfig, speculative_config
 
 
 def test_ngram_takes_vllms_defaults_and_one_lookup_bound_sets_the_other():

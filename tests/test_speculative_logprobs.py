@@ -14,7 +14,7 @@ from scheduler_svc.core.request import Request
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerLimits
 from scheduler_svc.groups.request_group import GroupContext, ParallelSampling, SingleSequence, StreamEnd
-from scheduler_svc.speculative_config import SpeculativeConfig
+from scheduler_svc.core.speculative_config import SpeculativeConfig
 from scheduler_svc.worker_io.plan_codec import decode_step_result
 from tests.fake_worker import FakeWorker
 from tests.test_scheduler_speculative import cyclic_model

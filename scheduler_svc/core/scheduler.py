@@ -37,7 +37,7 @@ from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequest
 from scheduler_svc.core.scheduler_state import SchedulerState
 from scheduler_svc.core.spec_decode_stats import SpecDecodeStats
 from scheduler_svc.core.step_planner import StepPlanner
-from scheduler_svc.speculative_config import SpeculativeConfig
+from scheduler_svc.core.speculative_config import SpeculativeConfig
 
 __all__ = [
     "NewRequestData",

@@ -73,7 +73,7 @@ from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.request_queue import scheduling_key
 from scheduler_svc.core.scheduler_output import NewRequestData, ScheduledRequestData, SchedulerOutput
 from scheduler_svc.core.scheduler_state import SchedulerState
-from scheduler_svc.speculative_config import SpeculativeConfig
+from scheduler_svc.core.speculative_config import SpeculativeConfig
 
 
 @dataclass
