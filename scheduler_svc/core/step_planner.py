@@ -77,7 +77,7 @@ from scheduler_svc.core.speculative_config import SpeculativeConfig
 
 
 @dataclass
-class _StepDraft:
+class _PlanInProgress:
     """The plan in progress; lives only inside one `plan` call."""
 
     token_budget: int
@@ -105,29 +105,29 @@ class StepPlanner:
         self._speculative = speculative
 
     def plan(self, step_id: int, finished_request_ids: tuple[str, ...]) -> SchedulerOutput:
-        draft = _StepDraft(token_budget=self._limits.max_num_batched_tokens)
-        self._make_room_for_first_in_line(draft)
-        self._schedule_running(draft)
-        if not draft.num_preempted:
-            self._schedule_inactive(draft)
+        in_progress = _PlanInProgress(token_budget=self._limits.max_num_batched_tokens)
+        self._make_room_for_first_in_line(in_progress)
+        self._schedule_running(in_progress)
+        if not in_progress.num_preempted:
+            self._schedule_inactive(in_progress)
         if self._speculative is not None and self._speculative.is_on_for(len(self._state.running)):
-            self._add_drafts(draft, self._speculative)
+            self._add_drafts(in_progress, self._speculative)
         return SchedulerOutput(
             step_id=step_id,
-            new_requests=tuple(draft.new_requests),
-            scheduled_requests=tuple(draft.scheduled_requests),
+            new_requests=tuple(in_progress.new_requests),
+            scheduled_requests=tuple(in_progress.scheduled_requests),
             finished_request_ids=finished_request_ids,
-            preempted_request_ids=tuple(draft.preempted_request_ids),
-            swap_out=tuple(draft.swap_out),
-            swap_in=tuple(draft.swap_in),
-            copy=tuple(draft.copy),
-            total_num_scheduled_tokens=self._limits.max_num_batched_tokens - draft.token_budget,
-            completing_request_ids=tuple(draft.completing_request_ids),
+            preempted_request_ids=tuple(in_progress.preempted_request_ids),
+            swap_out=tuple(in_progress.swap_out),
+            swap_in=tuple(in_progress.swap_in),
+            copy=tuple(in_progress.copy),
+            total_num_scheduled_tokens=self._limits.max_num_batched_tokens - in_progress.token_budget,
+            completing_request_ids=tuple(in_progress.completing_request_ids),
         )
 
     # ---- (0) room for the first in line ------------------------------------------------------------------
 
-    def _make_room_for_first_in_line(self, draft: _StepDraft) -> None:
+    def _make_room_for_first_in_line(self, in_progress: _PlanInProgress) -> None:
         state = self._state
         first = self._first_inactive_with_work()
         if first is None:
@@ -137,7 +137,7 @@ class StepPlanner:
             if running[index].priority <= first.priority or self._could_start(first):
                 break
             if running[index].request_id not in state.reporting_in_flight and not running[index].draft_token_ids:
-                self._preempt(running.pop(index), draft)
+                self._preempt(running.pop(index), in_progress)
         first_key = scheduling_key(first)
         if self._could_start(first) or any(
             scheduling_key(r) < first_key and not state.is_idle(r) for r in running
@@ -147,7 +147,7 @@ class StepPlanner:
             if self._could_start(first):
                 return
             if state.is_idle(running[index]):
-                self._preempt(running.pop(index), draft)
+                self._preempt(running.pop(index), in_progress)
 
     def _first_inactive_with_work(self) -> Request | None:
         state = self._state
@@ -169,7 +169,7 @@ class StepPlanner:
 
     # ---- (1) running requests ----------------------------------------------------------------------------
 
-    def _schedule_running(self, draft: _StepDraft) -> None:
+    def _schedule_running(self, in_progress: _PlanInProgress) -> None:
         state = self._state
         running = state.running
         # Each request's tokens to compute, once: nothing in this pass changes another request's count.
@@ -177,41 +177,41 @@ class StepPlanner:
         # One token of budget held back for each decode not yet scheduled in this pass.
         num_decodes_after = sum(1 for num in to_compute.values() if num == 1)
         index = 0
-        while index < len(running) and draft.token_budget > 0:
+        while index < len(running) and in_progress.token_budget > 0:
             request = running[index]
             num_to_compute = to_compute[request.request_id]
             if num_to_compute == 1:
                 num_decodes_after -= 1
             reserved = num_decodes_after if num_to_compute > 1 else 0
-            num_new_tokens = self._chunk(num_to_compute, draft.token_budget - reserved)
+            num_new_tokens = self._chunk(num_to_compute, in_progress.token_budget - reserved)
             if num_new_tokens == 0:
                 index += 1
                 continue
-            num_preempted = draft.num_preempted
+            num_preempted = in_progress.num_preempted
             while request.request_id not in state.worker_rows and not state.has_free_worker_row():
-                victim = self._pick_victim(request, draft, needs_row=True)
+                victim = self._pick_victim(request, in_progress, needs_row=True)
                 if victim is None:
                     break
-                num_decodes_after -= self._preempt(victim, draft)
+                num_decodes_after -= self._preempt(victim, in_progress)
             if request.request_id not in state.worker_rows and not state.has_free_worker_row():
                 index = running.index(request) + 1  # a forked child waits for a worker row
                 continue
             allocation = self._blocks.allocate_slots(request, num_new_tokens)
             while allocation is None:
-                victim = self._pick_victim(request, draft, needs_row=False)
+                victim = self._pick_victim(request, in_progress, needs_row=False)
                 if victim is None:
                     running.remove(request)
-                    self._preempt(request, draft)
+                    self._preempt(request, in_progress)
                     return  # nobody after it was left
-                num_decodes_after -= self._preempt(victim, draft)
+                num_decodes_after -= self._preempt(victim, in_progress)
                 allocation = self._blocks.allocate_slots(request, num_new_tokens)
-            self._record_scheduled(request, num_new_tokens, allocation, draft, num_to_compute)
-            if draft.num_preempted == num_preempted:
+            self._record_scheduled(request, num_new_tokens, allocation, in_progress, num_to_compute)
+            if in_progress.num_preempted == num_preempted:
                 index += 1
             else:
                 index = running.index(request) + 1  # an idle victim before it may have shifted it
 
-    def _pick_victim(self, request: Request, draft: _StepDraft, needs_row: bool) -> Request | None:
+    def _pick_victim(self, request: Request, in_progress: _PlanInProgress, needs_row: bool) -> Request | None:
         """Remove from the running queue whom `request` should preempt to get blocks (or a worker row, with
         `needs_row`): the last request after it, else an idle one before it (not scheduled in this step);
         None if neither."""
@@ -222,7 +222,7 @@ class StepPlanner:
             candidate = running[index]
             if index == position or (needs_row and candidate.request_id not in state.worker_rows):
                 continue
-            if candidate.request_id in draft.scheduled_ids or candidate.request_id in state.reporting_in_flight:
+            if candidate.request_id in in_progress.scheduled_ids or candidate.request_id in state.reporting_in_flight:
                 continue
             if candidate.draft_token_ids:  # its result decides its computed tokens
                 continue
@@ -236,7 +236,7 @@ class StepPlanner:
             return max(num_to_compute, 0)
         return max(capacity, 0) if self._limits.enable_chunked_prefill else 0
 
-    def _preempt(self, request: Request, draft: _StepDraft) -> int:
+    def _preempt(self, request: Request, in_progress: _PlanInProgress) -> int:
         """Preempt a request already removed from the running queue. Returns 1 if it was a decode (one token
         to compute), else 0, for the decode reservation of `_schedule_running`."""
         state = self._state
@@ -244,13 +244,13 @@ class StepPlanner:
         request_id = request.request_id
         request.num_preemptions += 1
         state.num_preemptions += 1
-        draft.num_preempted += 1
+        in_progress.num_preempted += 1
         if request_id in state.worker_rows:
             state.worker_rows.remove(request_id)
-            draft.preempted_request_ids.append(request_id)
+            in_progress.preempted_request_ids.append(request_id)
         state.unsent_token_ids.pop(request_id, None)  # a NewRequestData will carry every token
         if self._limits.preemption_mode == "swap" and self._blocks.can_swap_out(request_id):
-            draft.swap_out.extend(self._blocks.swap_out(request_id))
+            in_progress.swap_out.extend(self._blocks.swap_out(request_id))
             request.status = RequestStatus.SWAPPED
             state.swapped.add(request)
         else:
@@ -262,12 +262,12 @@ class StepPlanner:
 
     # ---- (2) waiting and swapped requests ----------------------------------------------------------------
 
-    def _schedule_inactive(self, draft: _StepDraft) -> None:
+    def _schedule_inactive(self, in_progress: _PlanInProgress) -> None:
         """Admit waiting and swap in swapped requests, merged in queue order, until one cannot start."""
         state = self._state
         waiting, swapped = state.waiting, state.swapped
         next_waiting = next_swapped = 0  # idle requests are passed over and stay in their queues
-        while draft.token_budget > 0 and state.has_free_worker_row():
+        while in_progress.token_budget > 0 and state.has_free_worker_row():
             candidates = []
             if next_waiting < len(waiting):
                 candidates.append(waiting[next_waiting])
@@ -281,17 +281,17 @@ class StepPlanner:
                 next_swapped += is_swapped
                 next_waiting += not is_swapped
                 continue
-            started = self._swap_in(request, draft) if is_swapped else self._admit(request, draft)
+            started = self._swap_in(request, in_progress) if is_swapped else self._admit(request, in_progress)
             if not started:
                 return
 
-    def _admit(self, request: Request, draft: _StepDraft) -> bool:
+    def _admit(self, request: Request, in_progress: _PlanInProgress) -> bool:
         assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
         num_to_compute = self._state.num_tokens_to_compute(request)
         # Prompt logprobs need the logits of every prompt position: such a request computes them all.
         needs_all_logits = request.sampling_params.prompt_logprobs is not None
         prefix = self._blocks.find_cached_prefix(request, 0 if needs_all_logits else num_to_compute - 1)
-        num_new_tokens = self._chunk(num_to_compute - prefix.num_tokens, draft.token_budget)
+        num_new_tokens = self._chunk(num_to_compute - prefix.num_tokens, in_progress.token_budget)
         if num_new_tokens == 0:
             return False
         allocation = self._blocks.allocate_slots(request, num_new_tokens, cached_prefix=prefix)
@@ -300,20 +300,20 @@ class StepPlanner:
         request.num_computed_tokens = prefix.num_tokens
         self._state.waiting.remove(request)
         self._start_running(request)
-        self._record_scheduled(request, num_new_tokens, allocation, draft)
+        self._record_scheduled(request, num_new_tokens, allocation, in_progress)
         return True
 
-    def _swap_in(self, request: Request, draft: _StepDraft) -> bool:
-        num_new_tokens = self._chunk(self._state.num_tokens_to_compute(request), draft.token_budget)
+    def _swap_in(self, request: Request, in_progress: _PlanInProgress) -> bool:
+        num_new_tokens = self._chunk(self._state.num_tokens_to_compute(request), in_progress.token_budget)
         num_kv_tokens = request.num_computed_tokens + num_new_tokens
         if num_new_tokens == 0 or not self._blocks.can_swap_in(request.request_id, num_kv_tokens):
             return False
-        draft.swap_in.extend(self._blocks.swap_in(request.request_id))
+        in_progress.swap_in.extend(self._blocks.swap_in(request.request_id))
         allocation = self._blocks.allocate_slots(request, num_new_tokens)
         assert allocation is not None, "room checked by can_swap_in"
         self._state.swapped.remove(request)
         self._start_running(request)
-        self._record_scheduled(request, num_new_tokens, allocation, draft)
+        self._record_scheduled(request, num_new_tokens, allocation, in_progress)
         return True
 
     def _start_running(self, request: Request) -> None:
@@ -323,15 +323,15 @@ class StepPlanner:
     # ---- the plan ----------------------------------------------------------------------------------------
 
     def _record_scheduled(
-        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft,
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, in_progress: _PlanInProgress,
         num_to_compute: int | None = None,
     ) -> None:
         state = self._state
         request_id = request.request_id
-        draft.copy.extend(allocation.copies)
-        draft.token_budget -= num_new_tokens
-        draft.scheduled_ids.add(request_id)
-        self._record_row(request, num_new_tokens, allocation, draft)
+        in_progress.copy.extend(allocation.copies)
+        in_progress.token_budget -= num_new_tokens
+        in_progress.scheduled_ids.add(request_id)
+        self._record_row(request, num_new_tokens, allocation, in_progress)
         # Counts advance now, not when the result is back, so the next step can be planned while this one
         # runs. A request that reaches its end samples a token (pending until the result applies it) or is
         # reported to the engine (a fan-out root, a beam row).
@@ -340,30 +340,30 @@ class StepPlanner:
         completes = num_to_compute == num_new_tokens
         request.num_computed_tokens += num_new_tokens
         if completes:
-            draft.completing_request_ids.append(request_id)
+            in_progress.completing_request_ids.append(request_id)
             if request.prefill_only or request.num_beam_candidates:
                 state.reporting_in_flight.add(request_id)
             else:
                 if self._speculative is not None and num_new_tokens == 1 and not request.num_pending_tokens and (
-                    draft.scheduled_requests and draft.scheduled_requests[-1].request_id == request_id
+                    in_progress.scheduled_requests and in_progress.scheduled_requests[-1].request_id == request_id
                 ):
-                    draft.decodes.append((request, len(draft.scheduled_requests) - 1))
+                    in_progress.decodes.append((request, len(in_progress.scheduled_requests) - 1))
                 request.num_pending_tokens += 1
 
     # ---- (3) draft tokens ---------------------------------------------------------------------------------
 
-    def _add_drafts(self, draft: _StepDraft, speculative: SpeculativeConfig) -> None:
+    def _add_drafts(self, in_progress: _PlanInProgress, speculative: SpeculativeConfig) -> None:
         """Give the step's plain decodes their draft tokens, in plan order, from the budget left."""
         max_model_len = self._limits.max_model_len
-        for request, index in draft.decodes:
-            if draft.token_budget <= 0:
+        for request, index in in_progress.decodes:
+            if in_progress.token_budget <= 0:
                 return
             params = request.sampling_params
             if not samples_plainly(request):
                 continue
             # The step yields up to d + 1 tokens: never past max_tokens or max_model_len.
             room = min(params.max_tokens - request.num_output_tokens, max_model_len - request.num_tokens) - 1
-            num_drafts = min(speculative.num_speculative_tokens, draft.token_budget, room)
+            num_drafts = min(speculative.num_speculative_tokens, in_progress.token_budget, room)
             if num_drafts < 1:
                 continue
             drafts = propose_ngram_drafts(request.all_token_ids, speculative.prompt_lookup_min,
@@ -373,27 +373,27 @@ class StepPlanner:
             allocation = self._blocks.allocate_slots(request, len(drafts))
             if allocation is None:
                 continue  # drafts never preempt anyone
-            draft.copy.extend(allocation.copies)
-            draft.token_budget -= len(drafts)
+            in_progress.copy.extend(allocation.copies)
+            in_progress.token_budget -= len(drafts)
             request.num_computed_tokens += len(drafts)
             request.draft_token_ids = tuple(drafts)
-            data = draft.scheduled_requests[index]
-            draft.scheduled_requests[index] = dataclasses.replace(
-                data,
-                new_block_ids=data.new_block_ids + allocation.new_block_ids,
-                num_scheduled_tokens=data.num_scheduled_tokens + len(drafts),
-                replaced_blocks=data.replaced_blocks + allocation.replaced_blocks,
+            scheduled = in_progress.scheduled_requests[index]
+            in_progress.scheduled_requests[index] = dataclasses.replace(
+                scheduled,
+                new_block_ids=scheduled.new_block_ids + allocation.new_block_ids,
+                num_scheduled_tokens=scheduled.num_scheduled_tokens + len(drafts),
+                replaced_blocks=scheduled.replaced_blocks + allocation.replaced_blocks,
                 draft_token_ids=request.draft_token_ids,
             )
 
     def _record_row(
-        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, draft: _StepDraft
+        self, request: Request, num_new_tokens: int, allocation: SlotAllocation, in_progress: _PlanInProgress
     ) -> None:
         """The step's data for the worker: a diff for a row it holds, else a whole new row."""
         state = self._state
         request_id = request.request_id
         if request_id in state.worker_rows:
-            draft.scheduled_requests.append(
+            in_progress.scheduled_requests.append(
                 ScheduledRequestData(
                     request_id=request_id,
                     new_block_ids=allocation.new_block_ids,
@@ -405,7 +405,7 @@ class StepPlanner:
             return
         state.worker_rows.add(request_id)
         state.unsent_token_ids.pop(request_id, None)
-        draft.new_requests.append(
+        in_progress.new_requests.append(
             NewRequestData(
                 request_id=request_id,
                 token_ids=tuple(request.all_token_ids),
