@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from kernels.fp8_linear_ref import FP8_DTYPE, fp8_linear_ref, quantize_weight_per_channel
-from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, PER_PART, WEIGHT, TensorLayout
+from worker_svc.layers.checkpoint_tensor import TensorLayout
+from worker_svc.layers.scaled_weights import create_scaled_weights, finish_scales, per_row_scales, scaled_layout
 from worker_svc.quantization_config import ONLINE_FP8, QuantizationScheme
 
 Fp8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
@@ -64,32 +65,20 @@ class Fp8Linear:
         if self.online:
             layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
             return
-        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
-        scale_shape = (output_size, 1) if self.scheme.weight_strategy == "channel" else (num_parts,)
-        layer.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
-        if not self.scheme.dynamic_activations:
-            layer.input_scale = nn.Parameter(torch.empty(num_parts, dtype=torch.float32), requires_grad=False)
+        create_scaled_weights(layer, output_size, input_size, num_parts, FP8_DTYPE, self.scheme.weight_strategy,
+                              not self.scheme.dynamic_activations)
 
     def layout(self, kind: str) -> TensorLayout:
-        if kind == "weight":
-            return WEIGHT
-        return PER_OUTPUT_ROW if kind == "weight_scale" and self.scheme.weight_strategy == "channel" else PER_PART
+        return scaled_layout(kind, self.scheme.weight_strategy)
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
         if self.online:
             weight, scales = quantize_weight_per_channel(layer.weight)
             layer.weight = nn.Parameter(weight, requires_grad=False)
-        elif self.scheme.weight_strategy == "channel":
-            scales = layer.weight_scale.reshape(-1)
-        else:  # one scale per fused part: each part's rows get its own
-            counts = torch.tensor(part_rows, device=layer.weight_scale.device)
-            scales = layer.weight_scale.repeat_interleave(counts)
-        layer.weight_scale = nn.Parameter(scales.float().reshape(1, -1).contiguous(), requires_grad=False)
-        if not self.online and not self.scheme.dynamic_activations:
-            layer.input_scale = nn.Parameter(layer.input_scale.max().float(), requires_grad=False)
-        elif not hasattr(layer, "input_scale"):
-            layer.input_scale = None
+        else:
+            scales = per_row_scales(layer, part_rows, self.scheme.weight_strategy)
+        finish_scales(layer, scales, not self.online and not self.scheme.dynamic_activations)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.kernel(hidden, layer.weight, layer.weight_scale, layer.input_scale, bias)

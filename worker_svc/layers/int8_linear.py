@@ -29,7 +29,8 @@ from torch import nn
 
 from kernels.int8_linear_ref import INT8_MAX, INT8_MIN, int8_linear_ref
 from worker_svc.int8_quantization import Int8Scheme
-from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, PER_PART, WEIGHT, TensorLayout
+from worker_svc.layers.checkpoint_tensor import TensorLayout
+from worker_svc.layers.scaled_weights import create_scaled_weights, finish_scales, per_row_scales, scaled_layout
 
 Int8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
                       torch.Tensor]
@@ -59,29 +60,16 @@ class Int8Linear:
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int, num_parts: int,
                        dtype: torch.dtype | None) -> None:
-        layer.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=torch.int8), requires_grad=False)
-        scale_shape = (output_size, 1) if self.scheme.weight_strategy == "channel" else (num_parts,)
-        layer.weight_scale = nn.Parameter(torch.empty(scale_shape, dtype=torch.float32), requires_grad=False)
-        if not self.scheme.dynamic_activations:
-            layer.input_scale = nn.Parameter(torch.empty(num_parts, dtype=torch.float32), requires_grad=False)
+        create_scaled_weights(layer, output_size, input_size, num_parts, torch.int8, self.scheme.weight_strategy,
+                              not self.scheme.dynamic_activations)
 
     def layout(self, kind: str) -> TensorLayout:
-        if kind == "weight":
-            return WEIGHT
-        return PER_OUTPUT_ROW if kind == "weight_scale" and self.scheme.weight_strategy == "channel" else PER_PART
+        return scaled_layout(kind, self.scheme.weight_strategy)
 
     @torch.no_grad()
     def process_after_loading(self, layer: nn.Module, part_rows: list[int]) -> None:
-        if self.scheme.weight_strategy == "channel":
-            scales = layer.weight_scale.reshape(-1)
-        else:  # one scale per fused part: each part's rows get its own
-            counts = torch.tensor(part_rows, device=layer.weight_scale.device)
-            scales = layer.weight_scale.repeat_interleave(counts)
-        layer.weight_scale = nn.Parameter(scales.float().reshape(1, -1).contiguous(), requires_grad=False)
-        if self.scheme.dynamic_activations:
-            layer.input_scale = None
-        else:
-            layer.input_scale = nn.Parameter(layer.input_scale.max().float(), requires_grad=False)
+        finish_scales(layer, per_row_scales(layer, part_rows, self.scheme.weight_strategy),
+                      not self.scheme.dynamic_activations)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.kernel(hidden, layer.weight, layer.weight_scale, layer.input_scale, bias)
