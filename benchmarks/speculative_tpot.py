@@ -48,6 +48,9 @@ def write_repeater(config, directory: Path, device: str) -> Path:
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 parameter.zero_()
     model.save_pretrained(directory)
+    del model  # the engine's memory profile must see the whole GPU free
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return directory
 
 

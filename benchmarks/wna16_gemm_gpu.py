@@ -17,7 +17,9 @@ Per projection and row count:
   on the same inputs in bf16 (bound 1e-2: the same bf16 W, summed by cuBLAS in another order).
 
 Run on an H100/H200 (not in CI): `python -m benchmarks.wna16_gemm_gpu --out wna16_gemm_gpu.json`. Exits 1 when
-the check fails.
+the check fails. `--sweep` first times every candidate tile configuration (`candidate_tiles`) and K split count
+per projection and row count, and reports the fastest of each in the JSON's "sweep" (what ROW_TILES was chosen
+by).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from benchmarks.gemm_floors import projections, time_in_graph
 from benchmarks.kernel_bench import time_eager
-from kernels.triton_wna16_gemm import launch_plan, wna16_gemm
+from kernels.triton_wna16_gemm import Tiles, launch_plan, wna16_gemm
 from kernels.wna16_ref import pack_factor, wna16_linear_ref
 
 SHAPE = "llama-3.1-8b"
@@ -110,11 +112,50 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
     return results
 
 
+def candidate_tiles(rows: int) -> list[Tiles]:
+    """The tile configurations the sweep tries for `rows` rows: split-K ones for decode's few rows."""
+    if rows <= 16:
+        return [Tiles(16, n, k, 4, stages, split_k=True)
+                for n in (32, 64, 128) for k in (64, 128, 256) for stages in (2, 4)]
+    return [Tiles(m, n, k, warps, 3, split_k=False)
+            for m in (64, 128) for n in (64, 128) for k in (64, 128) for warps in (4, 8)]
+
+
+def sweep_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[int],
+                     generator: torch.Generator) -> list[dict]:
+    """The fastest candidate (tiles, splits) per row count, with every timing."""
+    weight_bytes = bytes_moved(0, k_size, n_size, BITS, GROUP_SIZE)
+    weight_sets = [quantized_weights(k_size, n_size, generator) for _ in range(copies_past_l2(weight_bytes))]
+    best = []
+    for rows in rows_list:
+        x = torch.randn(rows, k_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        num_bytes = bytes_moved(rows, k_size, n_size, BITS, GROUP_SIZE)
+        timings = []
+        for tiles in candidate_tiles(rows):
+            for splits in ((None, 1, 2, 4, 8, 16) if tiles.split_k else (1,)):
+                plan = launch_plan(rows, n_size, k_size, GROUP_SIZE, splits, tiles)
+                try:
+                    seconds = seconds_per_call([lambda q=q, s=s: wna16_gemm(x, q, s, None, BITS, GROUP_SIZE,
+                                                                             splits=plan.splits, tiles=tiles)
+                                                for q, s in weight_sets])
+                except Exception as error:  # e.g. triton's OutOfResources for a tile too large: skip that one
+                    print(f"sweep {name} M={rows} {tiles} splits={plan.splits}: {error!r:.200}", flush=True)
+                    break
+                timings.append({"tiles": list(tiles), "splits": plan.splits, "us": seconds * 1e6,
+                                "gb_s": num_bytes / seconds / 1e9})
+        fastest = min(timings, key=lambda timing: timing["us"])
+        print(f"sweep {name:8s} M={rows:4d} best {fastest}", flush=True)
+        best.append({"projection": name, "rows": rows, "best": fastest, "timings": timings})
+    return best
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), help="row counts (M) to time")
     parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
+    parser.add_argument("--sweep", type=int, nargs="*", default=None,
+                        help="first sweep the tiles at these row counts (none given: 1 16 64 256)")
     return parser.parse_args(argv)
 
 
@@ -124,11 +165,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     shapes = projections(SHAPE)
+    sweep = [] if args.sweep is None else [
+        best for name in args.projections
+        for best in sweep_projection(name, *shapes[name], args.sweep or [1, 16, 64, 256], generator)]
     results = [row for name in args.projections
                for row in bench_projection(name, *shapes[name], args.rows, generator)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shape": SHAPE, "bits": BITS, "group_size": GROUP_SIZE, "error_bound": ERROR_BOUND,
-              "results": results, "ok": all(row["ok"] for row in results)}
+              "sweep": sweep, "results": results, "ok": all(row["ok"] for row in results)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

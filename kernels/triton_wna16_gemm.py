@@ -4,12 +4,18 @@ Torch reference: kernels/wna16_ref.py (`wna16_linear_ref`), whose docstring defi
 here: qweight int32 [K // pack, N] packed along K (first value in the lowest bits), scales [K // G, N], zeros
 [K // G, N] as floats or None (symmetric, zero point 2**(bits - 1)).
 
-Each program owns a BLOCK_M x BLOCK_N tile of y. Per BLOCK_K step it loads the packed words of its K rows (every
-word `pack` times, once per value it holds: the repeats are served from L1, each word comes from DRAM once),
-shifts and masks out the values, subtracts the group's zero point and multiplies by the group's scale in fp32,
-rounds W to x's dtype (the reference's rounding point: it casts the fp32 W to x's dtype before its matmul) and
-feeds `tl.dot` with an fp32 accumulator. A BLOCK_K step never straddles two groups (group_size is a multiple of
-BLOCK_K, or the whole of K), so one scale row and one zero row serve the step.
+Each program owns a BLOCK_M x BLOCK_N tile of y. Per BLOCK_K step it loads the step's packed words once
+(int32 [BLOCK_K // pack, BLOCK_N]: each word from DRAM once, one load instruction per word), unpacks them by
+shifting every word by each of its `pack` bit offsets ([BLOCK_K // pack, pack, BLOCK_N], reshaped in order to
+[BLOCK_K, BLOCK_N]: packed along K, first value in the lowest bits, so the reshape's row-major order is K's),
+subtracts the zero point and multiplies by the scale in fp32, rounds W to x's dtype (the reference's rounding
+point: it casts the fp32 W to x's dtype before its matmul) and feeds `tl.dot` with an fp32 accumulator. A step
+covers GROUPS_PER_STEP whole groups of GROUP_K rows (BLOCK_K a multiple of the group size: 4 groups of 32 in a
+step of 128) or lies inside one group (the group size a multiple of BLOCK_K, or the whole of K): the scale and
+zero rows of its groups are loaded once ([GROUPS_PER_STEP, BLOCK_N]) and broadcast over their GROUP_K rows.
+Why not the simpler load of every word once per value it holds (one int32 per W element, the repeats served
+from L1): measured on an H200 it reached 14-17% of the copy bandwidth at decode's row counts, slower than the
+bf16 layer it replaces; it issued `pack` times the load instructions and kept `pack` times the registers.
 
 Two variants, one kernel source:
 
@@ -60,36 +66,51 @@ class Tiles(NamedTuple):
     split_k: bool
 
 
-# (up to this many rows, tiles); the last holds any number of rows. Not yet timed on a GPU
-# (benchmarks/wna16_gemm_gpu.py is the measurement to tune them by). Decode's BLOCK_K stays at 64: each
-# step holds its packed words once per value (int32 [BLOCK_K, BLOCK_N]) and the dequantized fp32 tile in registers.
+# (up to this many rows, tiles); the last holds any number of rows. Chosen by benchmarks/wna16_gemm_gpu.py
+# `--sweep` on an H200 (docs/quantization.md has the figures).
 ROW_TILES = (
-    (16, Tiles(16, 64, 64, 4, 3, split_k=True)),
-    (64, Tiles(64, 64, 64, 4, 3, split_k=False)),
+    (16, Tiles(16, 64, 128, 4, 4, split_k=True)),
+    (64, Tiles(64, 64, 128, 4, 3, split_k=False)),
     (1 << 62, Tiles(128, 128, 64, 8, 3, split_k=False)),
 )
 
 
 class LaunchPlan(NamedTuple):
-    """What one call launches: the tiles, BLOCK_K after fitting it to the group size, and the K slices (1: the
-    plain variant, no partial buffer and no reduce)."""
+    """What one call launches: the tiles, BLOCK_K after fitting it to the group size, the rows that share one
+    scale row within a step (`group_k`: the group size, or BLOCK_K when a step lies inside one group), and the K
+    slices (1: the plain variant, no partial buffer and no reduce)."""
 
     tiles: Tiles
     block_k: int
+    group_k: int
     splits: int
 
 
-def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits: int | None = None) -> LaunchPlan:
+def _fits(block_k: int, group_size: int, k_size: int) -> int | None:
+    """GROUP_K for steps of `block_k` rows, or None when a step would cut a group unevenly."""
+    if group_size == k_size or group_size % block_k == 0:
+        return block_k
+    if block_k % group_size == 0 and (block_k // group_size) & (block_k // group_size - 1) == 0:
+        return group_size  # a power-of-two number of whole groups per step (Triton's shapes are powers of two)
+    return None
+
+
+def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits: int | None = None,
+                tiles: Tiles | None = None) -> LaunchPlan:
     """The launch for x [num_rows, k_size] times a [k_size, n_size] weight quantized in groups of `group_size`;
-    `splits` forces the number of K slices (tests), None chooses it. Raises ValueError for a group size (one
-    that divides K: `wna16_gemm` checks) the kernel cannot tile."""
-    tiles = next(t for most_rows, t in ROW_TILES if num_rows <= most_rows)
+    `splits` and `tiles` force the number of K slices and the tiles (tests, the benchmark's sweep), None
+    chooses them. Raises ValueError for a group size (one that divides K: `wna16_gemm` checks) the kernel
+    cannot tile."""
+    tiles = tiles or next(t for most_rows, t in ROW_TILES if num_rows <= most_rows)
     block_k = tiles.block_k
-    if group_size != k_size:  # a BLOCK_K step must sit inside one group
-        while group_size % block_k and block_k > SMALLEST_BLOCK_K:
-            block_k //= 2
-        if group_size % block_k:
-            raise ValueError(f"group_size {group_size} is not a multiple of {SMALLEST_BLOCK_K} (nor all of K)")
+    while block_k > max(k_size, SMALLEST_BLOCK_K):  # no step longer than K: a small K still splits
+        block_k //= 2
+    while _fits(block_k, group_size, k_size) is None and block_k > SMALLEST_BLOCK_K:
+        block_k //= 2
+    group_k = _fits(block_k, group_size, k_size)
+    if group_k is None:
+        raise ValueError(f"group_size {group_size} is neither a multiple of {SMALLEST_BLOCK_K} nor a power-of-two "
+                         "fraction of a K step (nor all of K)")
     k_tiles = triton.cdiv(k_size, block_k)
     if splits is None:
         programs = max(1, triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n))
@@ -97,7 +118,7 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits
         splits = max(1, min(splits, MAX_SPLITS, k_tiles))
     elif splits < 1:
         raise ValueError(f"splits {splits} must be at least 1")
-    return LaunchPlan(tiles, block_k, min(splits, k_tiles))
+    return LaunchPlan(tiles, block_k, group_k, min(splits, k_tiles))
 
 
 @triton.jit
@@ -115,18 +136,30 @@ def dequantize_tile(packed, shifts, scale_row_ptr, zero_row_ptr, cols, col_mask,
     return (q - (1 << (BITS - 1))) * scale[None, :]
 
 
+@triton.jit
+def unpack_step(packed, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W^T's [BLOCK_K, BLOCK_N] integer values (int32, 0 .. 2**BITS - 1) from one step's packed words
+    [BLOCK_K // pack, BLOCK_N]: every word shifted by each value's bit offset, then K's rows in order."""
+    PACK: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, PACK) * BITS
+    values = (packed[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # the mask drops the sign's fill
+    return tl.reshape(values, (BLOCK_K, BLOCK_N))
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _wna16_gemm_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
     num_rows, n_size, k_size, group_size, k_tiles_per_split,
     stride_x, stride_q, stride_s, stride_z, stride_out, stride_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y over K slice `program_id(2)`: with SPLIT, its fp32 partial sums to slice
-    `program_id(2)` of `out_ptr`; without, y itself (plus the bias) in out_ptr's dtype."""
+    `program_id(2)` of `out_ptr`; without, y itself (plus the bias) in out_ptr's dtype. GROUP_K: the rows that
+    share one scale row within a step (the group size, or BLOCK_K when a step lies inside one group)."""
     PACK: tl.constexpr = 32 // BITS
+    GROUPS_PER_STEP: tl.constexpr = BLOCK_K // GROUP_K
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < num_rows, cols < n_size
@@ -134,19 +167,28 @@ def _wna16_gemm_kernel(
     k_first = split * k_tiles_per_split * BLOCK_K
     k_end = tl.minimum(k_size, k_first + k_tiles_per_split * BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = (offs_k % PACK) * BITS  # BLOCK_K is a multiple of PACK: offs_k % PACK == k % PACK
+    offs_packed = tl.arange(0, BLOCK_K // PACK)
+    offs_group = tl.arange(0, GROUPS_PER_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(k_first, k_end, BLOCK_K):
         ks = k_start + offs_k
         k_mask = ks < k_size  # only a per-channel K that is not a multiple of BLOCK_K has a partial step
         a = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        packed = tl.load(qweight_ptr + (ks // PACK).to(tl.int64)[:, None] * stride_q + cols[None, :],
-                         mask=k_mask[:, None] & col_mask[None, :], other=0)
-        group = (k_start // group_size).to(tl.int64)
-        w = dequantize_tile(packed, shifts, scales_ptr + group * stride_s, zeros_ptr + group * stride_z, cols,
-                            col_mask, BITS, HAS_ZEROS)
-        w = w.to(x_ptr.dtype.element_ty)
+        packed_rows = (k_start // PACK + offs_packed).to(tl.int64)
+        packed = tl.load(qweight_ptr + packed_rows[:, None] * stride_q + cols[None, :],
+                         mask=(packed_rows * PACK < k_size)[:, None] & col_mask[None, :], other=0)
+        q = tl.reshape(unpack_step(packed, BITS, BLOCK_K, BLOCK_N).to(tl.float32), (GROUPS_PER_STEP, GROUP_K, BLOCK_N))
+        group_starts = k_start + offs_group * GROUP_K
+        groups = (group_starts // group_size).to(tl.int64)
+        group_mask = (group_starts < k_size)[:, None] & col_mask[None, :]
+        scale = tl.load(scales_ptr + groups[:, None] * stride_s + cols[None, :], mask=group_mask, other=0.0)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + groups[:, None] * stride_z + cols[None, :], mask=group_mask, other=0.0)
+            q = q - zero.to(tl.float32)[:, None, :]
+        else:
+            q = q - (1 << (BITS - 1))
+        w = tl.reshape(q * scale.to(tl.float32)[:, None, :], (BLOCK_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -204,7 +246,8 @@ def _columns_contiguous(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-               group_size: int, bias: torch.Tensor | None = None, splits: int | None = None) -> torch.Tensor:
+               group_size: int, bias: torch.Tensor | None = None, splits: int | None = None,
+               tiles: Tiles | None = None) -> torch.Tensor:
     """y = x W^T + b for x [*, K] in fp16 / bf16 / fp32 and W in the canonical layout (module docstring): [*, N]
     in x's dtype. `splits` forces the number of K slices (tests and benchmarks); None lets `launch_plan` choose
     by the number of rows. Every size is a function of the shapes: the call can be captured in a CUDA graph."""
@@ -213,7 +256,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     x = _columns_contiguous(x.reshape(-1, k_size))
     qweight, scales, zeros, bias = (_columns_contiguous(t) for t in (qweight, scales, zeros, bias))
     num_rows = x.shape[0]
-    plan = launch_plan(num_rows, n_size, k_size, group_size, splits)
+    plan = launch_plan(num_rows, n_size, k_size, group_size, splits, tiles)
     out = torch.empty((num_rows, n_size), dtype=x.dtype, device=x.device)
     if num_rows == 0 or n_size == 0:
         return out.reshape(*leading, n_size)
@@ -228,7 +271,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0,
         target.stride(-2), target.stride(0) if split else 0,
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=plan.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=plan.block_k, GROUP_K=plan.group_k,
         UPCAST=needs_upcast(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton_wna16_gemm import launch_plan, wna16_gemm
+from kernels.triton_wna16_gemm import Tiles, launch_plan, wna16_gemm
 from kernels.wna16_ref import pack_rows, wna16_linear_ref
 
 PER_CHANNEL = "per_channel"
@@ -76,13 +76,14 @@ def test_16_bit_activations_match_the_reference(bits, asymmetric, dtype, groupin
 
 @pytest.mark.parametrize("splits", [1, 2, 4, 6, 50])
 def test_any_number_of_k_slices_gives_the_same_product(splits):
-    """K = 192 in groups of 32 is six BLOCK_K steps: 4 slices of two steps leave the last slice empty (it must
+    """K = 192 in steps of 32 is six BLOCK_K steps: 4 slices of two steps leave the last slice empty (it must
     write zeros), 50 is clamped to six."""
     layer = quantized_layer(4, 192, N, 32, True, torch.float32, seed=7)
     x = torch.randn(5, 192, generator=torch.Generator().manual_seed(8))
     bias = torch.randn(N)
-    assert launch_plan(5, N, 192, 32, splits).splits == min(splits, 6)
-    assert_matches_reference(wna16_gemm(x, **layer, bias=bias, splits=splits),
+    tiles = Tiles(16, 64, 32, 4, 3, split_k=True)
+    assert launch_plan(5, N, 192, 32, splits, tiles).splits == min(splits, 6)
+    assert_matches_reference(wna16_gemm(x, **layer, bias=bias, splits=splits, tiles=tiles),
                              wna16_linear_ref(x, **layer, bias=bias), FP32_BOUND)
 
 
@@ -115,7 +116,7 @@ def test_no_rows_give_an_empty_output():
 @pytest.mark.parametrize("change,message", [
     ({"bits": 3}, "3-bit"),
     ({"group_size": 50}, "group_size 50"),
-    ({"group_size": 8, "scales": torch.rand(12, N)}, "group_size 8"),
+    ({"group_size": 24, "scales": torch.rand(4, N)}, "group_size 24"),
     ({"x": torch.randn(2, 96, dtype=torch.float64)}, "float64"),
     ({"x": torch.randn(2, 64)}, "64 input features"),
     ({"scales": torch.rand(2, N)}, r"scales of shape \(2, 100\)"),
@@ -124,7 +125,8 @@ def test_no_rows_give_an_empty_output():
     ({"qweight": torch.zeros(12, N, dtype=torch.int64)}, "torch.int64"),
 ])
 def test_refuses_what_it_cannot_compute(change, message):
-    """group_size 50 does not divide K = 96; 8 divides it but is no multiple of the smallest BLOCK_K (16)."""
+    """group_size 50 does not divide K = 96; 24 divides it but is neither a multiple of the smallest BLOCK_K (16)
+    nor a power-of-two fraction of a step."""
     call = {"x": torch.randn(2, 96), **quantized_layer(4, 96, N, 32, False, torch.float32, seed=2), **change}
     with pytest.raises(ValueError, match=message):
         wna16_gemm(**call)
@@ -137,4 +139,6 @@ def test_decode_rows_split_k_until_about_two_waves_of_programs():
     assert launch_plan(16, 6144, 4096, 128).splits == 3
     assert launch_plan(1, 28672, 4096, 128).splits == 1
     assert launch_plan(40, 4096, 4096, 128).splits == 1
-    assert launch_plan(1, 4096, 4096, 32).block_k == 32  # a BLOCK_K step never straddles two groups
+    plan = launch_plan(1, 4096, 4096, 32)  # a step of 128 rows holds four whole groups of 32
+    assert (plan.block_k, plan.group_k) == (128, 32)
+    assert launch_plan(1, 4096, 4096, 96).block_k == 32  # 96 is no power-of-two fraction: steps inside a group
