@@ -13,6 +13,7 @@ Per projection and row count:
   + written / time, as kernel_bench's copy), and `of_copy` = wna16_gb_s / copy_gb_s.
 - `bf16_us`: torch.matmul of x by the bf16 weight [K, N] of the same shape (the dense layer this replaces), and
   `speedup` = bf16_us / wna16_us.
+- `bits_equal_fp32_dequant`: the bf16 dequantization gives the fp32 one's bits (required);
 - the launch plan (row tile, K slices) and the relative error ||y - ref|| / ||ref|| against kernels/wna16_ref.py
   on the same inputs in bf16 (bound 1e-2: the same bf16 W, summed by cuBLAS in another order).
 
@@ -96,15 +97,17 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
         qweight, scales = weight_sets[0]
         got = wna16_gemm(x, qweight, scales, None, BITS, GROUP_SIZE).float()
         expected = wna16_linear_ref(x, qweight, scales, None, BITS, GROUP_SIZE).float()
+        fp32_dequant = wna16_gemm(x, qweight, scales, None, BITS, GROUP_SIZE, bf16_dequant=False).float()
         plan = launch_plan(rows, n_size, k_size, GROUP_SIZE)
         row = {"projection": name, "k": k_size, "n": n_size, "rows": rows, "bytes": num_bytes,
+               "bits_equal_fp32_dequant": torch.equal(got, fp32_dequant),
                "block_m": plan.tiles.block_m, "block_n": plan.tiles.block_n, "block_k": plan.block_k,
                "splits": plan.splits, "wna16_us": wna16_s * 1e6, "wna16_gb_s": num_bytes / wna16_s / 1e9,
                "copy_gb_s": 2 * num_bytes / copy_s / 1e9, "bf16_us": bf16_s * 1e6,
                "relative_error": ((got - expected).norm() / expected.norm()).item()}
         row["of_copy"] = row["wna16_gb_s"] / row["copy_gb_s"]
         row["speedup"] = bf16_s / wna16_s
-        row["ok"] = row["relative_error"] < ERROR_BOUND
+        row["ok"] = row["relative_error"] < ERROR_BOUND and row["bits_equal_fp32_dequant"]
         print(f"{name:8s} M={rows:4d} splits={plan.splits:2d} {row['wna16_us']:8.1f} us {row['wna16_gb_s']:7.0f} GB/s "
               f"({row['of_copy']:4.0%} of copy {row['copy_gb_s']:5.0f})  bf16 {row['bf16_us']:8.1f} us "
               f"(x{row['speedup']:.2f})  err {row['relative_error']:.1e}", flush=True)

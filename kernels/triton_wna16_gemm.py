@@ -13,6 +13,11 @@ point: it casts the fp32 W to x's dtype before its matmul) and feeds `tl.dot` wi
 covers GROUPS_PER_STEP whole groups of GROUP_K rows (BLOCK_K a multiple of the group size: 4 groups of 32 in a
 step of 128) or lies inside one group (the group size a multiple of BLOCK_K, or the whole of K): the scale and
 zero rows of its groups are loaded once ([GROUPS_PER_STEP, BLOCK_N]) and broadcast over their GROUP_K rows.
+With bf16 activations and 4-bit values (`BF16_DEQUANT`), the values become bf16 without an int-to-float conversion
+(quarter rate on the GPU): OR-ing q (0..15) into 0x4300, the bits of bf16 128.0 whose mantissa's last bit is 1,
+gives the bf16 number 128 + q; subtracting 128, then the zero point (a small integer), is exact in bf16, and
+the one bf16 multiply by the scale rounds the exact product once, as the fp32 path's product rounded to bf16
+does: the same bits. (Zero points are integers in every served format: AWQ, GPTQ, compressed-tensors.)
 Why not the simpler load of every word once per value it holds (one int32 per W element, the repeats served
 from L1): measured on an H200 it reached 14-17% of the copy bandwidth at decode's row counts, slower than the
 bf16 layer it replaces; it issued `pack` times the load instructions and kept `pack` times the registers.
@@ -49,8 +54,9 @@ from kernels.wna16_ref import pack_factor
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALLEST_BLOCK_K = 16  # tl.dot's smallest K
-# Split-K: aim for this many programs (about two waves on a 132-SM H100/H200), at most this many slices.
-SPLIT_TARGET_PROGRAMS = 256
+# Split-K: aim for this many programs (the sweep's fastest split counts gave 256-1792 on an H200's 132 SMs), at
+# most this many slices.
+SPLIT_TARGET_PROGRAMS = 512
 MAX_SPLITS = 16
 REDUCE_BLOCK_N = 512
 
@@ -69,9 +75,9 @@ class Tiles(NamedTuple):
 # (up to this many rows, tiles); the last holds any number of rows. Chosen by benchmarks/wna16_gemm_gpu.py
 # `--sweep` on an H200 (docs/quantization.md has the figures).
 ROW_TILES = (
-    (16, Tiles(16, 64, 128, 4, 4, split_k=True)),
+    (16, Tiles(16, 128, 64, 4, 4, split_k=True)),
     (64, Tiles(64, 64, 128, 4, 3, split_k=False)),
-    (1 << 62, Tiles(128, 128, 64, 8, 3, split_k=False)),
+    (1 << 62, Tiles(128, 64, 128, 8, 3, split_k=False)),
 )
 
 
@@ -146,6 +152,32 @@ def unpack_step(packed, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.c
     return tl.reshape(values, (BLOCK_K, BLOCK_N))
 
 
+@triton.jit
+def dequantize_step(packed, scales_ptr, zeros_ptr, k_start, cols, col_mask, k_size, group_size, stride_s, stride_z,
+                    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GROUP_K: tl.constexpr, BF16_DEQUANT: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """W^T's rows k_start .. k_start + BLOCK_K at `cols` in OUT_DTYPE from their packed words (module docstring:
+    whole groups of GROUP_K rows or one group's part; fp32 arithmetic, or bf16 under BF16_DEQUANT). Shared with
+    the whole-weight dequantization (kernels/triton_wna16_linear.py)."""
+    GROUPS_PER_STEP: tl.constexpr = BLOCK_K // GROUP_K
+    values = unpack_step(packed, BITS, BLOCK_K, BLOCK_N)
+    if BF16_DEQUANT:  # 0x4300 | q is bf16 128 + q: no int-to-float conversion; exact (see module docstring)
+        q = (values | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - 128.0
+    else:
+        q = values.to(tl.float32)
+    q = tl.reshape(q, (GROUPS_PER_STEP, GROUP_K, BLOCK_N))
+    group_starts = k_start + tl.arange(0, GROUPS_PER_STEP) * GROUP_K
+    groups = (group_starts // group_size).to(tl.int64)
+    group_mask = (group_starts < k_size)[:, None] & col_mask[None, :]
+    scale = tl.load(scales_ptr + groups[:, None] * stride_s + cols[None, :], mask=group_mask, other=0.0)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + groups[:, None] * stride_z + cols[None, :], mask=group_mask, other=0.0)
+        q = q - zero.to(q.dtype)[:, None, :]
+    else:
+        q = q - (1 << (BITS - 1))
+    return tl.reshape(q * scale.to(q.dtype)[:, None, :], (BLOCK_K, BLOCK_N)).to(OUT_DTYPE)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _wna16_gemm_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, bias_ptr, out_ptr,
@@ -153,13 +185,12 @@ def _wna16_gemm_kernel(
     stride_x, stride_q, stride_s, stride_z, stride_out, stride_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_DEQUANT: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y over K slice `program_id(2)`: with SPLIT, its fp32 partial sums to slice
     `program_id(2)` of `out_ptr`; without, y itself (plus the bias) in out_ptr's dtype. GROUP_K: the rows that
     share one scale row within a step (the group size, or BLOCK_K when a step lies inside one group)."""
     PACK: tl.constexpr = 32 // BITS
-    GROUPS_PER_STEP: tl.constexpr = BLOCK_K // GROUP_K
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < num_rows, cols < n_size
@@ -168,7 +199,6 @@ def _wna16_gemm_kernel(
     k_end = tl.minimum(k_size, k_first + k_tiles_per_split * BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     offs_packed = tl.arange(0, BLOCK_K // PACK)
-    offs_group = tl.arange(0, GROUPS_PER_STEP)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(k_first, k_end, BLOCK_K):
         ks = k_start + offs_k
@@ -178,17 +208,9 @@ def _wna16_gemm_kernel(
         packed_rows = (k_start // PACK + offs_packed).to(tl.int64)
         packed = tl.load(qweight_ptr + packed_rows[:, None] * stride_q + cols[None, :],
                          mask=(packed_rows * PACK < k_size)[:, None] & col_mask[None, :], other=0)
-        q = tl.reshape(unpack_step(packed, BITS, BLOCK_K, BLOCK_N).to(tl.float32), (GROUPS_PER_STEP, GROUP_K, BLOCK_N))
-        group_starts = k_start + offs_group * GROUP_K
-        groups = (group_starts // group_size).to(tl.int64)
-        group_mask = (group_starts < k_size)[:, None] & col_mask[None, :]
-        scale = tl.load(scales_ptr + groups[:, None] * stride_s + cols[None, :], mask=group_mask, other=0.0)
-        if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + groups[:, None] * stride_z + cols[None, :], mask=group_mask, other=0.0)
-            q = q - zero.to(tl.float32)[:, None, :]
-        else:
-            q = q - (1 << (BITS - 1))
-        w = tl.reshape(q * scale.to(tl.float32)[:, None, :], (BLOCK_K, BLOCK_N)).to(x_ptr.dtype.element_ty)
+        w = dequantize_step(packed, scales_ptr, zeros_ptr, k_start, cols, col_mask, k_size, group_size, stride_s,
+                            stride_z, BITS, HAS_ZEROS, BLOCK_K, BLOCK_N, GROUP_K, BF16_DEQUANT,
+                            x_ptr.dtype.element_ty)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
@@ -219,6 +241,12 @@ def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stri
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
+def bf16_dequant_applies(dtype: torch.dtype, bits: int) -> bool:
+    """Whether the GEMM dequantizes in bf16 (module docstring): 4-bit values into bf16 activations on a GPU
+    (the interpreter's 16-bit arithmetic is wrong, kernels/triton_numerics.py)."""
+    return dtype == torch.bfloat16 and bits == 4 and not needs_upcast(dtype)
+
+
 def _check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bits: int, group_size: int, bias: torch.Tensor | None) -> tuple[int, int]:
     """(K, N) of a valid call; ValueError naming the offending value otherwise."""
@@ -247,10 +275,10 @@ def _columns_contiguous(tensor: torch.Tensor | None) -> torch.Tensor | None:
 
 def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                group_size: int, bias: torch.Tensor | None = None, splits: int | None = None,
-               tiles: Tiles | None = None) -> torch.Tensor:
+               tiles: Tiles | None = None, bf16_dequant: bool | None = None) -> torch.Tensor:
     """y = x W^T + b for x [*, K] in fp16 / bf16 / fp32 and W in the canonical layout (module docstring): [*, N]
-    in x's dtype. `splits` forces the number of K slices (tests and benchmarks); None lets `launch_plan` choose
-    by the number of rows. Every size is a function of the shapes: the call can be captured in a CUDA graph."""
+    in x's dtype. `splits`, `tiles` and `bf16_dequant` force the K slices, the tiles and the dequantization
+    arithmetic (tests and benchmarks); None lets `launch_plan` and `bf16_dequant_applies` choose. Every size is a function of the shapes: the call can be captured in a CUDA graph."""
     k_size, n_size = _check_operands(x, qweight, scales, zeros, bits, group_size, bias)
     leading = x.shape[:-1]
     x = _columns_contiguous(x.reshape(-1, k_size))
@@ -273,6 +301,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=plan.block_k, GROUP_K=plan.group_k,
         UPCAST=needs_upcast(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
+        BF16_DEQUANT=bf16_dequant if bf16_dequant is not None else bf16_dequant_applies(x.dtype, bits),
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     if split:
