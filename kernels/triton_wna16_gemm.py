@@ -14,14 +14,9 @@ BLOCK_K, or the whole of K), so one scale row and one zero row serve the step.
 Two variants, one kernel source:
 
 - plain tiled (any M beyond 16): grid (M tiles, N tiles), each program sums all of K.
-- split-K (decode, M <= 16): a decode step's few rows give only N / BLOCK_N programs (64 for a 4096-wide
-  projection), too few to keep the card's memory system busy, and the step is bound by reading the weights. A
-  third grid dimension cuts K into slices; each program writes its slice's fp32 partial sums to a [splits, M, N]
-  buffer and a second small kernel adds the slices in slice order, adds the bias and rounds once to x's dtype.
-  Why a second reduce and not atomic adds into an fp32 buffer: the atomics would add the slices in whatever order
-  the programs finish, so a token's logits would change bits from run to run (greedy outputs not reproducible);
-  they also need the buffer zeroed first and a cast to x's dtype after (a memset plus a third launch against the
-  reduce's one), and bf16 atomics fail in the interpreter. The buffer is small at M <= 16 (splits x M x N fp32).
+- split-K (decode, M <= 16): a third grid dimension cuts K into slices whose fp32 partial sums a second small
+  kernel adds in slice order, with the bias, rounding once to x's dtype (kernels/triton_split_k.py says why
+  split, and why an ordered reduce rather than atomics).
 
 Sizes are a fixed table chosen by M (`ROW_TILES`) and a split count computed from the shape alone
 (`launch_plan`): no autotuning, since a CUDA graph captures one launch configuration and every constexpr
@@ -39,14 +34,11 @@ import triton
 import triton.language as tl
 
 from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_split_k import split_count, sum_splits
 from kernels.wna16_ref import pack_factor
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALLEST_BLOCK_K = 16  # tl.dot's smallest K
-# Split-K: aim for this many programs (about two waves on a 132-SM H100/H200), at most this many slices.
-SPLIT_TARGET_PROGRAMS = 256
-MAX_SPLITS = 16
-REDUCE_BLOCK_N = 512
 
 
 class Tiles(NamedTuple):
@@ -91,13 +83,9 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits
         if group_size % block_k:
             raise ValueError(f"group_size {group_size} is not a multiple of {SMALLEST_BLOCK_K} (nor all of K)")
     k_tiles = triton.cdiv(k_size, block_k)
-    if splits is None:
-        programs = max(1, triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n))
-        splits = triton.cdiv(SPLIT_TARGET_PROGRAMS, programs) if tiles.split_k else 1
-        splits = max(1, min(splits, MAX_SPLITS, k_tiles))
-    elif splits < 1:
-        raise ValueError(f"splits {splits} must be at least 1")
-    return LaunchPlan(tiles, block_k, min(splits, k_tiles))
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n)
+    return LaunchPlan(tiles, block_k, split_count(programs, k_tiles, splits)
+                      if tiles.split_k or splits is not None else 1)
 
 
 @triton.jit
@@ -160,23 +148,6 @@ def _wna16_gemm_kernel(
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stride_split, stride_partial,
-                       stride_out, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[row, cols] = sum over slices in slice order of the fp32 partials (+ bias), rounded once to y's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    partials = partials_ptr + row * stride_partial + cols  # a pointer stepped by the slice stride: 64-bit sums
-    for _ in range(0, num_splits):
-        acc += tl.load(partials, mask=col_mask, other=0.0)
-        partials += stride_split
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
 def _check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bits: int, group_size: int, bias: torch.Tensor | None) -> tuple[int, int]:
     """(K, N) of a valid call; ValueError naming the offending value otherwise."""
@@ -233,8 +204,5 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     if split:
-        _sum_splits_kernel[(num_rows, triton.cdiv(n_size, REDUCE_BLOCK_N))](
-            target, bias if bias is not None else target, out, n_size, plan.splits, target.stride(0),
-            target.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
-        )
+        sum_splits(target, bias, out)
     return out.reshape(*leading, n_size)
