@@ -129,6 +129,13 @@ def _check_operands(x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.T
         raise ValueError(f"output dtype {out_dtype} is not served (supported: {OUTPUT_DTYPES})")
 
 
+def launch_splits(num_rows: int, n_size: int, k_size: int, tiles: Fp8Tiles, splits: int | None = None) -> int:
+    """The K slices `fp8_gemm` launches for x [num_rows, k_size] times W [n_size, k_size]^T with `tiles`
+    (`splits` forces them: ValueError below 1)."""
+    tile_programs = triton.cdiv(num_rows, BLOCK_M) * triton.cdiv(n_size, tiles.block_n)
+    return split_count(tile_programs, triton.cdiv(k_size, tiles.block_k), splits)
+
+
 def fp8_gemm(x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor,
              bias: torch.Tensor | None, out_dtype: torch.dtype, tiles: Fp8Tiles = DEFAULT_TILES,
              splits: int | None = None) -> torch.Tensor:
@@ -145,14 +152,13 @@ def fp8_gemm(x_fp8: torch.Tensor, x_scales: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty((num_rows, n_size), dtype=out_dtype, device=x_fp8.device)
     if num_rows == 0 or n_size == 0:
         return out
-    k_tiles = triton.cdiv(k_size, tiles.block_k)
-    row_tiles, col_tiles = triton.cdiv(num_rows, BLOCK_M), triton.cdiv(n_size, tiles.block_n)
-    num_splits = split_count(row_tiles * col_tiles, k_tiles, splits)
+    num_splits = launch_splits(num_rows, n_size, k_size, tiles, splits)
     split = num_splits > 1
     target = torch.empty((num_splits, num_rows, n_size), dtype=torch.float32, device=x_fp8.device) if split else out
-    _fp8_gemm_kernel[(row_tiles, col_tiles, num_splits)](
+    grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(n_size, tiles.block_n), num_splits)
+    _fp8_gemm_kernel[grid](
         x_fp8, weight, x_scales, w_scales, bias if bias is not None else w_scales, target,
-        num_rows, n_size, k_size, triton.cdiv(k_tiles, num_splits),
+        num_rows, n_size, k_size, triton.cdiv(triton.cdiv(k_size, tiles.block_k), num_splits),
         x_fp8.stride(0), weight.stride(0), target.stride(-2), target.stride(0) if split else 0,
         HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
