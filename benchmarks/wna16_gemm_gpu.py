@@ -13,6 +13,8 @@ Per projection and row count:
   + written / time, as kernel_bench's copy), and `of_copy` = wna16_gb_s / copy_gb_s.
 - `bf16_us`: torch.matmul of x by the bf16 weight [K, N] of the same shape (the dense layer this replaces), and
   `speedup` = bf16_us / wna16_us.
+- `linear_us`: the layer's own call (kernels/triton_wna16_linear.py: this GEMM up to 16 rows, the dequantized
+  weight and cuBLAS beyond), and `linear_speedup` = bf16_us / linear_us;
 - `bits_equal_fp32_dequant`: the bf16 dequantization gives the fp32 one's bits (required);
 - the launch plan (row tile, K slices) and the relative error ||y - ref|| / ||ref|| against kernels/wna16_ref.py
   on the same inputs in bf16 (bound 1e-2: the same bf16 W, summed by cuBLAS in another order).
@@ -37,6 +39,7 @@ import torch
 from benchmarks.gemm_floors import projections, time_in_graph
 from benchmarks.kernel_bench import time_eager
 from kernels.triton_wna16_gemm import Tiles, launch_plan, wna16_gemm
+from kernels.triton_wna16_linear import wna16_linear
 from kernels.wna16_ref import pack_factor, wna16_linear_ref
 
 SHAPE = "llama-3.1-8b"
@@ -91,6 +94,8 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
         targets = [torch.empty_like(source) for source in sources]
         wna16_s = seconds_per_call([lambda q=q, s=s: wna16_gemm(x, q, s, None, BITS, GROUP_SIZE)
                                     for q, s in weight_sets])
+        linear_s = seconds_per_call([lambda q=q, s=s: wna16_linear(x, q, s, None, BITS, GROUP_SIZE)
+                                     for q, s in weight_sets])
         copy_s = seconds_per_call([lambda a=a, b=b: b.copy_(a) for a, b in zip(sources, targets)])
         bf16_s = seconds_per_call([lambda w=w: torch.matmul(x, w) for w in dense])
         del sources, targets
@@ -104,13 +109,14 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
                "block_m": plan.tiles.block_m, "block_n": plan.tiles.block_n, "block_k": plan.block_k,
                "splits": plan.splits, "wna16_us": wna16_s * 1e6, "wna16_gb_s": num_bytes / wna16_s / 1e9,
                "copy_gb_s": 2 * num_bytes / copy_s / 1e9, "bf16_us": bf16_s * 1e6,
+               "linear_us": linear_s * 1e6, "linear_speedup": bf16_s / linear_s,
                "relative_error": ((got - expected).norm() / expected.norm()).item()}
         row["of_copy"] = row["wna16_gb_s"] / row["copy_gb_s"]
         row["speedup"] = bf16_s / wna16_s
         row["ok"] = row["relative_error"] < ERROR_BOUND and row["bits_equal_fp32_dequant"]
         print(f"{name:8s} M={rows:4d} splits={plan.splits:2d} {row['wna16_us']:8.1f} us {row['wna16_gb_s']:7.0f} GB/s "
               f"({row['of_copy']:4.0%} of copy {row['copy_gb_s']:5.0f})  bf16 {row['bf16_us']:8.1f} us "
-              f"(x{row['speedup']:.2f})  err {row['relative_error']:.1e}", flush=True)
+              f"(x{row['speedup']:.2f}) linear x{row['linear_speedup']:.2f}  err {row['relative_error']:.1e}", flush=True)
         results.append(row)
     return results
 

@@ -25,14 +25,9 @@ bf16 layer it replaces; it issued `pack` times the load instructions and kept `p
 Two variants, one kernel source:
 
 - plain tiled (any M beyond 16): grid (M tiles, N tiles), each program sums all of K.
-- split-K (decode, M <= 16): a decode step's few rows give only N / BLOCK_N programs (64 for a 4096-wide
-  projection), too few to keep the card's memory system busy, and the step is bound by reading the weights. A
-  third grid dimension cuts K into slices; each program writes its slice's fp32 partial sums to a [splits, M, N]
-  buffer and a second small kernel adds the slices in slice order, adds the bias and rounds once to x's dtype.
-  Why a second reduce and not atomic adds into an fp32 buffer: the atomics would add the slices in whatever order
-  the programs finish, so a token's logits would change bits from run to run (greedy outputs not reproducible);
-  they also need the buffer zeroed first and a cast to x's dtype after (a memset plus a third launch against the
-  reduce's one), and bf16 atomics fail in the interpreter. The buffer is small at M <= 16 (splits x M x N fp32).
+- split-K (decode, M <= 16): a third grid dimension cuts K into slices whose fp32 partial sums a second small
+  kernel adds in slice order, with the bias, rounding once to x's dtype (kernels/triton_split_k.py says why
+  split, and why an ordered reduce rather than atomics).
 
 Sizes are a fixed table chosen by M (`ROW_TILES`) and a split count computed from the shape alone
 (`launch_plan`): no autotuning, since a CUDA graph captures one launch configuration and every constexpr
@@ -50,15 +45,13 @@ import triton
 import triton.language as tl
 
 from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_split_k import split_count, sum_splits
 from kernels.wna16_ref import pack_factor
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALLEST_BLOCK_K = 16  # tl.dot's smallest K
-# Split-K: aim for this many programs (the sweep's fastest split counts gave 256-1792 on an H200's 132 SMs), at
-# most this many slices.
+# Split-K: aim for this many programs (the sweep's fastest split counts gave 256-1792 on an H200's 132 SMs).
 SPLIT_TARGET_PROGRAMS = 512
-MAX_SPLITS = 16
-REDUCE_BLOCK_N = 512
 
 
 class Tiles(NamedTuple):
@@ -118,13 +111,9 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, group_size: int, splits
         raise ValueError(f"group_size {group_size} is neither a multiple of {SMALLEST_BLOCK_K} nor a power-of-two "
                          "fraction of a K step (nor all of K)")
     k_tiles = triton.cdiv(k_size, block_k)
-    if splits is None:
-        programs = max(1, triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n))
-        splits = triton.cdiv(SPLIT_TARGET_PROGRAMS, programs) if tiles.split_k else 1
-        splits = max(1, min(splits, MAX_SPLITS, k_tiles))
-    elif splits < 1:
-        raise ValueError(f"splits {splits} must be at least 1")
-    return LaunchPlan(tiles, block_k, group_k, min(splits, k_tiles))
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(n_size, tiles.block_n)
+    return LaunchPlan(tiles, block_k, group_k, split_count(programs, k_tiles, splits, SPLIT_TARGET_PROGRAMS)
+                      if tiles.split_k or splits is not None else 1)
 
 
 @triton.jit
@@ -224,30 +213,13 @@ def _wna16_gemm_kernel(
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _sum_splits_kernel(partials_ptr, bias_ptr, out_ptr, n_size, num_splits, stride_split, stride_partial,
-                       stride_out, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """y[row, cols] = sum over slices in slice order of the fp32 partials (+ bias), rounded once to y's dtype."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    partials = partials_ptr + row * stride_partial + cols  # a pointer stepped by the slice stride: 64-bit sums
-    for _ in range(0, num_splits):
-        acc += tl.load(partials, mask=col_mask, other=0.0)
-        partials += stride_split
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
-
-
 def bf16_dequant_applies(dtype: torch.dtype, bits: int) -> bool:
     """Whether the GEMM dequantizes in bf16 (module docstring): 4-bit values into bf16 activations on a GPU
     (the interpreter's 16-bit arithmetic is wrong, kernels/triton_numerics.py)."""
     return dtype == torch.bfloat16 and bits == 4 and not needs_upcast(dtype)
 
 
-def _check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+def check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                     bits: int, group_size: int, bias: torch.Tensor | None) -> tuple[int, int]:
     """(K, N) of a valid call; ValueError naming the offending value otherwise."""
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
@@ -278,8 +250,9 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
                tiles: Tiles | None = None, bf16_dequant: bool | None = None) -> torch.Tensor:
     """y = x W^T + b for x [*, K] in fp16 / bf16 / fp32 and W in the canonical layout (module docstring): [*, N]
     in x's dtype. `splits`, `tiles` and `bf16_dequant` force the K slices, the tiles and the dequantization
-    arithmetic (tests and benchmarks); None lets `launch_plan` and `bf16_dequant_applies` choose. Every size is a function of the shapes: the call can be captured in a CUDA graph."""
-    k_size, n_size = _check_operands(x, qweight, scales, zeros, bits, group_size, bias)
+    arithmetic (tests and benchmarks); None lets `launch_plan` and `bf16_dequant_applies` choose. Every size is
+    a function of the shapes: the call can be captured in a CUDA graph."""
+    k_size, n_size = check_operands(x, qweight, scales, zeros, bits, group_size, bias)
     leading = x.shape[:-1]
     x = _columns_contiguous(x.reshape(-1, k_size))
     qweight, scales, zeros, bias = (_columns_contiguous(t) for t in (qweight, scales, zeros, bias))
@@ -305,8 +278,5 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         num_warps=tiles.warps, num_stages=tiles.stages,
     )
     if split:
-        _sum_splits_kernel[(num_rows, triton.cdiv(n_size, REDUCE_BLOCK_N))](
-            target, bias if bias is not None else target, out, n_size, plan.splits, target.stride(0),
-            target.stride(1), out.stride(0), HAS_BIAS=bias is not None, BLOCK_N=REDUCE_BLOCK_N, num_warps=4,
-        )
+        sum_splits(target, bias, out)
     return out.reshape(*leading, n_size)

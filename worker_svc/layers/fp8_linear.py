@@ -17,9 +17,11 @@ their largest, as in vLLM: the fused matmul quantizes its input once, and the la
 the parts' calibrated ranges. A row-parallel layer's scales are whole (its rows are the full output).
 
 Where it runs, chosen once at load from the device: on a CUDA device with FP8 tensor cores (compute
-capability 8.9+: Ada, Hopper) the Triton per-token quantization and torch._scaled_mm
-(kernels/triton_fp8_quant.py); elsewhere (the CPU: CI) the torch reference, which dequantizes and multiplies
-in float32.
+capability 8.9+: Ada, Hopper) the Triton per-token quantization, then per call by the number of rows (a
+function of the shape: a CUDA graph captures one branch) the split-K Triton GEMM up to FEW_ROWS rows
+(kernels/triton_fp8_gemm.py: decode, where torch._scaled_mm was slower than bf16 on an H200) and
+torch._scaled_mm beyond (kernels/triton_fp8_quant.py); elsewhere (the CPU: CI) the torch reference, which
+dequantizes and multiplies in float32.
 """
 
 from __future__ import annotations
@@ -46,19 +48,26 @@ def _reference(x, weight, weight_scale_row, input_scale, bias):
     return fp8_linear_ref(x, weight, weight_scale_row.reshape(-1), input_scale, bias)
 
 
+def tensor_core_kernel() -> Fp8Kernel:
+    """The kernel on FP8 tensor cores: the few-row Triton GEMM up to FEW_ROWS rows, torch._scaled_mm beyond."""
+    from kernels.triton_fp8_gemm import FEW_ROWS, fp8_fewrow_mm
+    from kernels.triton_fp8_quant import fp8_scaled_mm
+
+    def by_rows(x, weight, weight_scale_row, input_scale, bias):
+        kernel = fp8_fewrow_mm if x.numel() <= FEW_ROWS * x.shape[-1] else fp8_scaled_mm
+        return kernel(x, weight, weight_scale_row, input_scale, bias)
+
+    return by_rows
+
+
 class Fp8Linear:
-    """The FP8 W8A8 method of one model (module docstring); `tensor_cores`: run torch._scaled_mm, else the
-    reference."""
+    """The FP8 W8A8 method of one model (module docstring); `tensor_cores`: run the Triton GEMM (few rows) or
+    torch._scaled_mm, else the reference."""
 
     def __init__(self, scheme: QuantizationScheme, tensor_cores: bool):
         self.scheme = scheme
         self.online = scheme.method == ONLINE_FP8
-        if tensor_cores:
-            from kernels.triton_fp8_quant import fp8_scaled_mm
-
-            self.kernel: Fp8Kernel = fp8_scaled_mm
-        else:
-            self.kernel = _reference
+        self.kernel: Fp8Kernel = tensor_core_kernel() if tensor_cores else _reference
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int, num_parts: int,
                        dtype: torch.dtype | None) -> None:

@@ -22,8 +22,9 @@ order. The loader sorts K by g_idx, so the groups are contiguous, and `apply` pe
 same product. All fused parts must share one g_idx (GPTQ gives the projections of one input the same order);
 a row-parallel layer split over ranks is refused (its groups span ranks).
 
-Where it runs, chosen once at load: on a CUDA device the Triton GEMM (kernels/triton_wna16_gemm.py), elsewhere
-(the CPU: CI) the torch reference, which dequantizes in float32 and multiplies in x's dtype.
+Where it runs, chosen once at load: on a CUDA device kernels/triton_wna16_linear.py (the Triton GEMM for a
+decode's few rows, the dequantized weight and a dense matmul for more), elsewhere (the CPU: CI) the torch
+reference, which dequantizes in float32 and multiplies in x's dtype.
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ class Wna16Linear:
         self.bits = scheme.bits
         self.pack = pack_factor(scheme.bits)
         if triton:
-            from kernels.triton_wna16_gemm import wna16_gemm
+            from kernels.triton_wna16_linear import wna16_linear
 
-            self.kernel = wna16_gemm
+            self.kernel = wna16_linear
         else:
             self.kernel = wna16_linear_ref
 
