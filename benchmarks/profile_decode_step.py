@@ -42,7 +42,7 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
     `init_method`) makes it one tensor-parallel rank on cuda:rank; every rank must be fed the same steps."""
     worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method, custom_all_reduce,
                            batch_invariant)
-    return prefill(worker, batch, prompt, spread=spread, overlap=overlap)[0]
+    return prefill(worker, batch, prompt, spread=spread, overlap=overlap, draft_tokens=draft_tokens)[0]
 
 
 def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
@@ -62,11 +62,13 @@ def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_block
 
 
 def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = None, spread: bool = False,
-            overlap: bool = False, replaces: Sequence[str] = (),
-            tag: str = "r") -> tuple[Callable[[], None], list[str]]:
+            overlap: bool = False, replaces: Sequence[str] = (), tag: str = "r",
+            draft_tokens: int = 0) -> tuple[Callable[[], None], list[str]]:
     """Adds `batch` requests of `prompt` tokens (sampling: WorkerSamplingParams fields; default greedy; request
     i gets seed i), finishing the requests in `replaces` in the same plan, and prefills them in one step;
-    returns a function that runs one decode step over them (see `prefilled_worker`), and their ids."""
+    returns a function that runs one decode step over them (see `prefilled_worker`), and their ids. With
+    `draft_tokens` d, each decode step verifies d speculative draft tokens per request (a step with drafts, as
+    the speculative scheduler plans it: random weights reject them, so each step still adds one token)."""
     blocks_per_request = 48
     fields = {**dict(temperature=0.0, top_p=1.0, top_k=-1, num_logprobs=-1, num_prompt_logprobs=-1), **(sampling or {})}
     step_ids = itertools.count(1)  # the worker only echoes them
@@ -83,9 +85,10 @@ def prefill(worker: Worker, batch: int, prompt: int, sampling: dict | None = Non
 
     def decode_step():
         nonlocal in_flight
-        decode = worker_pb2.StepPlan(step_id=next(step_ids))
+        decode = worker_pb2.StepPlan(step_id=next(step_ids), has_draft_tokens=draft_tokens > 0)
         for request_id in request_ids:
-            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(request_id=request_id, num_scheduled_tokens=1))
+            decode.scheduled_requests.append(worker_pb2.ScheduledRequest(
+                request_id=request_id, num_scheduled_tokens=1 + draft_tokens, draft_token_ids=[5] * draft_tokens))
         if not overlap:
             worker.execute(decode)
             return
@@ -126,7 +129,7 @@ def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -
                                    num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap,
                                    rank=rank, world_size=world_size, init_method=init_method,
                                    custom_all_reduce=not args.disable_custom_all_reduce,
-                                   batch_invariant=args.batch_invariant)
+                                   batch_invariant=args.batch_invariant, draft_tokens=args.draft_tokens)
     for _ in range(5):
         decode_step()
     torch.cuda.synchronize()
@@ -144,11 +147,12 @@ def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -
         profiled_s = time.perf_counter() - start
     if rank != 0:
         return
-    print(f"decode step wall: {step_ms:.2f} ms at batch {args.batch}, tp {world_size}"
+    print(f"decode step wall: {step_ms:.2f} ms at batch {args.batch}, tp {world_size}, {args.draft_tokens} drafts"
           f"{' (overlapped)' if args.overlap else ''}")
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "batch": args.batch,
+               "draft_tokens": args.draft_tokens,
                "prompt": args.prompt, "tensor_parallel_size": world_size,
                "custom_all_reduce": world_size > 1 and not args.disable_custom_all_reduce, "cuda_graphs": not args.no_cuda_graphs,
                "decode_step_wall_ms": step_ms, "profiled_step_wall_ms": 1e3 * profiled_s / 5,
@@ -176,6 +180,7 @@ def main() -> int:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks, one per GPU")
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--batch-invariant", action="store_true", help="the worker's --batch-invariant kernels")
+    parser.add_argument("--draft-tokens", type=int, default=0, help="speculative drafts verified per request")
     parser.add_argument("--json", default=None, help="write the step's figures here")
     args = parser.parse_args()
     if args.tensor_parallel_size == 1:
