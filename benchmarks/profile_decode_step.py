@@ -34,7 +34,8 @@ from worker_svc.worker import Worker  # noqa: E402
 
 def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
                      spread: bool = False, overlap: bool = False, rank: int = 0, world_size: int = 1,
-                     init_method: str | None = None, custom_all_reduce: bool = True, batch_invariant: bool = False):
+                     init_method: str | None = None, custom_all_reduce: bool = True, batch_invariant: bool = False,
+                     draft_tokens: int = 0):
     """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
     tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler

@@ -124,8 +124,8 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
 def candidate_tiles(rows: int) -> list[Tiles]:
     """The tile configurations the sweep tries for `rows` rows: split-K ones for decode's few rows."""
     if rows <= 16:
-        return [Tiles(16, n, k, 4, stages, split_k=True)
-                for n in (32, 64, 128) for k in (64, 128, 256) for stages in (2, 4)]
+        return [Tiles(16, n, k, 4, stages, split_k=True, swap_ab=swap)
+                for n in (64, 128) for k in (64, 128, 256) for stages in (3, 4) for swap in (False, True)]
     return [Tiles(m, n, k, warps, 3, split_k=False)
             for m in (64, 128) for n in (64, 128) for k in (64, 128) for warps in (4, 8)]
 
@@ -141,7 +141,7 @@ def sweep_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
         num_bytes = bytes_moved(rows, k_size, n_size, BITS, GROUP_SIZE)
         timings = []
         for tiles in candidate_tiles(rows):
-            for splits in ((None, 1, 2, 4, 8, 16) if tiles.split_k else (1,)):
+            for splits in ((None, 2, 4, 8, 16) if tiles.split_k else (1,)):
                 plan = launch_plan(rows, n_size, k_size, GROUP_SIZE, splits, tiles)
                 try:
                     seconds = seconds_per_call([lambda q=q, s=s: wna16_gemm(x, q, s, None, BITS, GROUP_SIZE,

@@ -22,6 +22,11 @@ Why not the simpler load of every word once per value it holds (one int32 per W 
 from L1): measured on an H200 it reached 14-17% of the copy bandwidth at decode's row counts, slower than the
 bf16 layer it replaces; it issued `pack` times the load instructions and kept `pack` times the registers.
 
+`SWAP_AB` computes y^T = W x^T instead: tl.dot's first operand is the dequantized [BLOCK_N, BLOCK_K] W tile (64
+or more wide) and the second the [BLOCK_K, BLOCK_M] x^T, as the FP8 few-row GEMM does (kernels/triton_fp8_gemm.py):
+Hopper's wgmma takes a first operand at least 64 rows tall, straight from registers, where decode's 16-row x
+as the first operand leaves the older mma instructions.
+
 Two variants, one kernel source:
 
 - plain tiled (any M beyond 16): grid (M tiles, N tiles), each program sums all of K.
@@ -63,6 +68,7 @@ class Tiles(NamedTuple):
     warps: int
     stages: int
     split_k: bool
+    swap_ab: bool = False  # y^T = W x^T: the dequantized W as tl.dot's wide first operand (module docstring)
 
 
 # (up to this many rows, tiles); the last holds any number of rows. Chosen by benchmarks/wna16_gemm_gpu.py
@@ -174,7 +180,7 @@ def _wna16_gemm_kernel(
     stride_x, stride_q, stride_s, stride_z, stride_out, stride_split,
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_DEQUANT: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, BF16_DEQUANT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of y over K slice `program_id(2)`: with SPLIT, its fp32 partial sums to slice
     `program_id(2)` of `out_ptr`; without, y itself (plus the bias) in out_ptr's dtype. GROUP_K: the rows that
@@ -188,7 +194,7 @@ def _wna16_gemm_kernel(
     k_end = tl.minimum(k_size, k_first + k_tiles_per_split * BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     offs_packed = tl.arange(0, BLOCK_K // PACK)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(k_first, k_end, BLOCK_K):
         ks = k_start + offs_k
         k_mask = ks < k_size  # only a per-channel K that is not a multiple of BLOCK_K has a partial step
@@ -202,7 +208,12 @@ def _wna16_gemm_kernel(
                             x_ptr.dtype.element_ty)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     mask = row_mask[:, None] & col_mask[None, :]
     if SPLIT:
         partial = out_ptr + split.to(tl.int64) * stride_split + rows[:, None] * stride_out + cols[None, :]
@@ -275,7 +286,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=plan.block_k, GROUP_K=plan.group_k,
         UPCAST=needs_upcast(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
         BF16_DEQUANT=bf16_dequant if bf16_dequant is not None else bf16_dequant_applies(x.dtype, bits),
-        num_warps=tiles.warps, num_stages=tiles.stages,
+        SWAP_AB=tiles.swap_ab, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     if split:
         sum_splits(target, bias, out)

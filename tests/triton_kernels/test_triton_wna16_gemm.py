@@ -87,6 +87,19 @@ def test_any_number_of_k_slices_gives_the_same_product(splits):
                              wna16_linear_ref(x, **layer, bias=bias), FP32_BOUND)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("bits,group_size,k_size", [(4, 32, 192), (8, 200, 200)])
+def test_swapped_operands_give_the_same_product(rows, bits, group_size, k_size):
+    """SWAP_AB (y^T = W x^T, W as tl.dot's first operand) against the reference, split and not."""
+    layer = quantized_layer(bits, k_size, N, group_size, True, torch.float32, seed=rows + bits)
+    x = torch.randn(rows, k_size, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(N)
+    for splits in (1, 3):
+        tiles = Tiles(16, 64, 32, 4, 3, split_k=True, swap_ab=True)
+        assert_matches_reference(wna16_gemm(x, **layer, bias=bias, splits=splits, tiles=tiles),
+                                 wna16_linear_ref(x, **layer, bias=bias), FP32_BOUND)
+
+
 @pytest.mark.parametrize("rows", [2, 40])
 def test_reads_no_activation_beyond_k(rows):
     """Per channel with K = 200 (a partial last BLOCK_K step): x is a view whose rows continue with NaN, which must
