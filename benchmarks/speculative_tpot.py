@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.offline_throughput import step_timer_lines
 from client import AsyncClient, Client
 from pagedserve.llm import LLM
 
@@ -70,15 +71,19 @@ def measure(model: str, k: int, options: dict) -> dict:
         options = {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
     with LLM(model, **options) as llm:
+        log = open(llm.log_path, errors="replace")  # readable after the server's exit unlinks it
         asyncio.run(_lone_tpot(llm.target, WARMUP_LEN))  # compiles, graphs
         tpots = [asyncio.run(_lone_tpot(llm.target, OUTPUT_LEN)) for _ in range(3)]
         with Client(llm.target) as client:
             stats = client.stats()
+    with log:  # where each step's time went: the scheduler's and the worker's step timers, logged at exit
+        timers = step_timer_lines(log.read())
     drafts = stats.spec_decode_num_drafts
     return {"k": k, "tpot_ms": 1e3 * statistics.median(tpots), "tpot_runs_ms": [1e3 * t for t in tpots],
             "drafts": drafts, "draft_tokens": stats.spec_decode_num_draft_tokens,
             "accepted_tokens": stats.spec_decode_num_accepted_tokens,
-            "tokens_per_verification": 1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else None}
+            "tokens_per_verification": 1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else None,
+            "step_timers": timers}
 
 
 def main() -> int:
