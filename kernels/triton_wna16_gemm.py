@@ -55,8 +55,8 @@ from kernels.wna16_ref import pack_factor
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SMALLEST_BLOCK_K = 16  # tl.dot's smallest K
-# Split-K: aim for this many programs (the sweep's fastest split counts gave 256-1792 on an H200's 132 SMs).
-SPLIT_TARGET_PROGRAMS = 512
+# Split-K: aim for this many programs (the sweep's fastest split counts gave 512-1792 on an H200's 132 SMs).
+SPLIT_TARGET_PROGRAMS = 1024
 
 
 class Tiles(NamedTuple):
@@ -74,7 +74,7 @@ class Tiles(NamedTuple):
 # (up to this many rows, tiles); the last holds any number of rows. Chosen by benchmarks/wna16_gemm_gpu.py
 # `--sweep` on an H200 (docs/quantization.md has the figures).
 ROW_TILES = (
-    (16, Tiles(16, 128, 64, 4, 4, split_k=True)),
+    (16, Tiles(16, 128, 64, 4, 3, split_k=True, swap_ab=True)),
     (64, Tiles(64, 64, 128, 4, 3, split_k=False)),
     (1 << 62, Tiles(128, 64, 128, 8, 3, split_k=False)),
 )
