@@ -3,6 +3,8 @@ instead of sitting in the step (a serving worker runs the bare runner)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -132,3 +134,47 @@ def test_a_poison_token_with_an_output_position_crashes_only_there(model_dir, mo
     worker.execute(step)  # output token 2
     with pytest.raises(Exited):
         worker.execute(step)  # output token 3
+
+
+def verification_inputs() -> StepInputs:
+    """Two rows at positions 5.. and 9..: row 0 verifies 2 drafts (3 tokens), row 1 none (1 token)."""
+    empty = np.zeros(0, dtype=np.int64)
+    return StepInputs(rows=np.asarray([3, 0]), input_ids=np.asarray([7, 8, 9, 4]), positions=np.asarray([5, 6, 7, 9]),
+                      slot_mapping=np.asarray([5, 6, 7, 25]), query_start_loc=np.asarray([0, 3, 4]),
+                      seq_lens=np.asarray([8, 10]), block_tables=np.asarray([[0, 4], [1, 2]]),
+                      sample_rows=np.asarray([3, 3, 3, 0]), sample_offsets=np.asarray([0, 1, 2, 0]),
+                      logits_indices=np.asarray([0, 1, 2, 3]), num_draft_tokens=2, num_decode_seqs=1,
+                      pending_input_indices=empty, pending_sources=empty)
+
+
+def test_a_verification_step_runs_as_one_token_decodes_each_token_over_its_own_context():
+    view = verification_inputs().as_single_token_decodes()
+    assert view.rows.tolist() == [3, 3, 3, 0] and view.num_decode_seqs == 4
+    assert view.query_start_loc.tolist() == [0, 1, 2, 3, 4] and view.seq_lens.tolist() == [6, 7, 8, 10]
+    assert view.block_tables.tolist() == [[0, 4], [0, 4], [0, 4], [1, 2]]
+    assert view.input_ids.tolist() == [7, 8, 9, 4] and view.logits_indices.tolist() == [0, 1, 2, 3]
+    plain = step_inputs([3, 1])  # a prefill chunk beside a decode: no drafts, no view
+    assert plain.as_single_token_decodes() is None
+    decode = RecordingPath("decode graph", lambda inputs: len(inputs.input_ids) == len(inputs.rows) <= 8)
+    dispatcher = GraphDispatcher(model=None, kv_caches=[], block_size=16, device=torch.device("cpu"), paths=(decode,))
+    dispatcher.forward(verification_inputs(), previous_sampled=None)
+    assert decode.runs == [(4, 8)], "the decode graphs take a verification step"
+
+
+def test_a_verification_step_as_decodes_computes_the_hidden_states_of_the_chunked_step(model_dir):
+    """The eager forward of a worker holding a prefilled row, over a step of its last token and three drafts:
+    the same hidden states through the one-token-decode view as through the 4-token chunk."""
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device="cpu", dtype="float32",
+                                 num_kv_blocks=8, swap_space=0.01))
+    worker.setup(setup_message())
+    worker.execute(prefill("a", [5, 6, 7, 8, 9, 10], step_id=1))
+    batch = worker.batch
+    row = 0
+    batch.token_ids[row, 7:10] = [11, 12, 13]
+    inputs = dataclasses.replace(batch.build_inputs(np.asarray([row]), np.asarray([4])), num_draft_tokens=3)
+    view = inputs.as_single_token_decodes()
+    assert view is not None and view.num_decode_seqs == 4
+    eager = worker.runner.graphs.paths[-1]
+    chunked = eager.run(inputs, len(inputs.input_ids), None)
+    as_decodes = eager.run(view, len(view.input_ids), None)
+    torch.testing.assert_close(as_decodes, chunked, rtol=1e-5, atol=1e-5)

@@ -69,6 +69,7 @@ class GraphDispatcher:
     def forward(self, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> torch.Tensor:
         """The hidden states of every scheduled token, one row per token (`previous_sampled`: the sampled ids
         of the step in flight, from which this step's pending input tokens are taken)."""
+        inputs = inputs.as_single_token_decodes() or inputs  # a verification step runs as decodes
         path, size = self.choose(inputs)
         return path.run(inputs, size, previous_sampled)
 

@@ -96,7 +96,8 @@ class Worker:
         if not rows:
             return step
         inputs = self._step_inputs(plan, rows)
-        step.kind = "decode" if inputs.num_decode_seqs == len(inputs.rows) else "with prefill"
+        step.kind = ("decode" if inputs.num_decode_seqs == len(inputs.rows) else
+                     "verify" if inputs.is_verification else "with prefill")
         # The timers split constrained steps from the others: what a grammar costs a step, in one engine.
         constrained = self.batch.grammars.constrained[inputs.sample_rows].any()
         step.timed_as = step.kind + (" constrained" if constrained else "")
