@@ -39,18 +39,7 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
 from worker_svc.tensor_parallel import TensorParallel
-from worker_svc.tensor_parallel_fit import shard_refusal
-
-
-def draft_refusal(draft: ModelConfig, target: ModelConfig, world_size: int) -> str | None:
-    """Why this draft cannot serve beside this target, or None. Its vocabulary must hold every target token id
-    (the target's tokens are its inputs; a larger, padded one is cut to the target's when proposing), and its
-    heads must shard over the target's ranks (the draft runs in the same tensor-parallel group)."""
-    if draft.vocab_size < target.vocab_size:
-        return (f"the draft model's vocabulary ({draft.vocab_size} ids) is smaller than the target's "
-                f"({target.vocab_size}): a draft model must share the target's tokenizer")
-    refusal = shard_refusal(draft, world_size, "--tensor-parallel-size")
-    return None if refusal is None else f"the draft model: {refusal}"
+from worker_svc.tensor_parallel_fit import draft_refusal
 
 
 class DraftModel:

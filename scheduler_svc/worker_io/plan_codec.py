@@ -19,6 +19,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
     plan = message.plan  # filled in place: wrapping a finished StepPlan would copy it whole
     plan.SetInParent()  # the oneof is `plan` even for a plan whose fields are all defaults
     plan.step_id = output.step_id
+    plan.propose_draft_tokens = output.propose_draft_tokens
     plan.finished_request_ids.extend(output.finished_request_ids)
     plan.preempted_request_ids.extend(output.preempted_request_ids)
     for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in), (plan.copy, output.copy)):
@@ -95,7 +96,21 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
         # Parallel to request_ids when some row had drafts; rows that accepted none are left out.
         accepted_drafts={rid: count for rid, count in zip(request_ids, sampled.num_accepted_drafts) if count},
         accepted_draft_logprobs=_accepted_draft_logprobs(sampled, request_ids),
+        proposed_drafts=_proposed_drafts(sampled, request_ids),
     )
+
+
+def _proposed_drafts(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each row's slice of the flat proposed draft tokens (num_proposed_draft_tokens of them, row after row);
+    rows with none proposed are left out."""
+    if not sampled.proposed_draft_token_ids:
+        return {}
+    flat, out, start = list(sampled.proposed_draft_token_ids), {}, 0
+    for request_id, count in zip(request_ids, sampled.num_proposed_draft_tokens):
+        if count:
+            out[request_id] = tuple(flat[start : start + count])
+            start += count
+    return out
 
 
 def _accepted_draft_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple]:
