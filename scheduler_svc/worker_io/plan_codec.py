@@ -100,25 +100,23 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
     )
 
 
-def _proposed_drafts(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple[int, ...]]:
-    """Each row's slice of the flat proposed draft tokens (num_proposed_draft_tokens of them, row after row);
-    rows with none proposed are left out."""
-    if not sampled.proposed_draft_token_ids:
-        return {}
-    flat, out, start = list(sampled.proposed_draft_token_ids), {}, 0
-    for request_id, count in zip(request_ids, sampled.num_proposed_draft_tokens):
-        if count:
-            out[request_id] = tuple(flat[start : start + count])
-            start += count
-    return out
-
-
 def _accepted_draft_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple]:
     """Each row's slice of the flat kept drafts' logprobs (num_accepted_drafts of them, row after row)."""
-    if not sampled.accepted_draft_logprobs:
+    return _row_slices(sampled.accepted_draft_logprobs, request_ids, sampled.num_accepted_drafts)
+
+
+def _proposed_drafts(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each row's slice of the flat proposed draft tokens (num_proposed_draft_tokens of them, row after row)."""
+    return _row_slices(sampled.proposed_draft_token_ids, request_ids, sampled.num_proposed_draft_tokens)
+
+
+def _row_slices(flat_values, request_ids: list[str], counts) -> dict[str, tuple]:
+    """A flat list cut into its rows' runs (`counts[i]` values for row i, row after row); rows with none left
+    out."""
+    if not flat_values:
         return {}
-    flat, out, start = list(sampled.accepted_draft_logprobs), {}, 0
-    for request_id, count in zip(request_ids, sampled.num_accepted_drafts):
+    flat, out, start = list(flat_values), {}, 0
+    for request_id, count in zip(request_ids, counts):
         if count:
             out[request_id] = tuple(flat[start : start + count])
             start += count
