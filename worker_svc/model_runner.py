@@ -11,10 +11,11 @@ Its surface is narrow on purpose: `allocate` (at setup: pools, warm-up, graphs),
 swaps and copies), `execute` (a prepared step's forward pass: hidden states, the sampling rows' logits,
 prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_logprobs` for beam rows.
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
-the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative decoding,
-draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager dispatcher: it
-mirrors each forward pass and proposes tokens on request (`propose_drafts`); an adapter set as per-token inputs
-the runner passes to the model. Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
+the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
+decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an adapter set as
+per-token inputs the runner passes to the model. Tests that need faults wrap the runner (fault_injection.py);
+a serving runner has no fault hook.
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ from worker_svc.attention_choice import kernel_set, make_attention_backend, make
 from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.device_busy import DeviceBusyClock
+from worker_svc.draft_model import DraftModel
 from worker_svc.graph_dispatcher import GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
-from worker_svc.draft_model import DraftModel
 from worker_svc.kv_cache_sizing import DraftPool, num_kv_blocks
 from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal

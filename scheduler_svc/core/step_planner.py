@@ -38,8 +38,9 @@ Policy, per step:
    last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
    up to num_speculative_tokens draft tokens, computed with its token in one forward: n-gram ones
    (`ngram_proposer.py`), or those the workers' draft model proposed after the request's newest token (the
-   plan then asks for the next proposals: `propose_draft_tokens`); slots for 1 + d tokens, d capped so that even if all are accepted the request stays within
-   max_tokens and max_model_len, and 0 when the pool has no free block for them (drafts never preempt).
+   plan then asks for the next proposals: `propose_draft_tokens`); slots for 1 + d tokens, d capped so that
+   even if all are accepted the request stays within max_tokens and max_model_len, and 0 when the pool has no
+   free block for them (drafts never preempt).
    Only a request whose newest token is known (no token in flight) and that samples plainly gets drafts: no
    penalties, bad words, grammar, logprobs or stop strings, min_tokens reached (the worker verifies drafts by sampling at
    each position: docs/speculative_decoding.md). A request with drafts in flight is neither
