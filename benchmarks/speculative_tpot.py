@@ -1,5 +1,5 @@
-"""Lone-request TPOT with n-gram speculative decoding against speculation off, per number of draft tokens k, on a
-model shape (benchmarks/model_shapes.py) with two kinds of weights, in one run:
+"""Lone-request TPOT with speculative decoding against speculation off, per number of draft tokens k, on a
+model shape (benchmarks/model_shapes.py). `--method ngram` (the default) runs two kinds of weights, in one run:
 
 - **repeater** (acceptance about 1, the mechanism's ceiling): the shape's checkpoint with tied random embeddings
   and every layer's o_proj and down_proj zero, so each layer adds nothing and the model predicts the token it
@@ -8,6 +8,12 @@ model shape (benchmarks/model_shapes.py) with two kinds of weights, in one run:
   lent GPU machine, and random weights never copy).
 - **random** (`--load-format dummy`, acceptance about 0): what a step with drafts costs when none is kept.
 
+`--method draft_model` serves the repeater as the target with three draft models: **itself** (its proposals are
+its own greedy tokens: acceptance 1, the mechanism's ceiling, paying a full-size eager draft), a **4-layer
+repeater** of the same shape family (acceptance about 1 at a small draft's cost: the gain a good draft gives) and
+a **4-layer random** one (written as safetensors, since `--load-format dummy` applies to the target only;
+acceptance about 0: what a step costs when the draft is wrong).
+
 Per (weights, k): TPOT of one greedy request on the idle engine (gaps between stream chunks divided by the tokens
 each chunk carries, so a chunk of several accepted tokens counts per token), the mean tokens per verification
 step (1 + accepted / drafts, from the spec_decode counters), and the ratio to speculation off. Issue 37's targets:
@@ -15,6 +21,7 @@ repeater with k = 4 on the 8B shape <= 0.45x off; random: cost per step <= 1.10x
 
     python -m benchmarks.speculative_tpot --shape llama-3.1-8b --out $OUT   # on a lent GPU machine
     python -m benchmarks.speculative_tpot --shape tiny --device cpu --out /tmp/spec   # the script's own check
+    python -m benchmarks.speculative_tpot --method draft_model --shape tiny --device cpu --ks 2 4 --out /tmp/spec
 """
 
 from __future__ import annotations
@@ -36,9 +43,10 @@ OUTPUT_LEN = 128
 WARMUP_LEN = 16
 
 
-def write_repeater(config, directory: Path, device: str) -> Path:
+def write_repeater(config, directory: Path, device: str, repeats: bool = True) -> Path:
     """A checkpoint of the transformers `config` (tied embeddings) whose layers add nothing (o_proj and down_proj
-    zero): checked on the CPU, a tiny one repeats the prompt's last token."""
+    zero): checked on the CPU, a tiny one repeats the prompt's last token. `repeats` False: random weights
+    left as they are (a draft model that is nearly always wrong)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -46,7 +54,7 @@ def write_repeater(config, directory: Path, device: str) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if repeats and name.endswith(("o_proj.weight", "down_proj.weight")):
                 parameter.zero_()
     model.save_pretrained(directory)
     del model  # the engine's memory profile must see the whole GPU free
@@ -65,9 +73,13 @@ async def _lone_tpot(target: str, max_tokens: int) -> float:
     return (stamps[-1] - stamps[0]) / max(1, sum(counts[1:]))
 
 
-def measure(model: str, k: int, options: dict) -> dict:
-    """One engine: k draft tokens (0: speculation off); TPOT (median of 3 lone requests) and acceptance."""
-    if k:
+def measure(model: str, k: int, options: dict, draft: str | None = None) -> dict:
+    """One engine: k draft tokens (0: speculation off), n-gram ones or `draft`'s (a draft model's directory);
+    TPOT (median of 3 lone requests) and acceptance."""
+    if k and draft is not None:
+        options = {**options, "speculative_config": {"method": "draft_model", "model": draft,
+                                                     "num_speculative_tokens": k}}
+    elif k:
         options = {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
     with LLM(model, **options) as llm:
@@ -90,6 +102,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b", help="a benchmarks/model_shapes.py shape, or 'tiny'")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
+    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -113,15 +126,29 @@ def main() -> int:
         random_model = str(write_config_dir(args.shape, work / "random"))
     repeater = str(write_repeater(config, work / "repeater", args.device))
     random_options = {**options, "load_format": "dummy"}
-    report = {"shape": args.shape, "device": args.device, "runs": {}}
-    for weights, model, engine_options in (("repeater", repeater, options), ("random", random_model, random_options)):
-        runs = [measure(model, k, engine_options) for k in [0, *args.ks]]
+    report = {"shape": args.shape, "device": args.device, "method": args.method, "runs": {}}
+    if args.method == "ngram":
+        kinds = (("repeater", repeater, options, None), ("random", random_model, random_options, None))
+    else:
+        small = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 4})
+        # Untied: with tied embeddings even random layers mostly predict their input token (a repeater too).
+        wrong = config.__class__.from_dict({**small.to_dict(), "tie_word_embeddings": False})
+        kinds = (("draft itself", repeater, options, repeater),
+                 ("draft 4-layer repeater", repeater, options,
+                  str(write_repeater(small, work / "draft-repeater", args.device))),
+                 ("draft 4-layer random", repeater, options,
+                  str(write_repeater(wrong, work / "draft-random", args.device, repeats=False))))
+    off_run = None  # the draft models' runs share their target's run without speculation
+    for weights, model, engine_options, draft in kinds:
+        if off_run is None or draft is None:
+            off_run = measure(model, 0, engine_options)
+        runs = [off_run, *(measure(model, k, engine_options, draft) for k in args.ks)]
         off = runs[0]["tpot_ms"]
-        for run in runs:
-            run["tpot_over_off"] = run["tpot_ms"] / off
+        runs = [{**run, "tpot_over_off": run["tpot_ms"] / off} for run in runs]
         report["runs"][weights] = runs
         print(weights, json.dumps(runs), flush=True)
-    (args.out / f"speculative_tpot_{args.shape}.json").write_text(json.dumps(report, indent=2))
+    name = f"speculative_tpot_{'' if args.method == 'ngram' else 'draft_model_'}{args.shape}.json"
+    (args.out / name).write_text(json.dumps(report, indent=2))
     return 0
 
 

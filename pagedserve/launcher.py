@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -51,7 +52,7 @@ from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig, find_gguf_file
-from worker_svc.tensor_parallel_fit import first_gpu_index, gpus_refusal, rank_device, shard_refusal
+from worker_svc.tensor_parallel_fit import draft_refusal, first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
 _POLL_SECONDS = 0.2
 # Each role's package, whose `__main__` is that service's entry point.
@@ -76,6 +77,7 @@ def serve(args: argparse.Namespace) -> int:
                          "speculative_decoding.md: a verification step is not covered by the batch-invariant kernels)")
     model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
+    resolve_draft_model(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     refuse_bad_text_options(args, model.path)
     if args.max_scheduler_restarts < 0:
@@ -294,6 +296,27 @@ def resolve_servable_model(args) -> ResolvedModel:
         raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "
                          f"(its config says {config.architecture}; --load-format dummy serves random weights)")
     return model
+
+
+def resolve_draft_model(args, model_path: str) -> None:
+    """Speculative decoding with a draft model: its local files (a hub download happens once, here; the
+    scheduler and the workers get the path), or an exit with one line if the workers would refuse it beside
+    this target: an unservable checkpoint, a smaller vocabulary, heads that do not split over the ranks, or
+    a draft_tensor_parallel_size other than the target's."""
+    speculative = args.speculative_config
+    if speculative is None or not speculative.uses_draft_model:
+        return
+    refusal = speculative.tensor_parallel_refusal(args.tensor_parallel_size)
+    if refusal is None:
+        try:
+            draft = resolve_model(speculative.model)
+            target = ModelConfig.from_path(model_path, args.quantization)
+            refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size)
+        except (ValueError, RuntimeError, OSError) as error:
+            refusal = f"cannot serve the draft model {speculative.model}: {error}"
+    if refusal is not None:
+        raise SystemExit(f"pagedserve: --speculative-config: {refusal}")
+    args.speculative_config = dataclasses.replace(speculative, model=draft.path)
 
 
 def refuse_unfit_tensor_parallel(args, model_path) -> None:

@@ -183,12 +183,13 @@ class SchedulerConfig:
              "\"disable_any_whitespace\": true|false} (the engine is llguidance); pagedserve's grammar limits too: "
              "max_repetition, max_grammar_size, max_items_in_row, initial_lexer_fuel, step_lexer_fuel, "
              "step_max_items, max_lexer_states, grammar_compile_timeout_s (scheduler_svc/api/grammar_limits.py)")
-    # vLLM's speculative decoding options (core/speculative_config.py); None: off. Only n-gram proposals are served.
+    # vLLM's speculative decoding options (core/speculative_config.py); None: off. N-gram proposals, or a draft
+    # model's (which the workers load: WorkerSetup.draft_model).
     speculative_config: SpeculativeConfig | None = flag(
         "--speculative-config", default=None, parse=speculative_config, show=SpeculativeConfig.to_json,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
-             '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8} (n-gram proposals '
-             'only; docs/speculative_decoding.md)')
+             '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8}, or {"method": '
+             '"draft_model", "model": DIR, "num_speculative_tokens": 3} (docs/speculative_decoding.md)')
     # Access (see access.py): a key every RPC but health must carry (never on a command line `serve` builds: it
     # goes in the child's environment); TLS when both files are given.
     api_key: str | None = flag("--api-key", default=None, shared=False, forwarded=False,
@@ -237,6 +238,10 @@ class SchedulerConfig:
         for name in ("max_stop_strings", "max_logprobs"):
             if getattr(self, name) < 0:
                 raise SystemExit(f"--{name.replace('_', '-')} must be at least 0")
+        if self.speculative_config is not None:
+            refusal = self.speculative_config.tensor_parallel_refusal(self.num_workers)
+            if refusal is not None:
+                raise SystemExit(f"--speculative-config: {refusal}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise SystemExit("--tls-cert-file and --tls-key-file go together")
 

@@ -281,7 +281,8 @@ class Engine:
         # Rows with accepted drafts: how many output tokens each had, to count those it actually appended.
         drafted = [(request, request.num_output_tokens) for request_id in outcome.accepted_drafts
                    if (request := scheduler.get_request(request_id)) is not None]
-        updated = scheduler.update_from_output(output, outcome.sampled, outcome.accepted_drafts)
+        updated = scheduler.update_from_output(output, outcome.sampled, outcome.accepted_drafts,
+                                               outcome.proposed_drafts)
         # A stop inside an accepted run drops the rest (the sampled token included); a request that left
         # before its result appends nothing. Its sampled token counts as without speculation, once.
         appended_drafts = [request.request_id for request, before in drafted

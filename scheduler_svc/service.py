@@ -265,6 +265,7 @@ def loop_time() -> float:
 def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
                   structured_tokenizer: worker_pb2.StructuredOutputTokenizer | None) -> worker_pb2.WorkerSetup:
     max_model_len = _max_model_len(config, hello.max_position_embeddings)
+    speculative = config.speculative_config
     return worker_pb2.WorkerSetup(
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
@@ -272,6 +273,9 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
         max_model_len=max_model_len,
         structured_output_tokenizer=structured_tokenizer,
         structured_output_limits=config.grammar_limits.to_wire(),
+        draft_model=worker_pb2.DraftModelSetup(model=speculative.model,
+                                               num_speculative_tokens=speculative.num_speculative_tokens)
+        if speculative is not None and speculative.uses_draft_model else None,
     )
 
 

@@ -1,4 +1,4 @@
-"""N-gram speculative decoding through the real processes (`pagedserve serve --speculative-config`): concurrent
+"""Speculative decoding (n-gram, and with a draft model) through the real processes (`pagedserve serve --speculative-config`): concurrent
 greedy and seeded requests give exactly the tokens of a server without speculation, with drafts proposed and
 accepted (the spec_decode counters in the stats and /metrics), beside prefix-cache hits and preemption, and at
 `-tp 2`; refusals of what is not served.
@@ -98,9 +98,35 @@ def test_speculation_over_two_ranks_with_recompute_preemption_gives_the_single_r
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
 
 
+def _draft_model_flag(draft) -> list[str]:
+    return ["--speculative-config", json.dumps({"method": "draft_model", "model": str(draft),
+                                                "num_speculative_tokens": 3})]
+
+
+def test_a_draft_model_gives_the_tokens_of_no_speculation_itself_as_draft_keeping_most(model, tmp_path):
+    """Draft models: the target itself (its proposals are its own greedy tokens: nearly all kept), and another
+    random model of the same vocabulary (nearly none kept) at -tp 2 with recompute preemption; both beside
+    prefix hits and preemption, with the exact greedy tokens of a server without speculation."""
+    prompts = _prompts(6, seed=3)
+    plain, _, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "swap", temperature=0.0)
+    itself, stats, metrics = _run(model, tmp_path / "itself", prompts, "--preemption-mode", "swap",
+                                  *_draft_model_flag(model), temperature=0.0)
+    assert _tokens(itself) == _tokens(plain)
+    assert stats.spec_decode_num_draft_tokens > 60, stats
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens, stats
+    assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0, stats
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{model.name}"}} ' in metrics
+    other = make_tiny_model(tmp_path / "draft", "llama", seed=9, num_hidden_layers=2)
+    drafted, stats, _ = _run(model, tmp_path / "other", prompts, "--preemption-mode", "recompute", "-tp", "2",
+                             *_draft_model_flag(other), temperature=0.0)
+    assert _tokens(drafted) == _tokens(plain)
+    assert stats.spec_decode_num_draft_tokens > 60 and stats.num_preemptions > 0, stats
+    assert stats.spec_decode_num_accepted_tokens <= 0.2 * stats.spec_decode_num_draft_tokens, stats
+
+
 def test_serve_refuses_other_methods_and_batch_invariant_speculation_naming_why(model):
-    draft = json.dumps({"method": "draft_model", "model": "x", "num_speculative_tokens": 3})
-    for args, words in (((("--speculative-config", draft)), "draft_model"),
+    eagle = json.dumps({"method": "eagle", "model": "x", "num_speculative_tokens": 3})
+    for args, words in (((("--speculative-config", eagle)), "eagle"),
                         ((*SPECULATIVE, "--batch-invariant"), "--batch-invariant")):
         result = _serve(model, *args, timeout=90)
         last = result.stderr.strip().splitlines()[-1]  # argparse's usage, then its error line; or one line

@@ -4,11 +4,16 @@ On a GPU, DESIGN.md's rule: after the weights are loaded, run one forward pass a
 scheduler may send (max_num_batched_tokens tokens, max_num_seqs sampled rows), read the peak memory, and give
 what is left of `total * gpu_memory_utilization` to the pool. On the CPU, a fixed budget in GiB. Blocks are
 counted in the pool's dtype (`kv_dtype`: an fp8 pool gets twice a bf16 one's blocks in the same memory).
+
+With a draft model (speculative decoding, draft_model.py) a block id means a block in each of two pools, the
+target's and the draft's: a block costs both, the draft's weights are in the peak (loaded before the profile),
+its own profile pass is measured beside the target's, and its scratch blocks come off the top.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +24,17 @@ from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel import SINGLE_RANK, TensorParallel
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftPool:
+    """What a draft model adds to the sizing: its model (profiled), its bytes per block of the shared block ids,
+    and its scratch blocks' bytes."""
+
+    model: torch.nn.Module
+    model_config: ModelConfig
+    bytes_per_block: int
+    scratch_bytes: int
 
 
 def num_kv_blocks(
@@ -32,23 +48,31 @@ def num_kv_blocks(
     kv_dtype: torch.dtype,
     device: torch.device,
     tensor_parallel: TensorParallel = SINGLE_RANK,
+    draft: DraftPool | None = None,
 ) -> int:
     per_block = bytes_per_block(model_config, block_size, kv_dtype, tensor_parallel)
+    reserved = 0
+    if draft is not None:
+        per_block += draft.bytes_per_block
+        reserved = draft.scratch_bytes
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if device.type != "cuda":
-        return max(1, int(config.cpu_kv_cache_space * GIB) // per_block)
+        return max(1, int(config.cpu_kv_cache_space * GIB - reserved) // per_block)
     num_tokens = min(max_num_batched_tokens, max_model_len)
     profile_blocks = -(-num_tokens // block_size)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    _profile_forward(model, model_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks, block_size,
-                     kv_dtype, device, tensor_parallel.kv_heads(model_config.num_key_value_heads))
+    profiled = [(model, model_config)] if draft is None else [(model, model_config), (draft.model, draft.model_config)]
+    for profiled_model, profiled_config in profiled:  # one after the other: the peak is the larger pass's
+        _profile_forward(profiled_model, profiled_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks,
+                         block_size, kv_dtype, device, tensor_parallel.kv_heads(profiled_config.num_key_value_heads))
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
-    profile_cache_bytes = profile_blocks * per_block
+    # Each pass's throwaway cache is freed before the next: the larger one was in the peak (over-counted: safe).
+    profile_cache_bytes = profile_blocks * bytes_per_block(model_config, block_size, kv_dtype, tensor_parallel)
     _, total = torch.cuda.mem_get_info(device)
-    available = total * config.gpu_memory_utilization - (peak - profile_cache_bytes)
+    available = total * config.gpu_memory_utilization - (peak - profile_cache_bytes) - reserved
     blocks = int(available // per_block)
     logger.info("memory profile: total %.1f GiB, peak %.2f GiB -> %d KV blocks", total / GIB, peak / GIB, blocks)
     if blocks < 1:

@@ -41,6 +41,9 @@ class LaunchedStep:
     # Launched behind another step with constrained rows: the mask and draw, run by `Worker.complete`.
     deferred_sample: Callable[[], None] | None = None
     masks: Future | None = None  # the deferred draw's grammar masks, filling (`Worker.begin_masks`)
+    # Speculative decoding with a draft model: how many draft tokens its plan asks per sampled row (0: none),
+    # proposed in `Worker.finish` once the rows' tokens are written.
+    propose_draft_tokens: int = 0
 
     @property
     def draw_pending(self) -> bool:

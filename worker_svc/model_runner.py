@@ -11,9 +11,11 @@ Its surface is narrow on purpose: `allocate` (at setup: pools, warm-up, graphs),
 swaps and copies), `execute` (a prepared step's forward pass: hidden states, the sampling rows' logits,
 prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_logprobs` for beam rows.
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
-the layers `load_model` builds (and so into every path the dispatcher runs); a drafter as an object the runner
-calls around `execute` (its own dispatcher); an adapter set as per-token inputs the runner passes to the
-model. Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
+the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
+decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an adapter set as
+per-token inputs the runner passes to the model. Tests that need faults wrap the runner (fault_injection.py);
+a serving runner has no fault hook.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from worker_svc.attention_choice import kernel_set, make_attention_backend, make
 from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.device_busy import DeviceBusyClock
+from worker_svc.draft_model import DraftModel
 from worker_svc.graph_dispatcher import GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
-from worker_svc.kv_cache_sizing import num_kv_blocks
+from worker_svc.kv_cache_sizing import DraftPool, num_kv_blocks
 from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
@@ -109,6 +112,8 @@ class ModelRunner:
         self.quantization = quantization_name(model.path, self.model_config)
         self.kv_cache_dtype_name = "auto" if config.kv_cache_dtype == "auto" else "fp8_e4m3"
         self.kv_cache: KVCache | None = None
+        # Speculative decoding with a draft model: loaded at setup, which names it (WorkerSetup.draft_model).
+        self.draft: DraftModel | None = None
         self.graphs: GraphDispatcher | None = None
         self.device_busy = DeviceBusyClock(enabled=self.on_gpu)
         # Grammar bitmasks (5 MB a step for 256 rows of a 152k vocabulary) go up on a stream of their own.
@@ -123,21 +128,35 @@ class ModelRunner:
         the scheduler's block ids must mean the same slots on every rank), compiles the kernels' variants and
         captures the graphs."""
         config, tensor_parallel, device = self.config, self.tensor_parallel, self.device
+        draft_pool = None
+        block_bytes = bytes_per_block(self.model_config, setup.block_size, self.kv_dtype, tensor_parallel)
+        if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
+            self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
+                                    make_attention_backend(config), self.layer_ops, tensor_parallel)
+            draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
+            block_bytes += draft_block_bytes
+            draft_pool = DraftPool(self.draft.model, self.draft.model_config, draft_block_bytes,
+                                   self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs)
+                                   * draft_block_bytes)
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
-                               self.kv_dtype, device, tensor_parallel)
-        swap_blocks = int(config.swap_space * GIB) // bytes_per_block(self.model_config, setup.block_size,
-                                                                     self.kv_dtype, tensor_parallel)
+                               self.kv_dtype, device, tensor_parallel, draft_pool)
+        swap_blocks = int(config.swap_space * GIB) // block_bytes
         blocks = tensor_parallel.all_reduce_min(blocks, device)
         swap_blocks = tensor_parallel.all_reduce_min(swap_blocks, device)
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.kv_dtype, device,
                                 tensor_parallel)
+        if self.draft is not None:
+            self.draft.allocate(blocks, swap_blocks, setup.block_size, setup.max_num_seqs, self.kv_dtype)
         layers = self.kv_cache.layers
         max_blocks_per_seq = PersistentBatch.max_blocks_per_seq(setup.max_model_len, setup.block_size)
         if self.on_gpu:
             warm_up_sampler(self.model_config.vocab_size, self.sampling_ops, device)
             if kernel_set(config) == "triton":
                 warm_up_kernels(self.model, layers, setup.block_size, max_blocks_per_seq, setup.max_num_seqs, device)
+                if self.draft is not None:
+                    warm_up_kernels(self.draft.model, self.draft.kv_cache.layers, setup.block_size,
+                                    max_blocks_per_seq, setup.max_num_seqs, device)
         if self.on_gpu and config.cuda_graphs:
             self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
                                                    max_blocks_per_seq, config.world_size, config.rank)
@@ -153,12 +172,16 @@ class ModelRunner:
         self.kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
         self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
+        if self.draft is not None:
+            self.draft.move_blocks(plan)
 
     def execute(self, batch: PersistentBatch, inputs: StepInputs,
                 previous_sampled: torch.Tensor | None) -> StepOutput:
         """Queues a prepared step's forward pass (`previous_sampled`: the sampled ids of the step in flight,
         which this step's pending input tokens are taken from) and the sampling rows' logits."""
         hidden = self.graphs.forward(inputs, previous_sampled)
+        if self.draft is not None:
+            self.draft.mirror(inputs, previous_sampled)
         logits = None
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden[to_device(inputs.logits_indices, self.device, torch.long)])
@@ -166,6 +189,15 @@ class ModelRunner:
         if (batch.num_prompt_logprobs[inputs.rows] >= 0).any():
             scored = prompt_logprobs(self.model.compute_logits, hidden, batch, inputs)
         return StepOutput(logits, scored)
+
+    def propose_drafts(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The draft model's up to `k` greedy tokens after each of `rows`' known tokens (rows that sampled their
+        newest token in the step just finished): each row's count and the tokens, row after row
+        (`DraftModel.propose`)."""
+        if self.draft is None or k > self.draft.num_speculative_tokens:
+            raise ValueError(f"a plan asks for {k} draft tokens; this worker's draft model proposes "
+                             f"{self.draft.num_speculative_tokens if self.draft else 'none'}")
+        return self.draft.propose(batch, rows, k)
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors,
                masks: tuple[np.ndarray, torch.Tensor] | None) -> DeviceSample:

@@ -163,6 +163,17 @@ class PersistentBatch:
         return bool(self.has_sparse[row] or self.presence_penalty[row] or self.frequency_penalty[row]
                     or self.repetition_penalty[row] != 1.0)
 
+    def may_take_drafts(self, rows: np.ndarray) -> np.ndarray:
+        """Which rows drafts could be planned for (a draft model proposes for these only): sampled from their own
+        logits at each position, as `_write_drafts` requires, and without host-side history (penalties, sparse
+        masks), as the scheduler requires (step_planner.samples_plainly; it checks the rest)."""
+        plain = ((self.num_beam_candidates[rows] == 0) & (self.num_logprobs[rows] < 0) & ~self.has_sparse[rows]
+                 & (self.presence_penalty[rows] == 0) & (self.frequency_penalty[rows] == 0)
+                 & (self.repetition_penalty[rows] == 1.0))
+        if self.grammars is not None:
+            plain &= ~(self.grammars.constrained[rows] | self.grammars.waiting[rows])
+        return plain
+
     def remove(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:

@@ -8,7 +8,8 @@ launcher. Both read the same rules here, so their messages are the same.
 The rules: attention heads are split evenly over the ranks (each rank owns whole heads), so the head count
 must divide, and so must the KV heads, or the ranks must be a multiple of them (fewer KV heads than ranks: the
 model replicates each on N / num_key_value_heads ranks, as vLLM does); on GPUs each rank owns one GPU, so
-there must be as many visible.
+there must be as many visible. A draft model (speculative decoding) runs in the target's group, so the same
+rules apply to it, and its vocabulary must hold the target's token ids (`draft_refusal`).
 """
 
 from __future__ import annotations
@@ -65,3 +66,14 @@ def rank_device(device: str, rank: int) -> str:
     if device.startswith("cuda"):
         return f"cuda:{first_gpu_index(device) + rank}"
     return device
+
+
+def draft_refusal(draft: ModelConfig, target: ModelConfig, world_size: int) -> str | None:
+    """Why this draft cannot serve beside this target, or None. Its vocabulary must hold every target token id
+    (the target's tokens are its inputs; a larger, padded one is cut to the target's when proposing), and its
+    heads must shard over the target's ranks (the draft runs in the same tensor-parallel group)."""
+    if draft.vocab_size < target.vocab_size:
+        return (f"the draft model's vocabulary ({draft.vocab_size} ids) is smaller than the target's "
+                f"({target.vocab_size}): a draft model must share the target's tokenizer")
+    refusal = shard_refusal(draft, world_size, "--tensor-parallel-size")
+    return None if refusal is None else f"the draft model: {refusal}"

@@ -57,6 +57,9 @@ class Worker:
         self.batch: PersistentBatch | None = None
         self.step_timer = StepTimer(f"worker rank {config.rank}")
         self.gpu_clock = BackToBackClock()
+        # Whether the step launched last asks the draft model for proposals (until it is finished): no plan is
+        # launched behind it (`can_overlap`).
+        self._proposing_in_flight = False
 
     def setup(self, setup: worker_pb2.WorkerSetup) -> worker_pb2.WorkerReady:
         """Allocates the pools and graphs (the runner's `allocate`) and the rows."""
@@ -91,8 +94,10 @@ class Worker:
         timer.start_step()
         started = time.perf_counter()
         rows = self._apply(plan)
+        self._proposing_in_flight = plan.propose_draft_tokens > 0
         step = LaunchedStep(worker_pb2.StepResult(step_id=plan.step_id), behind_another=previous is not None,
-                            started=runner.device_busy.step_started())
+                            started=runner.device_busy.step_started(),
+                            propose_draft_tokens=plan.propose_draft_tokens)
         if not rows:
             return step
         inputs = self._step_inputs(plan, rows)
@@ -210,6 +215,8 @@ class Worker:
     def finish(self, step: LaunchedStep) -> worker_pb2.StepResult:
         """Waits for a launched step's sampled tokens, writes them into the rows, returns its result."""
         self.complete(step)
+        if step.propose_draft_tokens:
+            self._proposing_in_flight = False
         timer = self.step_timer
         timer.resume(step.timed_as)
         sampled = step.sampled.wait() if step.sampled is not None else None
@@ -229,8 +236,23 @@ class Worker:
                                                                num_accepted))
             timer.mark("wait_for_gpu")
             step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted, kept_logprobs))
+            if step.propose_draft_tokens:
+                self._propose_drafts(step)
+                timer.mark("propose")
         timer.mark("result")
         return step.result
+
+    def _propose_drafts(self, step: LaunchedStep) -> None:
+        """The draft model's proposals for the rows that sampled in `step`, now that their tokens are written:
+        for rows still held by the same requests that may take drafts (the scheduler ignores the others'), 0
+        tokens for the rest (SampledTokens.num_proposed_draft_tokens, parallel to its rows)."""
+        batch, pending = self.batch, step.pending
+        rows = pending.rows
+        eligible = (batch.generation[rows] == pending.generations) & batch.may_take_drafts(rows)
+        counts = np.zeros(len(rows), dtype=np.int64)
+        counts[eligible], tokens = self.runner.propose_drafts(batch, rows[eligible], step.propose_draft_tokens)
+        step.result.sampled.num_proposed_draft_tokens.extend(counts.tolist())
+        step.result.sampled.proposed_draft_token_ids.extend(tokens.tolist())
 
     def grammar_summary(self) -> str:
         """The grammar masks' timing (`GrammarTiming`) for the shutdown log, '' without constrained rows."""
@@ -241,10 +263,13 @@ class Worker:
         """Whether `plan` may be launched before the step in flight finishes: not when a row it samples reads
         its own earlier tokens on the host (penalties, bad words, logit bias or min_tokens masks), since the
         token in flight is not there yet. A grammar's row may: its draw waits for that token (`complete`).
-        Speculative decoding is never overlapped: a row's drafts follow its newest token on the host, and a
-        step with drafts is verified on the host (`finish`) before any other plan touches the rows."""
+        Speculative decoding is never overlapped: a row's drafts follow its newest token on the host, a step
+        with drafts is verified on the host (`finish`) before any other plan touches the rows, and a draft model
+        proposes from the rows once their tokens are written (`finish` again)."""
         batch = self.batch
         if plan.has_draft_tokens or batch.num_rows_with_drafts:  # the latter: the step in flight's, until verified
+            return False
+        if plan.propose_draft_tokens or self._proposing_in_flight:
             return False
         for scheduled in plan.scheduled_requests:
             row = batch.row_of(scheduled.request_id)

@@ -97,6 +97,12 @@ class Request:
     # verified); its computed tokens count them. Not planned again, nor preempted, until the result applies
     # the accepted ones (`Scheduler.update_from_output`); () otherwise.
     draft_token_ids: tuple[int, ...] = ()
+    # Speculative decoding with a draft model: the tokens the workers' draft model proposed to follow this
+    # request's first `proposed_after` tokens (its known tokens when the proposing step's result was applied).
+    # The planner takes them as drafts only while the request still has exactly those tokens; a proposal for
+    # older tokens is never used.
+    proposed_draft_token_ids: tuple[int, ...] = ()
+    proposed_after: int = -1
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

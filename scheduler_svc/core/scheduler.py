@@ -361,7 +361,8 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------------------------------
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int], accepted_drafts: dict[str, int] | None = None
+        self, output: SchedulerOutput, sampled: dict[str, int], accepted_drafts: dict[str, int] | None = None,
+        proposed_drafts: dict[str, tuple[int, ...]] | None = None,
     ) -> list[Request]:
         """Apply a step the worker ran (the oldest planned one): append the token sampled for each request that
         completed in it and finish those that hit a token-level stop (EOS unless ignore_eos, a stop token id:
@@ -372,6 +373,8 @@ class Scheduler:
         tokens the worker kept; it gains those a drafts then its sampled token, each checked for the stops
         above (a stop inside the run drops the rest), its computed tokens lose the rejected drafts, the blocks
         held only for them are freed and the full blocks the accepted ones completed are cached.
+        `proposed_drafts` (a draft model's, request id -> tokens): what the workers proposed to follow each
+        request's tokens as of this result; kept on the request for its next decode (step_planner.py).
 
         Returns, in plan order, the requests that got a new token (finished or not), the beam rows whose last
         known token was computed (their candidates are in the worker's result; no token is expected), and the
@@ -405,6 +408,9 @@ class Scheduler:
                 reason = self._token_stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
+            elif proposed_drafts and request.request_id in proposed_drafts:
+                request.proposed_draft_token_ids = proposed_drafts[request.request_id]
+                request.proposed_after = request.num_tokens
             updated.append(request)
         return updated
 

@@ -80,6 +80,9 @@ class SchedulerOutput:
     # Requests whose computed tokens reach their end in this step, in plan order: those that sample (a token
     # comes back for each) and the fan-out roots and beam rows reported to the engine. Scheduler-side only.
     completing_request_ids: tuple[str, ...] = ()
+    # Speculative decoding with a draft model: > 0 asks the workers to propose this many draft tokens after the
+    # step for each row that samples in it (the scheduler plans them as the next step's drafts).
+    propose_draft_tokens: int = 0
 
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Request id -> tokens scheduled in this step, over new and already-running requests."""

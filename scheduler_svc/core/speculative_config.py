@@ -4,10 +4,13 @@ Who owns it: `SchedulerConfig.speculative_config` (None: speculation off); the s
 planner (which proposes drafts) and the engine loop (which stops planning ahead while a small batch
 speculates). docs/speculative_decoding.md says what it serves.
 
-Only n-gram proposals (prompt lookup) are served: the proposer runs in the scheduler on the tokens it already
-holds, so it needs no second model and no worker support beyond verifying drafts. Names, meanings and
-defaults are vLLM's: with neither prompt_lookup bound given both are 5; with one given the other takes its
-value. `"[ngram]"` is vLLM's older spelling of the method and is accepted as well.
+Two methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
+holds (ngram_proposer.py). `draft_model`: a smaller model of the target's tokenizer, which the workers load
+beside the target (`model`: its directory or hub id; WorkerSetup.draft_model), proposes each row's next tokens
+greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. Names,
+meanings and defaults are vLLM's: with neither prompt_lookup bound given both are 5; with one given the other
+takes its value. `"[ngram]"` is vLLM's older spelling of the method and is accepted as well; a config with a
+`model` and no `method` is a draft model's, as vLLM infers for a model that is not an EAGLE/MTP head.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 NGRAM_METHODS = ("ngram", "[ngram]")
-# Methods vLLM serves that need a second model or heads on the worker (refused by name).
-MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+DRAFT_MODEL_METHOD = "draft_model"
+# Methods vLLM serves that need heads or proposers we do not have (refused by name).
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults of the n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -30,23 +34,32 @@ DEFAULT_PROMPT_LOOKUP = 5
 # To be measured on a GPU (benchmarks); vLLM's users set it themselves.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+_DRAFT_MODEL_KEYS = ("method", "num_speculative_tokens", "model", "draft_tensor_parallel_size", "disable_by_batch_size")
+_INTEGER_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+                 "draft_tensor_parallel_size")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """What the scheduler proposes: up to `num_speculative_tokens` draft tokens per plain decode, from the
-    longest n-gram (n from prompt_lookup_max down to prompt_lookup_min) ending the request's tokens that
-    occurred earlier in them; only while at most `disable_by_batch_size` requests run."""
+    """Up to `num_speculative_tokens` draft tokens per plain decode, only while at most `disable_by_batch_size`
+    requests run: for `ngram`, from the longest n-gram (n from prompt_lookup_max down to prompt_lookup_min) ending
+    the request's tokens that occurred earlier in them; for `draft_model`, what the draft model `model`
+    proposed after the request's newest token (the prompt_lookup bounds are unused). `draft_tensor_parallel_size`
+    (vLLM's; None: not given) can only be the target's: the draft runs in the target's tensor-parallel group."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     method: str = "ngram"
+    model: str | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"method {self.method!r}: only ngram is served")
+        if self.method not in ("ngram", DRAFT_MODEL_METHOD):
+            raise ValueError(f"method {self.method!r}: only ngram and draft_model are served")
+        if self.uses_draft_model != (self.model is not None):
+            raise ValueError("a draft model's directory (model) goes with method draft_model, and only with it")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -54,42 +67,66 @@ class SpeculativeConfig:
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
 
+    @property
+    def uses_draft_model(self) -> bool:
+        """Whether the workers' draft model proposes the drafts (else the scheduler's n-gram proposer)."""
+        return self.method == DRAFT_MODEL_METHOD
+
+    def tensor_parallel_refusal(self, tensor_parallel_size: int) -> str | None:
+        """Why this config cannot go with the target's tensor-parallel size, or None."""
+        size = self.draft_tensor_parallel_size
+        if size is None or size == tensor_parallel_size:
+            return None
+        return (f"draft_tensor_parallel_size {size}: the draft model runs in the target's tensor-parallel group "
+                f"(--tensor-parallel-size {tensor_parallel_size}); leave it out or give that size")
+
     def is_on_for(self, num_running: int) -> bool:
         """Whether a step with `num_running` running requests speculates (drafts, and no planning ahead)."""
         return num_running <= self.disable_by_batch_size
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> SpeculativeConfig:
-        """From vLLM's keys, refusing other methods (first: a draft model's config has its own keys) and unknown
-        keys by name (ValueError)."""
+        """From vLLM's keys, refusing other methods and unknown keys by name (ValueError)."""
         method = options.get("method")
+        if method is None and "model" in options:
+            method = DRAFT_MODEL_METHOD  # vLLM's inference for a model that is no EAGLE/MTP head
         if method is None:
-            raise ValueError("method is required (served: ngram)")
-        if method not in NGRAM_METHODS:
-            kind = "needs a draft model or heads, not served yet" if method in MODEL_METHODS else "unknown"
-            raise ValueError(f"method {method!r}: {kind} (served: ngram)")
-        unknown = sorted(set(options) - set(_KEYS))
+            raise ValueError("method is required (served: ngram, draft_model)")
+        if method not in (*NGRAM_METHODS, DRAFT_MODEL_METHOD):
+            kind = "needs heads or a proposer not served yet" if method in HEAD_METHODS else "unknown"
+            raise ValueError(f"method {method!r}: {kind} (served: ngram, draft_model)")
+        keys = _DRAFT_MODEL_KEYS if method == DRAFT_MODEL_METHOD else _KEYS
+        unknown = sorted(set(options) - set(keys))
         if unknown:
-            raise ValueError(f"unsupported key(s) {', '.join(unknown)} (served: {', '.join(_KEYS)})")
+            raise ValueError(f"unsupported key(s) {', '.join(unknown)} for method {method} "
+                             f"(served: {', '.join(keys)})")
         if "num_speculative_tokens" not in options:
             raise ValueError("num_speculative_tokens is required")
-        for key in _KEYS[1:]:
+        for key in _INTEGER_KEYS:
             value = options.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{key} must be an integer")
+        disable = options.get("disable_by_batch_size")
+        disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable
+        if method == DRAFT_MODEL_METHOD:
+            model = options.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError("method draft_model needs model: the draft model's directory or hub id")
+            return cls(num_speculative_tokens=options["num_speculative_tokens"], disable_by_batch_size=disable,
+                       method=DRAFT_MODEL_METHOD, model=model,
+                       draft_tensor_parallel_size=options.get("draft_tensor_parallel_size"))
         lookup_max, lookup_min = options.get("prompt_lookup_max"), options.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
             lookup_max = lookup_min = DEFAULT_PROMPT_LOOKUP
         lookup_max = lookup_min if lookup_max is None else lookup_max
         lookup_min = lookup_max if lookup_min is None else lookup_min
-        disable = options.get("disable_by_batch_size")
         return cls(num_speculative_tokens=options["num_speculative_tokens"], prompt_lookup_max=lookup_max,
-                   prompt_lookup_min=lookup_min,
-                   disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable)
+                   prompt_lookup_min=lookup_min, disable_by_batch_size=disable)
 
     def to_json(self) -> str:
         """The flag's value that gives this config back (a child's command line)."""
-        return json.dumps({key: getattr(self, key) for key in _KEYS})
+        keys = _DRAFT_MODEL_KEYS if self.uses_draft_model else _KEYS
+        return json.dumps({key: getattr(self, key) for key in keys if getattr(self, key) is not None})
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

@@ -31,3 +31,6 @@ class StepOutcome:
     accepted_drafts: dict[str, int] = field(default_factory=dict)
     # Their logprobs, in order (as `logprobs` for the sampled token): one logprob per token of the step.
     accepted_draft_logprobs: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # Speculative decoding with a draft model: request id -> the draft tokens proposed after this step (absent:
+    # none proposed).
+    proposed_drafts: dict[str, tuple[int, ...]] = field(default_factory=dict)

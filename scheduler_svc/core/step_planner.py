@@ -36,9 +36,11 @@ Policy, per step:
 
 3. Speculative decoding (with a SpeculativeConfig, and only while at most disable_by_batch_size requests run):
    last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
-   up to num_speculative_tokens n-gram draft tokens (`ngram_proposer.py`), computed with its token in one
-   forward: slots for 1 + d tokens, d capped so that even if all are accepted the request stays within
-   max_tokens and max_model_len, and 0 when the pool has no free block for them (drafts never preempt).
+   up to num_speculative_tokens draft tokens, computed with its token in one forward: n-gram ones
+   (`ngram_proposer.py`), or those the workers' draft model proposed after the request's newest token (the
+   plan then asks for the next proposals: `propose_draft_tokens`); slots for 1 + d tokens, d capped so that
+   even if all are accepted the request stays within max_tokens and max_model_len, and 0 when the pool has no
+   free block for them (drafts never preempt).
    Only a request whose newest token is known (no token in flight) and that samples plainly gets drafts: no
    penalties, bad words, grammar, logprobs or stop strings, min_tokens reached (the worker verifies drafts by sampling at
    each position: docs/speculative_decoding.md). A request with drafts in flight is neither
@@ -110,8 +112,11 @@ class StepPlanner:
         self._schedule_running(in_progress)
         if not in_progress.num_preempted:
             self._schedule_inactive(in_progress)
+        propose_draft_tokens = 0
         if self._speculative is not None and self._speculative.is_on_for(len(self._state.running)):
             self._add_drafts(in_progress, self._speculative)
+            if self._speculative.uses_draft_model:
+                propose_draft_tokens = self._speculative.num_speculative_tokens
         return SchedulerOutput(
             step_id=step_id,
             new_requests=tuple(in_progress.new_requests),
@@ -123,6 +128,7 @@ class StepPlanner:
             copy=tuple(in_progress.copy),
             total_num_scheduled_tokens=self._limits.max_num_batched_tokens - in_progress.token_budget,
             completing_request_ids=tuple(in_progress.completing_request_ids),
+            propose_draft_tokens=propose_draft_tokens,
         )
 
     # ---- (0) room for the first in line ------------------------------------------------------------------
@@ -366,8 +372,7 @@ class StepPlanner:
             num_drafts = min(speculative.num_speculative_tokens, in_progress.token_budget, room)
             if num_drafts < 1:
                 continue
-            drafts = propose_ngram_drafts(request.all_token_ids, speculative.prompt_lookup_min,
-                                          speculative.prompt_lookup_max, num_drafts)
+            drafts = _proposed_drafts(request, speculative, num_drafts)
             if not drafts:
                 continue
             allocation = self._blocks.allocate_slots(request, len(drafts))
@@ -418,6 +423,17 @@ class StepPlanner:
                 eos_token_ids=request.eos_token_ids,
             )
         )
+
+
+def _proposed_drafts(request: Request, speculative: SpeculativeConfig, num_drafts: int) -> list[int]:
+    """Up to `num_drafts` drafts for a request's next decode: the n-gram proposer's, or what the draft model
+    proposed after exactly its current tokens (none if its proposal is for older tokens, or missing)."""
+    if not speculative.uses_draft_model:
+        return propose_ngram_drafts(request.all_token_ids, speculative.prompt_lookup_min,
+                                    speculative.prompt_lookup_max, num_drafts)
+    if request.proposed_after != request.num_tokens:
+        return []
+    return list(request.proposed_draft_token_ids[:num_drafts])
 
 
 def samples_plainly(request: Request) -> bool:

@@ -19,6 +19,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
     plan = message.plan  # filled in place: wrapping a finished StepPlan would copy it whole
     plan.SetInParent()  # the oneof is `plan` even for a plan whose fields are all defaults
     plan.step_id = output.step_id
+    plan.propose_draft_tokens = output.propose_draft_tokens
     plan.finished_request_ids.extend(output.finished_request_ids)
     plan.preempted_request_ids.extend(output.preempted_request_ids)
     for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in), (plan.copy, output.copy)):
@@ -95,15 +96,27 @@ def decode_step_result(result: worker_pb2.StepResult) -> StepOutcome:
         # Parallel to request_ids when some row had drafts; rows that accepted none are left out.
         accepted_drafts={rid: count for rid, count in zip(request_ids, sampled.num_accepted_drafts) if count},
         accepted_draft_logprobs=_accepted_draft_logprobs(sampled, request_ids),
+        proposed_drafts=_proposed_drafts(sampled, request_ids),
     )
 
 
 def _accepted_draft_logprobs(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple]:
     """Each row's slice of the flat kept drafts' logprobs (num_accepted_drafts of them, row after row)."""
-    if not sampled.accepted_draft_logprobs:
+    return _row_slices(sampled.accepted_draft_logprobs, request_ids, sampled.num_accepted_drafts)
+
+
+def _proposed_drafts(sampled: worker_pb2.SampledTokens, request_ids: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each row's slice of the flat proposed draft tokens (num_proposed_draft_tokens of them, row after row)."""
+    return _row_slices(sampled.proposed_draft_token_ids, request_ids, sampled.num_proposed_draft_tokens)
+
+
+def _row_slices(flat_values, request_ids: list[str], counts) -> dict[str, tuple]:
+    """A flat list cut into its rows' runs (`counts[i]` values for row i, row after row); rows with none left
+    out."""
+    if not flat_values:
         return {}
-    flat, out, start = list(sampled.accepted_draft_logprobs), {}, 0
-    for request_id, count in zip(request_ids, sampled.num_accepted_drafts):
+    flat, out, start = list(flat_values), {}, 0
+    for request_id, count in zip(request_ids, counts):
         if count:
             out[request_id] = tuple(flat[start : start + count])
             start += count

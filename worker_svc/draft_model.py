@@ -1,0 +1,149 @@
+"""Speculative decoding with a draft model: a smaller model of the target's tokenizer proposes each row's next
+tokens greedily, and the target verifies them as it verifies n-gram drafts (sample-and-match, lossless).
+
+Who owns what: the model runner owns one `DraftModel` when the setup names one (WorkerSetup.draft_model). It holds
+the draft's weights (loaded by the target's loader, in its dtype, attention backend and tensor-parallel group)
+and the draft's own KV pool, with the target's number of blocks and block size and indexed by the same block
+tables: block b holds the same token positions in both pools, so the scheduler's one block manager, its prefix
+cache, swaps and copies serve both. Past those blocks the draft pool has `scratch_blocks_per_row` blocks per
+worker row (below). Its forward passes are eager (no CUDA graphs for the draft).
+
+Two passes, both over this worker's rows:
+- `mirror`, every step right after the target's forward: the draft computes exactly the tokens the target
+  computed, at the same slots (the same StepInputs, tokens still pending from the step in flight included). So
+  the draft's K/V is valid exactly where the target's is: a prefix-cache hit, a swap-in or a recompute skips or
+  redoes both alike, and a rejected draft token's slot holds a guess in both until the row computes it again.
+  Why every step and not only when proposals are asked (more than disable_by_batch_size rows run): a step the
+  draft skipped would leave its K/V behind the target's for good, cached blocks included.
+- `propose`, after a step whose plan asks for proposals (StepPlan.propose_draft_tokens), once its tokens are on
+  the host and verified: for each row that sampled, the draft computes that newest token (at its position; no
+  pool has its K/V yet) and takes the argmax of its logits as proposal 1, then feeds each proposal back for the
+  next, k single-token passes in all. The K/V these passes write lies past the row's computed tokens: the next
+  step's mirror overwrites what it computes there. It goes to the row's own blocks where the row has them, else
+  to the row's scratch blocks, never to a block the scheduler may have given to another request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from protos.pagedserve.v1 import worker_pb2
+from service_runtime.load_refusal import LoadRefused
+from service_runtime.model_source import resolve_model
+from worker_svc.graph_dispatcher import GraphDispatcher
+from worker_svc.host_to_device import to_device
+from worker_svc.kv_cache import KVCache, bytes_per_block
+from worker_svc.model_config import ModelConfig
+from worker_svc.models.model_loader import load_model, refused_as_load_refusal
+from worker_svc.persistent_batch import PersistentBatch, StepInputs
+from worker_svc.tensor_parallel import TensorParallel
+from worker_svc.tensor_parallel_fit import draft_refusal
+
+
+class DraftModel:
+    def __init__(self, setup: worker_pb2.DraftModelSetup, target_config: ModelConfig, dtype: torch.dtype,
+                 device: torch.device, attention_backend, layer_ops, tensor_parallel: TensorParallel):
+        path = resolve_model(setup.model).path
+        with refused_as_load_refusal():
+            config = ModelConfig.from_path(path)
+        refusal = draft_refusal(config, target_config, tensor_parallel.world_size)
+        if refusal is not None:
+            raise LoadRefused(refusal)
+        self.model, self.model_config = load_model(path, dtype, device, attention_backend=attention_backend,
+                                                   layer_ops=layer_ops, tensor_parallel=tensor_parallel)
+        self.num_speculative_tokens = setup.num_speculative_tokens
+        self.target_vocab_size = target_config.vocab_size
+        self.device = device
+        self.tensor_parallel = tensor_parallel
+        self.kv_cache: KVCache | None = None
+        self._graphs: GraphDispatcher | None = None
+        self._block_size = 0
+        self._num_blocks = 0
+        self.scratch_blocks_per_row = 0
+
+    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
+        """Bytes of one block of the draft's pool on this rank (the sizing counts it with the target's)."""
+        return bytes_per_block(self.model_config, block_size, kv_dtype, self.tensor_parallel)
+
+    def num_scratch_blocks(self, block_size: int, max_num_seqs: int) -> int:
+        """Scratch blocks in all: a proposal's k positions after the row's computed tokens span at most
+        ceil(k / block_size) blocks past those the row has."""
+        return max_num_seqs * -(-self.num_speculative_tokens // block_size)
+
+    def allocate(self, num_blocks: int, num_swap_blocks: int, block_size: int, max_num_seqs: int,
+                 kv_dtype: torch.dtype) -> None:
+        """The draft's pool: the target's blocks (same ids), then each row's scratch blocks."""
+        self._block_size, self._num_blocks = block_size, num_blocks
+        self.scratch_blocks_per_row = -(-self.num_speculative_tokens // block_size)
+        total = num_blocks + self.num_scratch_blocks(block_size, max_num_seqs)
+        self.kv_cache = KVCache(self.model_config, total, num_swap_blocks, block_size, kv_dtype, self.device,
+                                self.tensor_parallel)
+        self._graphs = GraphDispatcher(self.model, self.kv_cache.layers, block_size, self.device)  # eager only
+
+    def move_blocks(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's swaps and copies, in the draft's pool (the same block ids as the target's)."""
+        self.kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
+        self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
+        self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
+
+    def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> None:
+        """Computes the step's tokens in the draft's pool, as the target just did in its own."""
+        self._graphs.forward(inputs, previous_sampled)
+
+    def propose(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Up to `k` greedy draft tokens to follow each row's known tokens (`rows`: rows whose newest token was
+        sampled in the step just finished, so their computed tokens are all but it). Returns each row's count
+        (k, fewer near max_model_len) and the tokens, row after row."""
+        num_tokens = batch.num_tokens[rows]
+        counts = np.clip(np.minimum(k, batch.token_ids.shape[1] - num_tokens), 0, None).astype(np.int64)
+        if not len(rows) or not counts.any():
+            return counts, np.zeros(0, dtype=np.int64)
+        num_passes = int(counts.max())
+        first = num_tokens - 1  # each row's newest token: the first pass computes it
+        tables = self._block_tables(batch, rows, first + counts)
+        proposals = torch.zeros((len(rows), num_passes), dtype=torch.long, device=self.device)
+        active = np.arange(len(rows))
+        input_ids = to_device(batch.token_ids[rows, first], self.device, torch.long)
+        for step in range(num_passes):
+            keep = counts[active] > step
+            if not keep.all():
+                active = active[keep]
+                input_ids = input_ids[to_device(np.flatnonzero(keep), self.device, torch.long)]
+            positions = first[active] + step
+            input_ids = self._next_tokens(input_ids, positions, tables[active])
+            proposals[to_device(active, self.device, torch.long), step] = input_ids
+        host = proposals.cpu().numpy()
+        return counts, host[np.arange(num_passes) < counts[:, None]]
+
+    def _next_tokens(self, input_ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """One token per row at `positions` (each row's table in `tables`); the argmax of the draft's logits
+        over the target's vocabulary."""
+        device, block_size = self.device, self._block_size
+        blocks = tables[np.arange(len(positions)), positions // block_size]
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(blocks * block_size + positions % block_size, device, torch.long),
+            query_start_loc=to_device(np.arange(len(positions) + 1), device, torch.int32),
+            seq_lens=to_device(positions + 1, device, torch.int32),
+            block_tables=to_device(tables, device, torch.int32),
+            block_size=block_size,
+            num_decode_seqs=len(positions),
+        )
+        hidden = self.model(input_ids, to_device(positions, device, torch.long), self.kv_cache.layers, metadata)
+        logits = self.model.compute_logits(hidden)
+        return torch.argmax(logits[:, : self.target_vocab_size], dim=-1)
+
+    def _block_tables(self, batch: PersistentBatch, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Each row's blocks for its positions below `ends` (per row): its own while it has them (they cover its
+        computed tokens), then its scratch blocks; 0 past its last (never read)."""
+        block_size = self._block_size
+        used = -(-ends // block_size)
+        index = np.arange(int(used.max()))[None, :]
+        held = batch.num_blocks[rows][:, None]
+        past = index - held
+        if (past[index < used[:, None]] >= self.scratch_blocks_per_row).any():
+            raise ValueError("a proposal runs past its row's blocks and its scratch blocks")
+        scratch = self._num_blocks + rows[:, None] * self.scratch_blocks_per_row + past
+        own = batch.block_table[rows][:, : index.shape[1]]
+        return np.where(index < held, own, np.where(index < used[:, None], scratch, 0))
