@@ -249,6 +249,39 @@ def test_a_small_batch_that_speculates_is_not_planned_ahead():
     assert plain.max_steps_ahead() == 2
 
 
+def counting_model(seed: int, tokens: list[int]) -> int:
+    """An output that never repeats its context: each token is the one before plus one."""
+    return tokens[-1] + 1
+
+
+def test_a_small_batch_whose_tokens_never_recur_is_planned_ahead_until_a_proposal_appears():
+    """No n-gram proposal for any running request: the engine may plan ahead (the host's work hides behind the
+    GPU again); once a request's known tokens recur, it waits for each result so the next plan has drafts. The
+    output is the same either way."""
+    scheduler, worker = async_scheduler()
+    a = request("a", prompt=(20, 21, 22, 23), max_tokens=6)
+    scheduler.add_request(a)
+    worker.model = counting_model
+    plans = []
+    while scheduler.has_unfinished_requests():
+        assert scheduler.max_steps_ahead() == 2
+        plans.append(step(scheduler, worker)[0])
+    assert not any(drafts_of(plan) for plan in plans)
+    assert a.output_token_ids == [24, 25, 26, 27, 28, 29]
+    scheduler.add_request(request("b", prompt=(20, 21, 22, 20, 21)))  # "20 21" recurs: a proposal
+    assert drafts_of(scheduler.schedule()) == {}  # its prefill: drafts come with its decodes
+    assert scheduler.max_steps_ahead() == 1
+
+
+def test_a_draft_model_always_waits_for_each_result():
+    limits = SchedulerLimits(8, 64, 256)
+    spec = SpeculativeConfig(3, method="draft_model", model="/models/draft")
+    scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2, speculative=spec)
+    scheduler.add_request(request("a", prompt=(20, 21, 22, 23)))
+    scheduler.schedule()
+    assert scheduler.max_steps_ahead() == 1
+
+
 def test_an_abort_while_drafts_are_in_flight_frees_everything_and_skips_the_result():
     scheduler, worker = async_scheduler()
     r = request("a")

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.draft_outlook import drafts_expected
 from scheduler_svc.core.lost_work import LostWork
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
@@ -347,9 +348,11 @@ class Scheduler:
 
     def max_steps_ahead(self) -> int:
         """How many planned steps may wait for their results now: `max_steps_in_flight`, but 1 (plan, wait,
-        apply, plan) while speculation is on and at most its disable_by_batch_size requests run, since drafts
-        are proposed only from a request's newest token (docs/speculative_decoding.md)."""
-        if self.speculative is not None and self.speculative.is_on_for(self.num_running):
+        apply, plan) while speculation is on, at most its disable_by_batch_size requests run and some of them
+        would get drafts, since drafts are proposed only from a request's newest token (draft_outlook.py)."""
+        speculative = self.speculative
+        if (speculative is not None and speculative.is_on_for(self.num_running)
+                and drafts_expected(self._state.running, speculative)):
             return 1
         return self.max_steps_in_flight
 
