@@ -130,7 +130,10 @@ def main() -> int:
     if args.method == "ngram":
         kinds = (("repeater", repeater, options, None), ("random", random_model, random_options, None))
     else:
-        small = config.__class__.from_dict({**config.to_dict(), "num_hidden_layers": 4})
+        fields = {**config.to_dict(), "num_hidden_layers": 4}
+        if fields.get("layer_types"):  # per-layer attention kinds (Qwen2's): the first four layers'
+            fields["layer_types"] = fields["layer_types"][:4]
+        small = config.__class__.from_dict(fields)
         # Untied: with tied embeddings even random layers mostly predict their input token (a repeater too).
         wrong = config.__class__.from_dict({**small.to_dict(), "tie_word_embeddings": False})
         kinds = (("draft itself", repeater, options, repeater),
