@@ -224,10 +224,11 @@ def _wna16_gemm_kernel(
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def bf16_dequant_applies(dtype: torch.dtype, bits: int) -> bool:
-    """Whether the GEMM dequantizes in bf16 (module docstring): 4-bit values into bf16 activations on a GPU
-    (the interpreter's 16-bit arithmetic is wrong, kernels/triton_numerics.py)."""
-    return dtype == torch.bfloat16 and bits == 4 and not needs_upcast(dtype)
+def bf16_dequant_applies(dtype: torch.dtype, bits: int, scales: torch.Tensor) -> bool:
+    """Whether the GEMM dequantizes in bf16 (module docstring): 4-bit values into bf16 activations with bf16
+    scales (another scale dtype would be rounded twice) on a GPU (the interpreter's 16-bit arithmetic is wrong,
+    kernels/triton_numerics.py)."""
+    return dtype == torch.bfloat16 and bits == 4 and scales.dtype == torch.bfloat16 and not needs_upcast(dtype)
 
 
 def check_operands(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -285,7 +286,7 @@ def wna16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         BITS=bits, HAS_ZEROS=zeros is not None, HAS_BIAS=bias is not None, SPLIT=split,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=plan.block_k, GROUP_K=plan.group_k,
         UPCAST=needs_upcast(x.dtype), DOT_PRECISION=dot_precision(x.dtype),
-        BF16_DEQUANT=bf16_dequant if bf16_dequant is not None else bf16_dequant_applies(x.dtype, bits),
+        BF16_DEQUANT=bf16_dequant if bf16_dequant is not None else bf16_dequant_applies(x.dtype, bits, scales),
         SWAP_AB=tiles.swap_ab, num_warps=tiles.warps, num_stages=tiles.stages,
     )
     if split:

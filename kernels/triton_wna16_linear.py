@@ -59,7 +59,7 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         qweight, scales, zeros if zeros is not None else scales, out, n_size, k_size, group_size,
         qweight.stride(0), scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
         BITS=bits, HAS_ZEROS=zeros is not None, BLOCK_K=block_k, BLOCK_N=DEQUANT_BLOCK_N, GROUP_K=group_k,
-        BF16_DEQUANT=bf16_dequant_applies(dtype, bits), num_warps=4,
+        BF16_DEQUANT=bf16_dequant_applies(dtype, bits, scales), num_warps=4,
     )
     return out
 

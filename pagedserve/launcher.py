@@ -301,7 +301,7 @@ def resolve_servable_model(args) -> ResolvedModel:
 def resolve_draft_model(args, model_path: str) -> None:
     """Speculative decoding with a draft model: its local files (a hub download happens once, here; the
     scheduler and the workers get the path), or an exit with one line if the workers would refuse it beside
-    this target: an unservable checkpoint, a smaller vocabulary, heads that do not split over the ranks, or
+    this target: an unservable checkpoint, a smaller vocabulary or context, heads that do not split over the ranks, or
     a draft_tensor_parallel_size other than the target's."""
     speculative = args.speculative_config
     if speculative is None or not speculative.uses_draft_model:
@@ -311,7 +311,8 @@ def resolve_draft_model(args, model_path: str) -> None:
         try:
             draft = resolve_model(speculative.model)
             target = ModelConfig.from_path(model_path, args.quantization)
-            refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size)
+            refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size,
+                                    args.max_model_len)
         except (ValueError, RuntimeError, OSError) as error:
             refusal = f"cannot serve the draft model {speculative.model}: {error}"
     if refusal is not None:

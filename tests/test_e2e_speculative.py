@@ -95,7 +95,9 @@ def test_speculation_over_two_ranks_with_recompute_preemption_gives_the_single_r
     speculative, stats, _ = _run(model, tmp_path / "spec", prompts, "--preemption-mode", "recompute", "-tp", "2",
                                  *SPECULATIVE, temperature=0.0)
     assert _tokens(speculative) == _tokens(plain)
-    assert stats.spec_decode_num_accepted_tokens > 0 and stats.num_preemptions > 0
+    # Drafts verified over two ranks; how many are kept depends on which steps carried them (a handful of this
+    # random model's), so kept drafts over two ranks are shown with the target as its own draft (below).
+    assert stats.spec_decode_num_drafts > 0 and stats.num_preemptions > 0, stats
 
 
 def _draft_model_flag(draft) -> list[str]:
@@ -104,12 +106,13 @@ def _draft_model_flag(draft) -> list[str]:
 
 
 def test_a_draft_model_gives_the_tokens_of_no_speculation_itself_as_draft_keeping_most(model, tmp_path):
-    """Draft models: the target itself (its proposals are its own greedy tokens: nearly all kept), and another
-    random model of the same vocabulary (nearly none kept) at -tp 2 with recompute preemption; both beside
-    prefix hits and preemption, with the exact greedy tokens of a server without speculation."""
+    """Draft models: the target itself (its proposals are its own greedy tokens: nearly all kept) at -tp 2 with
+    recompute preemption, and another random model of the same vocabulary (nearly none kept) with swap
+    preemption; both beside prefix hits and preemption, with the exact greedy tokens of a server without
+    speculation."""
     prompts = _prompts(6, seed=3)
     plain, _, _ = _run(model, tmp_path / "plain", prompts, "--preemption-mode", "swap", temperature=0.0)
-    itself, stats, metrics = _run(model, tmp_path / "itself", prompts, "--preemption-mode", "swap",
+    itself, stats, metrics = _run(model, tmp_path / "itself", prompts, "--preemption-mode", "recompute", "-tp", "2",
                                   *_draft_model_flag(model), temperature=0.0)
     assert _tokens(itself) == _tokens(plain)
     assert stats.spec_decode_num_draft_tokens > 60, stats
@@ -117,7 +120,7 @@ def test_a_draft_model_gives_the_tokens_of_no_speculation_itself_as_draft_keepin
     assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0, stats
     assert f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="{model.name}"}} ' in metrics
     other = make_tiny_model(tmp_path / "draft", "llama", seed=9, num_hidden_layers=2)
-    drafted, stats, _ = _run(model, tmp_path / "other", prompts, "--preemption-mode", "recompute", "-tp", "2",
+    drafted, stats, _ = _run(model, tmp_path / "other", prompts, "--preemption-mode", "swap",
                              *_draft_model_flag(other), temperature=0.0)
     assert _tokens(drafted) == _tokens(plain)
     assert stats.spec_decode_num_draft_tokens > 60 and stats.num_preemptions > 0, stats

@@ -273,11 +273,15 @@ def test_a_small_batch_whose_tokens_never_recur_is_planned_ahead_until_a_proposa
     assert scheduler.max_steps_ahead() == 1
 
 
-def test_a_draft_model_always_waits_for_each_result():
+def test_a_draft_model_waits_for_each_result_while_a_request_can_take_drafts():
+    """A draft model proposes for any request that samples plainly; one returning logprobs never gets drafts."""
     limits = SchedulerLimits(8, 64, 256)
     spec = SpeculativeConfig(3, method="draft_model", model="/models/draft")
     scheduler = Scheduler(limits, BlockManager(4, 64, 0), max_steps_in_flight=2, speculative=spec)
-    scheduler.add_request(request("a", prompt=(20, 21, 22, 23)))
+    scheduler.add_request(request("a", prompt=(20, 21, 22, 23), logprobs=1))
+    scheduler.schedule()
+    assert scheduler.max_steps_ahead() == 2
+    scheduler.add_request(request("b", prompt=(20, 21, 22, 23)))
     scheduler.schedule()
     assert scheduler.max_steps_ahead() == 1
 

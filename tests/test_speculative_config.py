@@ -99,8 +99,8 @@ def test_serve_refuses_it_with_batch_invariant(monkeypatch):
 
 
 def test_serve_resolves_the_draft_model_once_and_refuses_one_the_workers_would_refuse(tmp_path):
-    """The draft's path reaches the scheduler resolved; a smaller vocabulary, heads that do not split over the
-    ranks, another draft_tensor_parallel_size, or no checkpoint at all exit naming why, before any child."""
+    """The draft's path reaches the scheduler resolved; a smaller vocabulary or context, heads that do not split
+    over the ranks, another draft_tensor_parallel_size, or no checkpoint at all exit naming why, before any child."""
     from pagedserve.testing.tiny_models import make_tiny_model
 
     target = make_tiny_model(tmp_path, "llama", seed=1)
@@ -117,7 +117,10 @@ def test_serve_resolves_the_draft_model_once_and_refuses_one_the_workers_would_r
     small = make_tiny_model(tmp_path, "qwen2", seed=2, vocab_size=256)
     three_heads = make_tiny_model(tmp_path, "qwen2", seed=2, num_attention_heads=3, num_key_value_heads=1,
                                   hidden_size=48)
+    short = make_tiny_model(tmp_path, "qwen2", seed=2, max_position_embeddings=64)
     for args, words in ((serve_args(small), r"vocabulary \(256 ids\) is smaller than the target.s \(512\)"),
+                        (serve_args(short, "--max-model-len", "128"), r"context \(64 tokens\) is shorter than the "
+                                                                       r"served 128: lower --max-model-len"),
                         (serve_args(three_heads, "-tp", "2"), "the draft model: --tensor-parallel-size 2"),
                         (serve_args(draft, draft_tensor_parallel_size=2), "draft_tensor_parallel_size 2"),
                         (serve_args(tmp_path / "nothing"), "cannot serve the draft model")):

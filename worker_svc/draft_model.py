@@ -44,11 +44,12 @@ from worker_svc.tensor_parallel_fit import draft_refusal
 
 class DraftModel:
     def __init__(self, setup: worker_pb2.DraftModelSetup, target_config: ModelConfig, dtype: torch.dtype,
-                 device: torch.device, attention_backend, layer_ops, tensor_parallel: TensorParallel):
+                 device: torch.device, attention_backend, layer_ops, tensor_parallel: TensorParallel,
+                 max_model_len: int):
         path = resolve_model(setup.model).path
         with refused_as_load_refusal():
             config = ModelConfig.from_path(path)
-        refusal = draft_refusal(config, target_config, tensor_parallel.world_size)
+        refusal = draft_refusal(config, target_config, tensor_parallel.world_size, max_model_len)
         if refusal is not None:
             raise LoadRefused(refusal)
         self.model, self.model_config = load_model(path, dtype, device, attention_backend=attention_backend,

@@ -132,7 +132,8 @@ class ModelRunner:
         block_bytes = bytes_per_block(self.model_config, setup.block_size, self.kv_dtype, tensor_parallel)
         if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
             self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
-                                    make_attention_backend(config), self.layer_ops, tensor_parallel)
+                                    make_attention_backend(config), self.layer_ops, tensor_parallel,
+                                    setup.max_model_len)
             draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
             block_bytes += draft_block_bytes
             draft_pool = DraftPool(self.draft.model, self.draft.model_config, draft_block_bytes,

@@ -68,12 +68,19 @@ def rank_device(device: str, rank: int) -> str:
     return device
 
 
-def draft_refusal(draft: ModelConfig, target: ModelConfig, world_size: int) -> str | None:
+def draft_refusal(draft: ModelConfig, target: ModelConfig, world_size: int,
+                  max_model_len: int | None) -> str | None:
     """Why this draft cannot serve beside this target, or None. Its vocabulary must hold every target token id
-    (the target's tokens are its inputs; a larger, padded one is cut to the target's when proposing), and its
-    heads must shard over the target's ranks (the draft runs in the same tensor-parallel group)."""
+    (the target's tokens are its inputs; a larger, padded one is cut to the target's when proposing), its
+    context must reach the served one (`max_model_len`, None: the target's: the draft computes every position
+    the target does, and its rotary table ends at its own limit), and its heads must shard over the target's
+    ranks (the draft runs in the same tensor-parallel group)."""
     if draft.vocab_size < target.vocab_size:
         return (f"the draft model's vocabulary ({draft.vocab_size} ids) is smaller than the target's "
                 f"({target.vocab_size}): a draft model must share the target's tokenizer")
+    context = max_model_len or target.max_position_embeddings
+    if draft.max_position_embeddings < context:
+        return (f"the draft model's context ({draft.max_position_embeddings} tokens) is shorter than the served "
+                f"{context}: lower --max-model-len to at most {draft.max_position_embeddings}")
     refusal = shard_refusal(draft, world_size, "--tensor-parallel-size")
     return None if refusal is None else f"the draft model: {refusal}"

@@ -9,7 +9,7 @@ request whose output never repeats its context, where the n-gram proposer finds 
 draft. So the engine waits for results only while some running request's known tokens give the n-gram
 proposer a proposal, and otherwise plans ahead as without speculation; once a proposal appears (judged on the
 tokens known, the newest pending one aside), it stops planning ahead and the step after the one in flight gets
-its drafts. A draft model proposes after every step: it always waits.
+its drafts. A draft model proposes after every step: it waits while some running request can take drafts.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from scheduler_svc.core.step_planner import samples_plainly
 
 
 def drafts_expected(running: Iterable[Request], speculative: SpeculativeConfig) -> bool:
-    """Whether some request of `running` would get drafts: always with a draft model; with n-gram lookup,
-    where a request that samples plainly has a suffix n-gram that occurred earlier in its known tokens."""
+    """Whether some request of `running` would get drafts: one that samples plainly (the others never get
+    any), and, with n-gram lookup, whose known tokens end with a suffix n-gram that occurred earlier in them."""
     if speculative.uses_draft_model:
-        return True
+        return any(samples_plainly(request) for request in running)
     return any(samples_plainly(request) and propose_ngram_drafts(
         request.all_token_ids, speculative.prompt_lookup_min, speculative.prompt_lookup_max, 1)
         for request in running)

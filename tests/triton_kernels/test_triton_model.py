@@ -73,7 +73,7 @@ def test_an_integer_model_on_the_triton_gemm_gives_the_reference_logits(tmp_path
     tensors: each projection of one prefill runs the GEMM (act-order: on the permuted input) and the logits are
     the reference's. Here, not in tests/test_int_models.py: this folder's conftest runs the interpreter (and is
     skipped where Triton is missing or compiled for a GPU)."""
-    from kernels import triton_wna16_gemm
+    from kernels import triton_wna16_linear
     from pagedserve.testing.int_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
     from worker_svc.layers.wna16_linear import Wna16Linear
 
@@ -87,13 +87,13 @@ def test_an_integer_model_on_the_triton_gemm_gives_the_reference_logits(tmp_path
     prompt = [[1, 17, 300, 42, 9, 255, 7]]
     expected = prefill_logits_paged(model, config, prompt)[0]
     calls: Counter[str] = Counter()
-    gemm = triton_wna16_gemm.wna16_gemm
+    gemm = triton_wna16_linear.wna16_gemm
 
     def counted(*args, **kwargs):
         calls["wna16_gemm"] += 1
         return gemm(*args, **kwargs)
 
-    monkeypatch.setattr(triton_wna16_gemm, "wna16_gemm", counted)
+    monkeypatch.setattr(triton_wna16_linear, "wna16_gemm", counted)  # the linear's few-row way
     triton_method = Wna16Linear(layers[0].linear_method.scheme, triton=True)
     for layer in layers:
         layer.linear_method = triton_method
