@@ -53,7 +53,7 @@ def shrink_splits(num_tokens: int, k_size: int) -> int:
 
 @triton.jit
 def _tile_slots(slots_ptr, num_tokens, BLOCK_M: tl.constexpr):
-    """The tile's token rows (int64), and which of them are tokens of this program's slot (grid axis 1 or 2)."""
+    """The token rows (int64) of this program's tile (grid axis 0) and their slots, -1 beyond the last token."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(slots_ptr + rows, mask=rows < num_tokens, other=-1)
     return rows, slots
