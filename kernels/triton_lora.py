@@ -17,8 +17,9 @@ written by the one program of its slot, so there are no races; rows with slot -1
 
 Why K slices: a decode step's few tokens give the shrink one program per adapter present, which alone would
 read a 4096-14336-wide A (R x K) through one SM; cutting K into slices of at least SPLIT_K_COLUMNS spreads it.
-Partials are summed by the expand programs in a fixed order (bit-reproducible, no atomics, no third launch),
-which is cheap only while the tile is small, so slicing is used up to SPLIT_MAX_TOKENS tokens only.
+Partials are summed by the expand programs in a fixed order (bit-reproducible, no atomics, no third launch);
+every column tile re-reads its rows' partials, so slicing is used only up to SPLIT_MAX_TOKENS tokens, beyond
+which token tiles x slots already give the shrink many programs.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128: `tl.dot` needs dimensions of
 at least 16, and R is one block. Offsets are int64 (a stacked B of an lm_head-wide N overflows int32).
@@ -41,7 +42,7 @@ SHRINK_BLOCK_K = 64
 EXPAND_BLOCK_N = 64
 SPLIT_K_COLUMNS = 512  # the least K a shrink slice covers
 MAX_SPLITS = 16
-SPLIT_MAX_TOKENS = BLOCK_M  # beyond one token tile, partial reads in every expand program would cost more than B
+SPLIT_MAX_TOKENS = BLOCK_M  # one token tile (decode); beyond it the shrink reads K whole
 
 
 def shrink_splits(num_tokens: int, k_size: int) -> int:
