@@ -120,18 +120,9 @@ def read_adapter_config(module: LoraModule, max_lora_rank: int) -> LoraAdapterCo
     return LoraAdapterConfig(rank, float(scaling), tuple(t for t in SERVED_TARGETS if t in targets))
 
 
-def lora_modules_refusal(modules: tuple[LoraModule, ...], max_lora_rank: int, max_loras: int,
-                         max_cpu_loras: int | None) -> str | None:
-    """Why the adapters cannot be served as given (each read: a missing directory, a refused key, a name used
-    twice, a bad limit), or None."""
-    if max_lora_rank < 1 or max_loras < 1:
-        return "--max-lora-rank and --max-loras must be at least 1"
-    if max_cpu_loras is not None and max_cpu_loras < max_loras:
-        return f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({max_loras})"
-    names = [module.name for module in modules]
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        return f"--lora-modules: the name(s) {', '.join(twice)} are given more than once"
+def adapters_refusal(modules: tuple[LoraModule, ...], max_lora_rank: int) -> str | None:
+    """Why one of the adapters cannot be served (a missing directory, a refused key), or None: read before any
+    process starts (the launcher, the offline LLM), so a bad adapter fails the start naming it."""
     for module in modules:
         try:
             read_adapter_config(module, max_lora_rank)
