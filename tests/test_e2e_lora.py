@@ -7,11 +7,13 @@ each in one line before the model loads (or, for a tensor the model has no layer
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from client.errors import NotFoundError
@@ -19,6 +21,9 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.testing.server_harness import http_json, running_server
 from pagedserve.testing.tiny_lora import make_tiny_adapter, peft_greedy
 from pagedserve.testing.tiny_models import make_tiny_model
+from scheduler_svc.api.grpc_server import LoraNotServed, ServedModel
+from scheduler_svc.api.request_validation import ServingLimits
+from service_runtime.lora_modules import LoraModule
 from tests.test_model_refusals import _serve
 
 MAX_TOKENS = 10
@@ -139,6 +144,20 @@ def test_two_ranks_through_the_offline_llm_equal_peft(tmp_path):
         with pytest.raises(ValueError, match="not served"):
             llm.generate([[1, 2]], lora_request=LoRARequest("other", 9, "/elsewhere"))
     assert [list(result.outputs[0].token_ids) for result in results] == _expected(model, adapters, requests)
+
+
+def test_a_lora_name_is_invalid_without_enable_lora_and_not_found_when_unknown():
+    """The gRPC edge's choice of status (ServedModel.lora_selection), without a server."""
+    served = ServedModel("m", ServingLimits(64, 512, 1024), 16, 4, 0, ())
+    assert served.lora_selection("") == (None, 0)
+    with pytest.raises(LoraNotServed, match="--enable-lora") as refused:
+        served.lora_selection("sql")
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    served = dataclasses.replace(served, enable_lora=True, lora_modules=(LoraModule("a", "/a"), LoraModule("b", "/b")))
+    assert served.lora_selection("b") == ("b", 2)
+    with pytest.raises(LoraNotServed, match="'sql'") as refused:
+        served.lora_selection("sql")
+    assert refused.value.code == grpc.StatusCode.NOT_FOUND
 
 
 def _edited(adapter, tmp_path, **changes):
