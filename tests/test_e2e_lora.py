@@ -30,15 +30,14 @@ MAX_TOKENS = 10
 ADAPTERS = {  # name: (rank, targets, extra config)
     "attn": (4, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     "mlp": (8, ["gate_proj", "up_proj", "down_proj"], {"use_rslora": True}),
-    "mixed": (2, ["v_proj", "up_proj", "down_proj"], {"lora_alpha": 4}),
+    "mixed": (2, ["v_proj", "up_proj", "down_proj"], {"alpha": 4.0}),
 }
 # 7 blocks of 16 tokens for 8 requests of 3 blocks each: preemption; each adapter's two prompts share a block.
 SMALL_POOL = ["--num-kv-blocks", "7", "--block-size", "16", "--max-num-batched-tokens", "64", "--swap-space", "0.01"]
 
 
 def _adapters(root, model) -> dict:
-    return {name: make_tiny_adapter(model, root / name, rank, targets, seed=index + 10,
-                                    **{("alpha" if key == "lora_alpha" else key): value for key, value in extra.items()})
+    return {name: make_tiny_adapter(model, root / name, rank, targets, seed=index + 10, **extra)
             for index, (name, (rank, targets, extra)) in enumerate(ADAPTERS.items())}
 
 

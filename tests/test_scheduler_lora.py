@@ -67,8 +67,8 @@ def test_a_step_never_holds_more_adapters_than_max_loras_and_the_others_wait_in_
     scheduler, worker = make_lora_scheduler(max_loras=2)
     order = [("a1", "a"), ("b1", "b"), ("base1", None), ("c1", "c"), ("base2", None), ("a2", "a")]
     for request_id, lora_name in order:
-        scheduler.add_request(lora_request(request_id, lora_name, prompt=[zlib.crc32(request_id.encode()) % 500 + i for i in range(6)],
-                                           max_tokens=2 + 3 * (lora_name == "a")))
+        prompt = [zlib.crc32(request_id.encode()) % 500 + i for i in range(6)]
+        scheduler.add_request(lora_request(request_id, lora_name, prompt=prompt, max_tokens=2 + 3 * (lora_name == "a")))
     outputs = []
     run_to_completion(scheduler, worker, outputs)
     started = {}

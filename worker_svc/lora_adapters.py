@@ -18,6 +18,7 @@ decoder layers are not the Llama family's (llama.py: Llama, Mistral, Qwen2, Qwen
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 
@@ -37,9 +38,10 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lor
 
 
 def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAdapterSetup], max_lora_rank: int,
-                       device: torch.device, dtype: torch.dtype, lora_add: LoraAdd = lora_add_reference) -> None:
+                       device: torch.device, dtype: torch.dtype) -> None:
     """Gives every layer some adapter targets its `LayerLora` (all adapters stacked, padded to max_lora_rank)."""
     _refuse_unserved_model(model)
+    lora_add = lora_kernel(device)
     num_slots = len(adapters) + 1
     scalings = torch.zeros(num_slots, dtype=torch.float32)
     stacks: dict[str, list[list[torch.Tensor]]] = {}  # layer name -> per part [A, B]
@@ -60,6 +62,16 @@ def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAda
             tuple(LoraPart(layer_offset(layer, part), b.shape[1], a.to(device, dtype), b.to(device, dtype))
                   for part, (a, b) in enumerate(parts)),
             scalings, lora_add)
+
+
+def lora_kernel(device: torch.device) -> LoraAdd:
+    """The torch reference on the CPU; on a GPU the Triton kernel of the same interface (kernels/triton_lora.py)
+    where this build has it, else the reference."""
+    if device.type == "cuda" and importlib.util.find_spec("kernels.triton_lora") is not None:
+        from kernels.triton_lora import lora_add
+
+        return lora_add
+    return lora_add_reference
 
 
 def layer_offset(layer: torch.nn.Module, part: int) -> int:
@@ -93,7 +105,8 @@ def _place(model: LlamaForCausalLM, stacks: dict, key: str, tensor: torch.Tensor
             layer, (ColumnParallelLinear, RowParallelLinear)):
         raise LoadRefused(f"LoRA adapter {adapter!r}: target module {hf_module!r}: the model has no such "
                           f"projection (LoRA is served on {', '.join(SERVED_TARGETS)})")
-    parts = stacks.setdefault(layer_name, [_zero_stack(layer, p, num_slots, max_rank) for p in range(_num_parts(layer))])
+    parts = stacks.setdefault(layer_name, [_zero_stack(layer, part, num_slots, max_rank)
+                                           for part in range(_num_parts(layer))])
     lora_a, lora_b = parts[part]
     expected_rank_axis = tensor.shape[0] if kind == "lora_A" else tensor.shape[1]
     if tensor.dim() != 2 or expected_rank_axis != rank:

@@ -13,9 +13,9 @@ prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_log
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
-dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an adapter set as
-per-token inputs the runner passes to the model
-(loaded at setup: lora_adapters.py; each step's slots reach the layers in the attention metadata). Tests that need faults wrap the runner (fault_injection.py);
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
+per-token inputs the runner passes to the model (loaded into the layers at setup: lora_adapters.py; each step's
+slots reach the layers in the attention metadata). Tests that need faults wrap the runner (fault_injection.py);
 a serving runner has no fault hook.
 """
 
