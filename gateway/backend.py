@@ -70,4 +70,3 @@ def lora_name_of(model_name: str, info: ModelInfo) -> str | None:
     """The LoRA adapter a request's resolved `model` selects (vLLM: the adapter's name is a model id), None for the
     base model."""
     return model_name if any(adapter.name == model_name for adapter in info.lora_adapters) else None
-

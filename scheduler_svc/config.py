@@ -283,11 +283,6 @@ class SchedulerConfig:
         return lora_flags_refusal(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
                                   self.max_cpu_loras, with_speculation and self.speculative_config is not None)
 
-    def lora_slot(self, lora_name: str) -> int | None:
-        """The worker slot of a served adapter (its place in --lora-modules plus one), None if not served."""
-        names = [module.name for module in self.lora_modules]
-        return names.index(lora_name) + 1 if lora_name in names else None
-
     @property
     def structured_outputs_disable_any_whitespace(self) -> bool:
         """vLLM's disable_any_whitespace: JSON constraints without free whitespace for every request (a
