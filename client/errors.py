@@ -5,6 +5,7 @@ What each means for the caller:
   template); retrying it unchanged fails again.
 - ServerUnavailableError: no server answered, or it is starting, draining or lost its workers; retry later.
 - OverloadedError: the server refused more work for now; back off and retry.
+- NotFoundError: the request names something the server does not serve (a LoRA adapter); retrying fails again.
 - RequestCancelledError / DeadlineExceededError: the call was cancelled, or ran past its timeout.
 Any other status is a plain PagedServeError.
 """
@@ -27,6 +28,10 @@ class InvalidRequestError(PagedServeError):
     """INVALID_ARGUMENT: the server rejected the request as given."""
 
 
+class NotFoundError(PagedServeError):
+    """NOT_FOUND: the request names a LoRA adapter the server does not serve."""
+
+
 class ServerUnavailableError(PagedServeError):
     """UNAVAILABLE: the server is unreachable or not ready to generate."""
 
@@ -45,6 +50,7 @@ class DeadlineExceededError(PagedServeError):
 
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[PagedServeError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
     grpc.StatusCode.CANCELLED: RequestCancelledError,

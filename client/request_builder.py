@@ -17,7 +17,7 @@ from protos.pagedserve.v1.sampling_fields import SAMPLING_FIELDS
 
 # The GenerateRequest's own fields, taken as keywords beside the sampling ones.
 REQUEST_KEYWORDS = frozenset({"request_id", "priority", "return_prompt", "add_special_tokens",
-                              "strict_context_length"})
+                              "strict_context_length", "lora_name"})
 # Keywords named as vLLM's SamplingParams (each a row of the table of sampling fields), plus the request's own.
 SAMPLING_KEYWORDS = frozenset(row.name for row in SAMPLING_FIELDS) | REQUEST_KEYWORDS
 # vLLM's chat request options (transformers' apply_chat_template's), only with `messages`.
@@ -45,7 +45,8 @@ def build_generate_request(
     of its fields: json, regex, choice, grammar, json_object, disable_any_whitespace); and the request's own
     request_id, priority (lower first), return_prompt (the result carries the prompt's text and token ids),
     add_special_tokens (default: true for a text, false for a chat) and strict_context_length (prompt +
-    max_tokens past the model's length is refused rather than cut short). With `messages` only, vLLM's chat options:
+    max_tokens past the model's length is refused rather than cut short), lora_name (a LoRA adapter the server
+    serves: ModelInfo.lora_adapters; unknown: NotFoundError). With `messages` only, vLLM's chat options:
     add_generation_prompt (default true), continue_final_message, chat_template_kwargs (a dict of template
     variables), documents (a list of dicts) and tools (OpenAI's tool definitions, for the template). A message
     is {"role", "content"}; an assistant's may add "tool_calls" (OpenAI's shape; content None) and
@@ -72,6 +73,8 @@ def build_generate_request(
         request.request_id = given.pop("request_id")
     if "priority" in given:
         request.priority = given.pop("priority")
+    if "lora_name" in given:
+        request.lora_name = given.pop("lora_name")
     if "return_prompt" in given:
         request.return_prompt = bool(given.pop("return_prompt"))
     stop = given.pop("stop", [])

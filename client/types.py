@@ -201,6 +201,15 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class LoraAdapterInfo:
+    """A LoRA adapter the server serves: the name requests use (`lora_name=`), and the model it was trained on
+    (None: the served model)."""
+
+    name: str
+    base_model_name: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the server serves (mirrors ModelInfoResponse). `has_tokenizer` False: only token-id prompts work;
     `has_chat_template` False: chat messages are refused. `default_sampling`: what a request's unset sampling
@@ -223,11 +232,14 @@ class ModelInfo:
     batch_invariant: bool = False  # the server runs --batch-invariant
     quantization: str = ""  # the linear layers' method, vLLM's --quantization names ("": unquantized)
     kv_cache_dtype: str = "auto"  # what the KV cache stores: "auto" (the model's dtype) or "fp8_e4m3"
+    # The LoRA adapters served (--lora-modules): requests name one by `lora_name=`.
+    lora_adapters: tuple[LoraAdapterInfo, ...] = ()
 
     @classmethod
     def from_response(cls, response: generate_pb2.ModelInfoResponse) -> ModelInfo:
         special = {
             "eos_token_ids": tuple(response.eos_token_ids),
+            "lora_adapters": tuple(LoraAdapterInfo(a.name, a.base_model_name or None) for a in response.lora_adapters),
             "default_sampling": {field.name: _float32_shortest(value) if isinstance(value, float) else value
                                  for field, value in response.default_sampling.ListFields()},
         }

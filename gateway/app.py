@@ -26,7 +26,7 @@ from gateway.config import GatewayConfig
 from gateway.draining import DrainGate, DrainState
 from gateway.errors import OpenAIError, invalid_api_key, invalid_request
 from gateway.metrics import CONTENT_TYPE, render_metrics
-from gateway.model_card import model_card
+from gateway.model_card import model_card, model_cards
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from gateway.request_ids import RequestIdEcho
 from gateway.streaming import ClientDisconnected
@@ -55,11 +55,13 @@ def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI
 
     @v1.get("/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card(*await backend.served_model())]}
+        return {"object": "list", "data": model_cards(*await backend.served_model())}
 
     @v1.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        return model_card(*await backend.model_for(model_id))
+        served_name, info = await backend.served_model()
+        name, _ = await backend.model_for(model_id)
+        return model_card(name, info, served_name if name != served_name else None)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

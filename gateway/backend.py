@@ -45,10 +45,13 @@ class Backend:
         return self._config.served_model_name or info.model_name, info
 
     async def model_for(self, requested: str | None) -> tuple[str, ModelInfo]:
-        """The served model's name and info if `requested` names it (None: whatever is served), else a 404."""
+        """The served model's name and info if `requested` names it (None: whatever is served), or a LoRA adapter
+        the server serves (its name then: `lora_name_of`), else a 404."""
         name, info = await self.served_model()
         if requested is not None and requested not in (name, info.model_name):
-            raise model_not_found(name)
+            if lora_name_of(requested, info) is None:
+                raise model_not_found(name)
+            return requested, info
         return name, info
 
     async def is_ready(self) -> bool:
@@ -61,3 +64,9 @@ class Backend:
 
     def to_openai_error(self, error: PagedServeError) -> OpenAIError:
         return from_scheduler_error(error, self._config.retry_after_s)
+
+
+def lora_name_of(model_name: str, info: ModelInfo) -> str | None:
+    """The LoRA adapter a request's resolved `model` selects (vLLM: the adapter's name is a model id), None for the
+    base model."""
+    return model_name if any(adapter.name == model_name for adapter in info.lora_adapters) else None

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from client.types import GenerateChunk
-from gateway.backend import Backend
+from gateway.backend import Backend, lora_name_of
 from gateway.chat_output import ChatOutput
 from gateway.choices import ChoiceLog, chat_logprobs, usage
 from gateway.config import GatewayConfig
@@ -37,6 +37,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     tools = plan_tools(body, config)
     reasoning = REASONING_PARSERS.get(config.reasoning_parser) if config.reasoning_parser else None
     keywords = chat_keywords(body, info, tools, reasoning.end_marker if reasoning is not None else None)
+    keywords["lora_name"] = lora_name_of(model_name, info)
     messages = chat_messages(body.messages)
     completion_id = f"chatcmpl-{base_request_id(request, body.request_id)}"
     acceptance = StreamAcceptance(1)

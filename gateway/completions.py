@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from client.types import GenerateChunk
-from gateway.backend import Backend
+from gateway.backend import Backend, lora_name_of
 from gateway.choices import ChoiceLog, TokenSpan, completion_logprobs, usage
 from gateway.errors import invalid_request
 from gateway.prompt_echo import EchoPlan, prompt_token_span, vllm_prompt_logprobs
@@ -27,8 +27,8 @@ from gateway.streaming import StreamAcceptance, collect_streams, event_stream, s
 
 
 async def create_completion(body: CompletionRequest, request: Request, backend: Backend) -> Response:
-    model_name, _ = await backend.model_for(body.model)
-    keywords = completion_keywords(body)
+    model_name, info = await backend.model_for(body.model)
+    keywords = {**completion_keywords(body), "lora_name": lora_name_of(model_name, info)}
     prompts = _prompts(body.prompt)
     completion_id = f"cmpl-{base_request_id(request, body.request_id)}"
     acceptance = StreamAcceptance(len(prompts))

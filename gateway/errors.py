@@ -74,6 +74,9 @@ def from_scheduler_error(error: PagedServeError, retry_after_s: int) -> OpenAIEr
     if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return OpenAIError(503, f"the model server is not available: {details}", type="service_unavailable_error",
                            code="service_unavailable", retry_after_s=retry_after_s)
+    if error.code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter gone since the gateway looked (ModelInfo)
+        return OpenAIError(404, f"the requested model does not exist: {details}", type="invalid_request_error",
+                           param="model", code="model_not_found")
     if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return OpenAIError(504, f"the request timed out: {details}", type="timeout_error")
     return OpenAIError(500, f"the model server failed: {details}", type="internal_error")

@@ -38,6 +38,10 @@ class AttentionMetadata:
             split the batch without a device-to-host sync; under CUDA graphs it is the padded bucket
             size. None means unknown: the Triton backend then finds it with one host sync, the torch
             reference ignores it.
+        lora_token_slots: LongTensor[T], optional. Multi-LoRA: each token's adapter slot in the layers' stacked
+            adapter weights (-1: the base model, no delta); None when no token of the step has an adapter,
+            which keeps such a step exactly the base model's (and on its CUDA graphs). The linear layers read
+            it (worker_svc/layers/parallel_linear.py); attention ignores it.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +50,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     block_size: int
     num_decode_seqs: int | None = None
+    lora_token_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

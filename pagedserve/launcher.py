@@ -40,7 +40,8 @@ from typing import Any
 from gateway.config import GatewayConfig
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
-from scheduler_svc.config import CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from scheduler_svc.config import (CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, SchedulerConfig,
+                                  lora_flags_refusal)
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
@@ -48,6 +49,7 @@ from service_runtime.api_key_source import API_KEY_ENV, GRPC_API_KEY_ENV, api_ke
 from service_runtime.api_key_source import open_bind_warning
 from service_runtime.config_flags import config_argv, flag_values
 from service_runtime.load_refusal import LOAD_REFUSED_EXIT_CODE
+from service_runtime.lora_modules import adapters_refusal
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.config import WorkerConfig
@@ -75,6 +77,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.speculative_config is not None and args.batch_invariant:
         raise SystemExit("pagedserve: --speculative-config cannot go with --batch-invariant (docs/"
                          "speculative_decoding.md: a verification step is not covered by the batch-invariant kernels)")
+    refuse_unservable_adapters(args)
     model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
     resolve_draft_model(args, model.path)
@@ -296,6 +299,23 @@ def resolve_servable_model(args) -> ResolvedModel:
         raise SystemExit(f"pagedserve: cannot serve {model.name}: no .safetensors weights in {model.path} "
                          f"(its config says {config.architecture}; --load-format dummy serves random weights)")
     return model
+
+
+def refuse_unservable_adapters(args) -> None:
+    """LoRA (docs/lora.md): the flags' combinations, and each adapter of --lora-modules read once, before any child
+    starts (a worker would refuse them later, but only after loading the model; it still checks the adapters'
+    tensors against the model)."""
+    refusal = lora_flags_refusal(args.enable_lora, tuple(args.lora_modules or ()), args.max_loras, args.max_lora_rank,
+                                 args.max_cpu_loras, args.speculative_config is not None)
+    if refusal is not None:
+        raise SystemExit(f"pagedserve: {refusal}")
+    if args.enable_lora and args.batch_invariant:
+        raise SystemExit("pagedserve: --enable-lora cannot go with --batch-invariant (the LoRA deltas do not run "
+                         "on the batch-invariant kernels)")
+    if args.enable_lora:
+        refusal = adapters_refusal(tuple(args.lora_modules or ()), args.max_lora_rank)
+        if refusal is not None:
+            raise SystemExit(f"pagedserve: --lora-modules: {refusal}")
 
 
 def resolve_draft_model(args, model_path: str) -> None:

@@ -26,6 +26,7 @@ from client.sampling_params import SamplingParams
 from client.sync_client import Client
 from client.types import GenerationResult
 from pagedserve.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedserve.lora_request import LoRARequest, lora_module_flags, lora_names
 from pagedserve.offline_progress import ThroughputBar
 from pagedserve.offline_prompts import Conversation, Prompt, conversation_list, prompt_list, prompt_of
 from pagedserve.private_server import PrivateServer, server_argv
@@ -36,9 +37,17 @@ class LLM:
     flags (`max_model_len=2048` is `--max-model-len 2048`, `tensor_parallel_size=2` is `-tp 2`, `seed=0` is
     `--seed 0`; `enable_prefix_caching=False` turns it off); `model=None` serves the embedded
     SmolLM2-135M-Instruct. Raises RuntimeError with the server's log if it exits or is not ready within
-    `ready_timeout` seconds."""
+    `ready_timeout` seconds. LoRA: `enable_lora=True, lora_modules={name: path}` (or a list of "name=path",
+    vLLM's JSON dicts or LoRARequests) serves those adapters; `generate(..., lora_request=LoRARequest(name, id,
+    path))` selects one (lora_request.py)."""
 
     def __init__(self, model: str | None = None, *, ready_timeout: float = 600.0, **server_options: Any) -> None:
+        self._lora_paths: dict[str, str] = {}
+        if server_options.get("lora_modules"):
+            server_options["lora_modules"] = lora_module_flags(server_options["lora_modules"])
+            from service_runtime.lora_modules import lora_module
+
+            self._lora_paths = {m.name: m.path for m in map(lora_module, server_options["lora_modules"])}
         self._server = PrivateServer(server_argv(model, server_options), server_options.get("api_key"))
         self.target = self._server.target
         self.log_path = self._server.log_path
@@ -61,14 +70,18 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationResult]:
         """Generates for every prompt at once (one prompt or a list of them, each in one of vLLM's forms: text,
         token ids, {"prompt": text} or {"prompt_token_ids": ids}); returns one result per prompt, in prompt
         order, with vLLM's RequestOutput fields (request_id, prompt, prompt_token_ids, outputs, finished,
         metrics). `sampling_params`: one for all, or one per prompt; None takes the server's defaults (the
         model's generation config, else vLLM's). A prompt dict with any other key (multi_modal_data, ...)
-        raises ValueError naming it; a failed request raises the SDK's typed error."""
-        requests = [dict(prompt=prompt_of(prompt)) for prompt in prompt_list(prompts)]
+        raises ValueError naming it; a failed request raises the SDK's typed error. `lora_request`: the LoRA
+        adapter of every prompt, or one per prompt (None: the base model), among those the LLM serves."""
+        prompts = prompt_list(prompts)
+        adapters = lora_names(lora_request, len(prompts), self._lora_paths)
+        requests = [dict(prompt=prompt_of(prompt), lora_name=adapter) for prompt, adapter in zip(prompts, adapters)]
         return self._run_all(requests, sampling_params, use_tqdm)
 
     def chat(

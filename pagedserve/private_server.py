@@ -107,6 +107,8 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
         elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if bool(value) != action.default:  # the flag flips the default; the default needs no flag
                 argv.append(flag)
+        elif action.nargs == "+" and isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)] if value else []
         elif value is not None:
             argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
     return argv

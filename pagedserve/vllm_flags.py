@@ -36,10 +36,6 @@ REFUSED_FLAGS = (
     RefusedFlag(("--data-parallel-size", "-dp"), "pagedserve runs one engine per server; start more servers "
                 "behind a load balancer", accepted=("1",)),
     RefusedFlag(("--enable-expert-parallel",), "pagedserve has no expert parallelism", takes_value=False),
-    RefusedFlag(("--enable-lora",), f"LoRA adapters: {NOT_YET}", takes_value=False),
-    RefusedFlag(("--lora-modules",), f"LoRA adapters: {NOT_YET}"),
-    RefusedFlag(("--max-loras",), f"LoRA adapters: {NOT_YET}"),
-    RefusedFlag(("--max-lora-rank",), f"LoRA adapters: {NOT_YET}"),
     RefusedFlag(("--cpu-offload-gb",), f"weight offloading to the CPU: {NOT_YET}", accepted=("0",)),
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "
                 "the file), compressed-tensors (FP8 W8A8, INT8 W8A8 and W4A16/W8A16 checkpoints, read from their "

@@ -23,6 +23,7 @@ from scheduler_svc.core.speculative_config import SpeculativeConfig, speculative
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
 from service_runtime.config_flags import add_config_arguments, flag, flag_values, shared_flag_field
+from service_runtime.lora_modules import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, LoraModule, lora_module
 from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_WORKER_ADDRESS, HEARTBEAT_INTERVAL
 
 
@@ -77,6 +78,14 @@ def _json_object(value: str) -> dict[str, Any]:
 def _json_text(options: Mapping[str, Any]) -> str:
     """How a JSON-object flag's value is written on a child's command line."""
     return json.dumps(dict(options))
+
+
+def _lora_module(value: str) -> LoraModule:
+    """--lora-modules' type: `name=path` or vLLM's JSON object, refused by argparse otherwise."""
+    try:
+        return lora_module(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _no_options() -> Mapping[str, Any]:
@@ -190,6 +199,25 @@ class SchedulerConfig:
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8}, or {"method": '
              '"draft_model", "model": DIR, "num_speculative_tokens": 3} (docs/speculative_decoding.md)')
+    # Multi-LoRA (docs/lora.md), vLLM's flags: the adapters (all loaded by the workers at start, WorkerSetup.
+    # lora_adapters; a request names one by `lora_name`), the most distinct adapters in one step, the rank they
+    # are padded to; --max-cpu-loras is accepted for vLLM's command lines (every adapter is loaded at start).
+    enable_lora: bool = flag("--enable-lora", default=False, switch="on",
+                             help="serve LoRA adapters (--lora-modules) beside the base model (docs/lora.md)")
+    lora_modules: tuple[LoraModule, ...] = flag(
+        "--lora-modules", default=(), parse=_lora_module, show=LoraModule.to_flag, nargs="+",
+        metavar="NAME=PATH",
+        help='PEFT LoRA adapters to serve: name=path, or vLLM\'s JSON {"name": ..., "path": ..., '
+             '"base_model_name": ...}; requests select one by name (the OpenAI `model` field)')
+    max_loras: int = flag("--max-loras", default=DEFAULT_MAX_LORAS,
+                          help="most distinct LoRA adapters in one step (the base model does not count); requests "
+                               "of other adapters wait, first come first served")
+    max_lora_rank: int = flag("--max-lora-rank", default=DEFAULT_MAX_LORA_RANK,
+                              help="largest adapter rank served (every adapter is padded to it); a larger one is "
+                                   "refused at start")
+    max_cpu_loras: int | None = flag("--max-cpu-loras", default=None,
+                                     help="vLLM's adapter cache in host memory; accepted (at least --max-loras): "
+                                          "every adapter of --lora-modules is loaded at start")
     # Access (see access.py): a key every RPC but health must carry (never on a command line `serve` builds: it
     # goes in the child's environment); TLS when both files are given.
     api_key: str | None = flag("--api-key", default=None, shared=False, forwarded=False,
@@ -242,8 +270,18 @@ class SchedulerConfig:
             refusal = self.speculative_config.tensor_parallel_refusal(self.num_workers)
             if refusal is not None:
                 raise SystemExit(f"--speculative-config: {refusal}")
+        refusal = self.lora_refusal()
+        if refusal is not None:
+            raise SystemExit(refusal)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise SystemExit("--tls-cert-file and --tls-key-file go together")
+
+    def lora_refusal(self, *, with_speculation: bool = False) -> str | None:
+        """Why the LoRA flags cannot go together (lora_flags_refusal), or None. `with_speculation`: also refuse
+        --enable-lora beside --speculative-config, which the scheduler's start checks (the config itself may hold
+        both: the flag tests set every field at once)."""
+        return lora_flags_refusal(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                                  self.max_cpu_loras, with_speculation and self.speculative_config is not None)
 
     @property
     def structured_outputs_disable_any_whitespace(self) -> bool:
@@ -255,6 +293,29 @@ class SchedulerConfig:
     def grammar_limits(self) -> GrammarLimits:
         """What one grammar may cost, from --structured-outputs-config keys of the same names."""
         return GrammarLimits.from_options(self.structured_outputs_config)
+
+
+def lora_flags_refusal(enable_lora: bool, lora_modules: tuple[LoraModule, ...], max_loras: int, max_lora_rank: int,
+                       max_cpu_loras: int | None, speculative: bool) -> str | None:
+    """Why the LoRA flags cannot go together, or None (`serve` asks before any child starts; the adapters
+    themselves are read by the launcher and the workers: service_runtime/lora_modules.py)."""
+    given = [name for name, value, default in (
+        ("--lora-modules", tuple(lora_modules), ()), ("--max-loras", max_loras, DEFAULT_MAX_LORAS),
+        ("--max-lora-rank", max_lora_rank, DEFAULT_MAX_LORA_RANK), ("--max-cpu-loras", max_cpu_loras, None))
+        if value != default]
+    if not enable_lora:
+        return f"{', '.join(given)}: LoRA flags need --enable-lora" if given else None
+    if speculative:
+        return "--enable-lora cannot go with --speculative-config (docs/lora.md)"
+    if max_loras < 1 or max_lora_rank < 1:
+        return "--max-loras and --max-lora-rank must be at least 1"
+    if max_cpu_loras is not None and max_cpu_loras < max_loras:
+        return f"--max-cpu-loras ({max_cpu_loras}) must be at least --max-loras ({max_loras})"
+    names = [module.name for module in lora_modules]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        return f"--lora-modules: {', '.join(twice)} given more than once"
+    return None
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser, *, shared_only: bool = True) -> None:
@@ -279,4 +340,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     values["api_key"] = api_key_from(values["api_key"], os.environ)
     values["override_generation_config"] = MappingProxyType(dict(values["override_generation_config"] or {}))
     values["structured_outputs_config"] = MappingProxyType(dict(values["structured_outputs_config"]))
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
     return SchedulerConfig(**values)

@@ -128,6 +128,8 @@ class Engine:
             sampling_params=sampling,
             eos_token_ids=self._eos_token_ids,
             priority=priority,
+            lora_name=validated.lora_name,
+            lora_slot=validated.lora_slot,
         )
         if validated.resume is not None:
             root.output_token_ids = list(validated.resume.token_ids)

@@ -30,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from scheduler_svc.service import run_scheduler_service
 
     config = scheduler_config_from_args(args)
+    refusal = config.lora_refusal(with_speculation=True)
+    if refusal is not None:
+        raise SystemExit(refusal)
     try:
         return asyncio.run(run_scheduler_service(config))
     except Exception:

@@ -122,7 +122,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         scheduler = Scheduler(
             SchedulerLimits(config.max_num_seqs, _token_budget(config, max_model_len), max_model_len, config.preemption_mode,
                             enable_prefix_caching=config.enable_prefix_caching,
-                            enable_chunked_prefill=config.enable_chunked_prefill),
+                            enable_chunked_prefill=config.enable_chunked_prefill, max_loras=config.max_loras),
             _block_manager(config, pool),
             max_steps_in_flight=config.max_steps_in_flight if config.async_scheduling else 1,
             speculative=config.speculative_config,
@@ -136,7 +136,7 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids, config.max_queued_requests,
                                                    generation_defaults, pool.batch_invariant, pool.quantization,
-                                                   pool.kv_cache_dtype))
+                                                   pool.kv_cache_dtype, config.enable_lora, config.lora_modules))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)
@@ -276,6 +276,9 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
         draft_model=worker_pb2.DraftModelSetup(model=speculative.model,
                                                num_speculative_tokens=speculative.num_speculative_tokens)
         if speculative is not None and speculative.uses_draft_model else None,
+        lora_adapters=[worker_pb2.LoraAdapterSetup(name=module.name, path=module.path)
+                       for module in config.lora_modules] if config.enable_lora else [],
+        max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
     )
 
 

@@ -56,6 +56,9 @@ class Flag:
     negations: tuple[str, ...] = ()
     negation_help: str | None = None
     metavar: str | None = None
+    # argparse's nargs for a list-valued `--flag V [V ...]` ("+"); each value is parsed by `parse` and written
+    # back by `show`; the field holds a tuple.
+    nargs: str | None = None
     hidden: bool = False
     shared: bool = True
     forwarded: bool = True
@@ -117,6 +120,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type, *,
         options: dict[str, Any] = {"dest": field.name, "help": _help(declared)}
         if declared.metavar is not None:
             options["metavar"] = declared.metavar
+        if declared.nargs is not None:
+            options["nargs"] = declared.nargs
         default = parsed_default(field, declared, os.environ)
         if declared.switch == "on":
             parser.add_argument(*declared.names, action="store_true", default=default, **options)
@@ -165,6 +170,8 @@ def _flag_argv(declared: Flag, value: Any) -> list[str]:
         return [] if value else [name]
     if declared.switch == "both":
         return [name if value else "--no-" + name.removeprefix("--")]
+    if declared.nargs is not None:
+        return [name, *map(declared.show, value)] if value else []
     return [] if value is None else [name, declared.show(value)]
 
 

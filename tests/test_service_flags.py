@@ -23,6 +23,7 @@ from scheduler_svc import main as scheduler_main
 from scheduler_svc.config import SchedulerConfig, scheduler_config_from_args
 from scheduler_svc.core.speculative_config import SpeculativeConfig
 from service_runtime.config_flags import add_config_arguments, config_argv, flag, flag_of, flagged_fields
+from service_runtime.lora_modules import LoraModule
 from worker_svc import main as worker_main
 from worker_svc.config import WorkerConfig, worker_config_from_args
 
@@ -50,7 +51,9 @@ EXAMPLES = {
         api_key="the-key", tls_cert_file="cert.pem", tls_key_file="key.pem", heartbeat_interval=0.5,
         max_worker_restarts=1, heartbeat_grace=5.0, worker_ready_timeout=60.0,
         speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2,
-                                             disable_by_batch_size=4)),
+                                             disable_by_batch_size=4),
+        enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=4,
+        lora_modules=(LoraModule("a", "/adapters/a"), LoraModule("b=c", "/adapters/b", base_model_name="base"))),
     GatewayConfig: GatewayConfig(
         grpc_target="10.0.0.1:6000", host="0.0.0.0", port=9000, api_key="the-key", served_model_name="mine",
         uvicorn_log_level="warning", log_requests=False, max_request_body_bytes=1000, enable_auto_tool_choice=True,

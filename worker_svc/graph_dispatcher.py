@@ -59,7 +59,10 @@ class GraphDispatcher:
         return cls(model, kv_caches, block_size, device, paths)
 
     def choose(self, inputs: StepInputs) -> tuple[ForwardPath, int]:
-        """The path that runs this step and the size it runs it at (the first path that takes it)."""
+        """The path that runs this step and the size it runs it at (the first path that takes it). A step with
+        LoRA adapter tokens runs eagerly: the graphs were captured without per-token adapter slots."""
+        if inputs.lora_token_slots is not None:
+            return self._eager, self._eager.bucket_for(inputs)
         for path in self.paths:
             size = path.bucket_for(inputs)
             if size is not None:
@@ -83,6 +86,8 @@ def attention_metadata(inputs: StepInputs, block_size: int, device: torch.device
         block_tables=to_device(inputs.block_tables, device, torch.int32),
         block_size=block_size,
         num_decode_seqs=inputs.num_decode_seqs,
+        lora_token_slots=(None if inputs.lora_token_slots is None
+                          else to_device(inputs.lora_token_slots, device, torch.long)),
     )
 
 

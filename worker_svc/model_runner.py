@@ -13,8 +13,9 @@ prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_log
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
-dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an adapter set as
-per-token inputs the runner passes to the model. Tests that need faults wrap the runner (fault_injection.py);
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
+per-token inputs the runner passes to the model (loaded into the layers at setup: lora_adapters.py; each step's
+slots reach the layers in the attention metadata). Tests that need faults wrap the runner (fault_injection.py);
 a serving runner has no fault hook.
 """
 
@@ -41,6 +42,7 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import DraftPool, num_kv_blocks
+from worker_svc.lora_adapters import load_lora_adapters
 from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
@@ -130,6 +132,10 @@ class ModelRunner:
         config, tensor_parallel, device = self.config, self.tensor_parallel, self.device
         draft_pool = None
         block_bytes = bytes_per_block(self.model_config, setup.block_size, self.kv_dtype, tensor_parallel)
+        if setup.lora_adapters:  # before sizing: the stacked adapters take memory the KV pool cannot have
+            if setup.HasField("draft_model"):
+                raise LoadRefused("LoRA adapters cannot go with a draft model (speculative decoding)")
+            load_lora_adapters(self.model, list(setup.lora_adapters), setup.max_lora_rank, device, self.dtype)
         if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
             self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
                                     make_attention_backend(config), self.layer_ops, tensor_parallel,

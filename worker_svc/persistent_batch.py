@@ -14,6 +14,10 @@ chunk, and sampled at every one of those positions (the step's sampling entries,
 `fill` then keeps the drafts that match the tokens sampled before them (`accepted_drafts`) and the token sampled
 after the last kept one. A step with drafts is never overlapped (Worker.can_overlap), so its rows hold no
 PENDING_TOKEN: their drafts stay in place until verified.
+
+Multi-LoRA: a row keeps the adapter slot its NewRequest names (`lora_slot`, 0 the base model; a preempted
+request is sent again with the same slot), and a step with any adapter row gives each token its row's slot
+(`StepInputs.lora_token_slots`, -1 for base rows).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class StepInputs:
     # in that step's sampled ids (its `sampled_rows` order). Empty unless steps overlap.
     pending_input_indices: np.ndarray
     pending_sources: np.ndarray
+    # Multi-LoRA: each token's adapter slot (-1: the base model), or None when no scheduled row has an adapter
+    # (the step is then the base model's alone: no per-token slots, and its CUDA graphs may run it).
+    lora_token_slots: np.ndarray | None = None
 
     @property
     def is_verification(self) -> bool:
@@ -116,6 +123,9 @@ class PersistentBatch:
         self.top_k = np.full(max_num_seqs, -1, dtype=np.int64)
         self.seed = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_beam_candidates = np.zeros(max_num_seqs, dtype=np.int64)
+        # LoRA adapter slot of each row (0: the base model), and how many rows have one (0: skip the slots).
+        self.lora_slot = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_rows_with_lora = 0
         # Bumped when a row is given to a request, so late tokens of its previous owner are not written.
         self.generation = np.zeros(max_num_seqs, dtype=np.int64)
         # For a row whose newest token is PENDING_TOKEN: its index in the in-flight step's sampled ids.
@@ -180,6 +190,8 @@ class PersistentBatch:
             self._request_of_row[row] = None
             self.num_rows_with_drafts -= bool(self.num_drafts[row])
             self.num_drafts[row] = 0
+            self.num_rows_with_lora -= bool(self.lora_slot[row])
+            self.lora_slot[row] = 0
             self.logit_bias.clear(row)
             self.min_tokens_masked.clear(row)
             self.bad_words[row] = ()
@@ -211,6 +223,8 @@ class PersistentBatch:
         seed = sampling.seed
         self.seed[row] = seed - _UINT64_WRAP if seed > _INT64_MAX else seed
         self.num_beam_candidates[row] = sampling.num_beam_candidates
+        self.lora_slot[row] = new.lora_slot
+        self.num_rows_with_lora += bool(new.lora_slot)
         self.num_prompt_tokens[row] = new.num_prompt_tokens or len(tokens)
         self.min_p[row] = sampling.min_p
         self.presence_penalty[row] = sampling.presence_penalty
@@ -305,6 +319,10 @@ class PersistentBatch:
         if num_draft_tokens:
             sample_rows, sample_offsets, logits_indices = _draft_entries(sample_rows, logits_indices, drafts[samples])
         pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+        lora_token_slots = None
+        if self.num_rows_with_lora and self.lora_slot[rows].any():
+            slots = np.repeat(self.lora_slot[rows], num_scheduled)
+            lora_token_slots = np.where(slots == 0, -1, slots)
         return StepInputs(
             rows=rows,
             input_ids=input_ids,
@@ -320,6 +338,7 @@ class PersistentBatch:
             num_decode_seqs=int(np.argmax(num_scheduled != 1)) if (num_scheduled != 1).any() else len(rows),
             pending_input_indices=pending,
             pending_sources=self.pending_source[token_row[pending]],
+            lora_token_slots=lora_token_slots,
         )
 
     def begin_step(self, inputs: StepInputs, sampled_rows: np.ndarray) -> PendingTokens:

@@ -16,6 +16,7 @@ engine, which frees its blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.text.output_stream import OutputDelta
 from scheduler_svc.text.tokenizer import Tokenizer
+from service_runtime.lora_modules import LoraModule
 from service_runtime.package_version import pagedserve_version
 
 _FINISH_REASONS = {
@@ -67,6 +69,30 @@ class ServedModel:
     batch_invariant: bool = False  # the workers run --batch-invariant
     quantization: str = ""  # the workers' linear layers' method ("" unquantized; vLLM's --quantization names)
     kv_cache_dtype: str = "auto"  # what the KV pool stores ("auto": the model's dtype; "fp8_e4m3")
+    # Multi-LoRA: whether --enable-lora is on, and the adapters served (--lora-modules, in slot order).
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+
+    def lora_selection(self, lora_name: str) -> tuple[str | None, int]:
+        """A request's (adapter name, worker slot): (None, 0) for the base model. Raises LoraNotServed."""
+        if not lora_name:
+            return None, 0
+        if not self.enable_lora:
+            raise LoraNotServed(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"lora_name: LoRA is not enabled on this server (--enable-lora); got {lora_name!r}")
+        names = [module.name for module in self.lora_modules]
+        if lora_name not in names:
+            raise LoraNotServed(grpc.StatusCode.NOT_FOUND, f"lora_name: the LoRA adapter {lora_name!r} does not "
+                                f"exist (served: {', '.join(names) or 'none'})")
+        return lora_name, names.index(lora_name) + 1
+
+
+class LoraNotServed(Exception):
+    """A request naming an adapter the server does not serve: the gRPC status and the message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class MalformedRequest:
@@ -155,6 +181,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         request_id = request.request_id or uuid.uuid4().hex
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
+        try:
+            lora_name, lora_slot = model.lora_selection(request.lora_name)
+        except LoraNotServed as refusal:
+            await context.abort(refusal.code, str(refusal))
         if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
             request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
         try:
@@ -166,6 +196,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if lora_name is not None:
+            validated = dataclasses.replace(validated, lora_name=lora_name, lora_slot=lora_slot)
         queue, seed = engine.submit(request_id, validated, request.priority)
         # A resumed stream's client already had the first message: the prompt is not echoed again.
         echo = request.return_prompt and validated.resume is None
@@ -226,6 +258,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             batch_invariant=model.batch_invariant,
             quantization=model.quantization,
             kv_cache_dtype=model.kv_cache_dtype,
+            lora_adapters=[generate_pb2.LoraAdapterInfo(name=module.name, base_model_name=module.base_model_name or "")
+                           for module in model.lora_modules],
         )
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):

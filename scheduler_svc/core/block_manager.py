@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from scheduler_svc.core.block_hash import BlockKey, chain_block_key
+from scheduler_svc.core.block_hash import BlockKey, adapter_root_key, chain_block_key
 from scheduler_svc.core.block_pool import BlockPool
 from scheduler_svc.core.prefix_cache import PrefixCache
 from scheduler_svc.core.request import Request
@@ -331,7 +331,10 @@ class BlockManager:
         if len(keys) < num_blocks:
             size = self._block_size
             tokens = request.token_ids_between(len(keys) * size, num_blocks * size)
-            parent = keys[-1] if keys else None
+            if keys:
+                parent = keys[-1]
+            else:  # an adapter's chain starts from its own root: no block is shared with another adapter's
+                parent = None if request.lora_name is None else adapter_root_key(request.lora_name)
             for offset in range(0, len(tokens), size):
                 parent = chain_block_key(parent, tokens[offset : offset + size])
                 keys.append(parent)

@@ -103,6 +103,11 @@ class Request:
     # older tokens is never used.
     proposed_draft_token_ids: tuple[int, ...] = ()
     proposed_after: int = -1
+    # Multi-LoRA: the adapter the request runs with (its name, and its worker slot: its place in --lora-modules
+    # plus one); None and 0: the base model. Part of its prefix-cache keys (block_manager.py); forked children,
+    # preemptions and worker recovery keep it.
+    lora_name: str | None = None
+    lora_slot: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -20,9 +20,12 @@ class SchedulerLimits:
     # Off: a prompt (the part not found in the prefix cache) is computed in one step or waits; which needs a
     # token budget of at least max_model_len, or a long prompt would wait forever.
     enable_chunked_prefill: bool = True
+    # Multi-LoRA: the most distinct adapters among the running requests (so in any step); the base model does not
+    # count. A waiting request of another adapter waits, in queue order (step_planner.py).
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -38,6 +38,7 @@ class NewRequestData:
     num_beam_candidates: int = 0  # > 0: a beam row (return this many candidates, do not sample)
     num_prompt_tokens: int = 0  # the first num_prompt_tokens of token_ids are the prompt
     eos_token_ids: tuple[int, ...] = ()  # masked (with the stop ids) until min_tokens are generated
+    lora_slot: int = 0  # the LoRA adapter's worker slot (0: the base model); kept when resumed after preemption
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,10 @@ Policy, per step:
    fit in: a steady stream of short requests could then hold the blocks forever and starve it. Without
    overtaking the head waits only until the requests ahead of it drain, and those behind it only until it
    runs: no head-of-line deadlock, no starvation (tests/test_scheduler_head_of_line.py).
+   Multi-LoRA: a request of a LoRA adapter starts only if the running requests then hold at most max_loras
+   distinct adapters (the base model does not count); one that would exceed it cannot start, so it waits at
+   the head like one without blocks (the same argument: the running requests of other adapters only drain,
+   and (0) preempts idle ones in its way), and the adapters of the running requests bound every step's.
 
 3. Speculative decoding (with a SpeculativeConfig, and only while at most disable_by_batch_size requests run):
    last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
@@ -164,9 +168,10 @@ class StepPlanner:
         return min((head for head in heads if head is not None), key=scheduling_key, default=None)
 
     def _could_start(self, request: Request) -> bool:
-        """Whether a waiting or swapped request would find a worker row and blocks for a full-budget chunk
-        now (ignoring prefix-cache hits: an over-estimate, so priority preemption may take one victim more)."""
-        if not self._state.has_free_worker_row():
+        """Whether a waiting or swapped request would find a worker row, room for its LoRA adapter and blocks
+        for a full-budget chunk now (ignoring prefix-cache hits: an over-estimate, so priority preemption may
+        take one victim more)."""
+        if not self._state.has_free_worker_row() or not self._adapter_fits(request):
             return False
         num_tokens = min(self._state.num_tokens_to_compute(request), self._limits.max_num_batched_tokens)
         if request.status is RequestStatus.SWAPPED:
@@ -287,9 +292,18 @@ class StepPlanner:
                 next_swapped += is_swapped
                 next_waiting += not is_swapped
                 continue
+            if not self._adapter_fits(request):
+                return  # its adapter waits for the running ones of other adapters to drain: nobody overtakes
             started = self._swap_in(request, in_progress) if is_swapped else self._admit(request, in_progress)
             if not started:
                 return
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the running requests would hold at most max_loras distinct adapters with `request` too."""
+        if request.lora_name is None:
+            return True
+        running = {r.lora_name for r in self._state.running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < self._limits.max_loras
 
     def _admit(self, request: Request, in_progress: _PlanInProgress) -> bool:
         assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
@@ -421,6 +435,7 @@ class StepPlanner:
                 num_beam_candidates=request.num_beam_candidates,
                 num_prompt_tokens=request.num_prompt_tokens,
                 eos_token_ids=request.eos_token_ids,
+                lora_slot=request.lora_slot,
             )
         )
 

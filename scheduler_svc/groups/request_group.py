@@ -200,6 +200,8 @@ class ParallelSampling(RequestGroup):
                 sampling_params=dataclasses.replace(self.root.sampling_params, seed=seed),
                 eos_token_ids=self.root.eos_token_ids,
                 priority=self.root.priority,
+                lora_name=self.root.lora_name,
+                lora_slot=self.root.lora_slot,
             )
             self._children.append(child)
             self._streams[child.request_id] = OutputStream(child, self.context.tokenizer)

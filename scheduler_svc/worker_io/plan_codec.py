@@ -35,6 +35,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 num_prompt_tokens=new.num_prompt_tokens,
+                lora_slot=new.lora_slot,
             )
         )
     # One per running request per step: built in place (add, not append: no copy), repeated fields only

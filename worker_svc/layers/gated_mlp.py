@@ -32,8 +32,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [inter, inter], bias=False, tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, tp=tp)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(hidden)
+    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora_token_slots`: each token's LoRA slot (-1 none), or None when no token has an adapter."""
+        gate_up = self.gate_up_proj(hidden, lora_token_slots)
         if self.approximate is None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up))
-        return self.down_proj(self.ops.gelu_and_mul(gate_up, self.approximate))
+            return self.down_proj(self.ops.silu_and_mul(gate_up), lora_token_slots)
+        return self.down_proj(self.ops.gelu_and_mul(gate_up, self.approximate), lora_token_slots)

@@ -17,6 +17,10 @@ parts, the all-reduce, the bias), and slices each checkpoint tensor where the me
 output or input dimension lies. The model loader sets the method (`set_linear_method`, which refuses a shard
 that would split a packed int32 or a quantization group) while the model is still on the meta device, and
 calls `process_after_loading` once the checkpoint is in.
+
+LoRA (--enable-lora): a layer some adapter targets holds them all (`lora`, layers/layer_lora.py) and adds each
+token's adapter delta to its output when the step has adapter tokens (`lora_token_slots`, from the attention
+metadata; None: no token has one and the forward pass is the base layer's alone).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, CheckpointTensor, TensorLayout, copy_into, copy_part
+from worker_svc.layers.layer_lora import LayerLora
 from worker_svc.layers.linear_method import UNQUANTIZED, LinearMethod
 from worker_svc.tensor_parallel import TensorParallel
 
@@ -45,6 +50,7 @@ class ColumnParallelLinear(nn.Module):
         self.linear_method: LinearMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self, self.output_size, input_size, len(shards), None)
         self.bias = nn.Parameter(torch.empty(self.output_size)) if bias else None
+        self.lora: LayerLora | None = None  # set at setup when an adapter targets the layer (lora_adapters.py)
 
     @classmethod
     def split(cls, input_size: int, output_sizes: list[int], bias: bool, tp: TensorParallel) -> ColumnParallelLinear:
@@ -66,8 +72,11 @@ class ColumnParallelLinear(nn.Module):
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [rows for _, rows in self.shards])
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, hidden, self.bias)
+    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        output = self.linear_method.apply(self, hidden, self.bias)
+        if self.lora is not None and lora_token_slots is not None:
+            self.lora.add_delta(output, hidden, lora_token_slots)
+        return output
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of `part` from a checkpoint tensor (wherever its layout puts the output
@@ -96,6 +105,7 @@ class RowParallelLinear(nn.Module):
         self.linear_method: LinearMethod = UNQUANTIZED
         UNQUANTIZED.create_weights(self, output_size, self.local_input, 1, None)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        self.lora: LayerLora | None = None  # set at setup when an adapter targets the layer (lora_adapters.py)
 
     def set_linear_method(self, method: LinearMethod, dtype: torch.dtype) -> None:
         """Holds `method`'s parameters instead (allocated on the current device: the loader's meta device);
@@ -114,10 +124,17 @@ class RowParallelLinear(nn.Module):
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [self.output_size])
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        with_lora = self.lora is not None and lora_token_slots is not None
         if not self.tp.is_parallel:
-            return self.linear_method.apply(self, hidden, self.bias)
-        output = self.tp.all_reduce(self.linear_method.apply(self, hidden, None))
+            output = self.linear_method.apply(self, hidden, self.bias)
+            if with_lora:
+                self.lora.add_delta(output, hidden, lora_token_slots)
+            return output
+        output = self.linear_method.apply(self, hidden, None)
+        if with_lora:  # this rank's partial delta, summed with the partial products (layers/layer_lora.py)
+            self.lora.add_delta(output, hidden, lora_token_slots)
+        output = self.tp.all_reduce(output)
         return output if self.bias is None else output + self.bias
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:

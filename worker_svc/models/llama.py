@@ -56,6 +56,8 @@ class DecoderLayer(nn.Module):
         normed, residual = self.input_layernorm(hidden, residual)
         attn_out = self.self_attn(normed, positions, rotary, kv_cache, metadata)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
+        if metadata.lora_token_slots is not None:  # LoRA is served only where the MLP is a GatedMLP (lora_adapters.py)
+            return self.mlp(normed, metadata.lora_token_slots), residual
         return self.mlp(normed), residual
 
 
