@@ -103,3 +103,10 @@ def test_refuses_operands_that_do_not_fit():
         lora_add(y, x, lora_a, lora_b, slots, scalings.double())
     with pytest.raises(ValueError, match="dtype"):
         lora_add(y, x, lora_a.double(), lora_b, slots, scalings)
+
+
+def test_adapters_are_padded_to_a_power_of_two_rank_of_at_least_16():
+    """The Triton kernel needs R a power of two in [16, 128]: the worker pads every adapter with zeros to it."""
+    from worker_svc.lora_adapters import stack_rank
+
+    assert [stack_rank(r) for r in (1, 8, 16, 17, 64, 100, 128, 256)] == [16, 16, 16, 32, 64, 128, 128, 256]

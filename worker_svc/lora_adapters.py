@@ -18,7 +18,6 @@ decoder layers are not the Llama family's (llama.py: Llama, Mistral, Qwen2, Qwen
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
@@ -39,9 +38,11 @@ _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lor
 
 def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAdapterSetup], max_lora_rank: int,
                        device: torch.device, dtype: torch.dtype) -> None:
-    """Gives every layer some adapter targets its `LayerLora` (all adapters stacked, padded to max_lora_rank)."""
+    """Gives every layer some adapter targets its `LayerLora` (all adapters stacked, padded with zeros to
+    `stack_rank(max_lora_rank)`: zeros add nothing)."""
     _refuse_unserved_model(model)
-    lora_add = lora_kernel(device)
+    padded_rank = stack_rank(max_lora_rank)
+    lora_add = lora_kernel(device, padded_rank)
     num_slots = len(adapters) + 1
     scalings = torch.zeros(num_slots, dtype=torch.float32)
     stacks: dict[str, list[list[torch.Tensor]]] = {}  # layer name -> per part [A, B]
@@ -54,7 +55,7 @@ def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAda
         scalings[slot] = config.scaling
         weights = load_file(os.path.join(adapter.path, ADAPTER_WEIGHTS))
         for key, tensor in weights.items():
-            _place(model, stacks, key, tensor, slot, num_slots, max_lora_rank, config.rank, adapter.name)
+            _place(model, stacks, key, tensor, slot, num_slots, padded_rank, config.rank, adapter.name)
     scalings = scalings.to(device)
     for name, parts in stacks.items():
         layer = model.get_submodule(name)
@@ -64,13 +65,20 @@ def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAda
             scalings, lora_add)
 
 
-def lora_kernel(device: torch.device) -> LoraAdd:
-    """The torch reference on the CPU; on a GPU the Triton kernel of the same interface (kernels/triton_lora.py)
-    where this build has it, else the reference."""
-    if device.type == "cuda" and importlib.util.find_spec("kernels.triton_lora") is not None:
-        from kernels.triton_lora import lora_add
+def stack_rank(max_lora_rank: int) -> int:
+    """The rank adapters are padded to: a power of two, at least 16 (tl.dot's smallest side, for
+    kernels/triton_lora.py)."""
+    return max(16, 1 << (max_lora_rank - 1).bit_length())
 
-        return lora_add
+
+def lora_kernel(device: torch.device, rank: int) -> LoraAdd:
+    """The torch reference on the CPU; on a GPU the Triton kernel of the same interface (kernels/triton_lora.py)
+    up to its largest rank (128), else the reference."""
+    if device.type == "cuda":
+        from kernels.triton_lora import MAX_RANK, lora_add
+
+        if rank <= MAX_RANK:
+            return lora_add
     return lora_add_reference
 
 
