@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -144,3 +145,20 @@ def add_embedded_tokenizer(model_dir) -> Path:
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
     return model_dir
+
+
+def make_repeater_model(tmp_dir, arch="qwen2", seed=0) -> Path:
+    """`make_tiny_model`'s model (tied embeddings: qwen2 or qwen3) with every layer's o_proj and down_proj zero:
+    the layers add nothing to the embedding, so greedy decoding repeats the last token, and every n-gram draft
+    of a repeated token comes true (speculative decoding's acceptance, deterministically)."""
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_model(tmp_dir, arch, seed)
+    target = Path(tmp_dir) / f"{source.name}-repeater"
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    weights = load_file(target / "model.safetensors")
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target
