@@ -441,3 +441,22 @@ def test_the_engine_counts_as_generated_only_the_drafts_a_request_appended_and_n
     assert r.output_token_ids == [13, 14, 15]
     assert engine.serving_metrics().num_generation_tokens == 3
     assert set(steps_in_flight_when_planning) == {0}
+
+
+def test_the_outlook_searches_a_requests_tokens_once_per_token_count(monkeypatch):
+    """The engine asks on every turn of its loop: the n-gram search runs again only after the tokens changed."""
+    import scheduler_svc.core.draft_outlook as outlook
+
+    searches = []
+    search = outlook.propose_ngram_drafts
+    monkeypatch.setattr(outlook, "propose_ngram_drafts",
+                        lambda tokens, *a: searches.append(len(tokens)) or search(tokens, *a))
+    scheduler, worker = async_scheduler()
+    scheduler.add_request(request("a", prompt=(20, 21, 22, 23)))
+    worker.model = counting_model
+    step(scheduler, worker)
+    for _ in range(3):
+        assert scheduler.max_steps_ahead() == 2
+    assert searches == [5]
+    step(scheduler, worker)
+    assert scheduler.max_steps_ahead() == 2 and searches == [5, 6]

@@ -22,11 +22,34 @@ from scheduler_svc.core.speculative_config import SpeculativeConfig
 from scheduler_svc.core.step_planner import samples_plainly
 
 
-def drafts_expected(running: Iterable[Request], speculative: SpeculativeConfig) -> bool:
-    """Whether some request of `running` would get drafts: one that samples plainly (the others never get
-    any), and, with n-gram lookup, whose known tokens end with a suffix n-gram that occurred earlier in them."""
-    if speculative.uses_draft_model:
-        return any(samples_plainly(request) for request in running)
-    return any(samples_plainly(request) and propose_ngram_drafts(
-        request.all_token_ids, speculative.prompt_lookup_min, speculative.prompt_lookup_max, 1)
-        for request in running)
+class DraftOutlook:
+    """Whether some running request would get drafts (`expected`), remembered per request for as long as its
+    token count is unchanged: the engine asks on every turn of its loop, including those that only wait for a
+    result, and the n-gram search copies and scans the request's tokens (thousands in a long chat)."""
+
+    def __init__(self, speculative: SpeculativeConfig) -> None:
+        self._speculative = speculative
+        self._known: dict[str, tuple[int, bool]] = {}  # request id -> (its token count, would get drafts)
+
+    def expected(self, running: Iterable[Request]) -> bool:
+        """Whether some request of `running` would get drafts: one that samples plainly (the others never get
+        any), and, with n-gram lookup, whose known tokens end with a suffix n-gram that occurred earlier."""
+        running = list(running)
+        if len(self._known) > 4 * len(running) + 16:  # finished requests' entries
+            live = {request.request_id for request in running}
+            self._known = {key: value for key, value in self._known.items() if key in live}
+        return any(self._would_get_drafts(request) for request in running)
+
+    def _would_get_drafts(self, request: Request) -> bool:
+        if not samples_plainly(request):
+            return False
+        speculative = self._speculative
+        if speculative.uses_draft_model:
+            return True
+        known = self._known.get(request.request_id)
+        if known is not None and known[0] == request.num_tokens:
+            return known[1]
+        found = bool(propose_ngram_drafts(request.all_token_ids, speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max, 1))
+        self._known[request.request_id] = (request.num_tokens, found)
+        return found

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 
 from scheduler_svc.core.block_manager import BlockManager
-from scheduler_svc.core.draft_outlook import drafts_expected
+from scheduler_svc.core.draft_outlook import DraftOutlook
 from scheduler_svc.core.lost_work import LostWork
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
@@ -58,6 +58,7 @@ class Scheduler:
         self.block_manager = block_manager
         self._state = SchedulerState(limits, block_manager)
         self.speculative = speculative
+        self._draft_outlook = None if speculative is None else DraftOutlook(speculative)
         self._planner = StepPlanner(self._state, speculative)
         self.spec_decode_stats = SpecDecodeStats()
         self._finished_ids_to_report: list[str] = []
@@ -352,7 +353,7 @@ class Scheduler:
         would get drafts, since drafts are proposed only from a request's newest token (draft_outlook.py)."""
         speculative = self.speculative
         if (speculative is not None and speculative.is_on_for(self.num_running)
-                and drafts_expected(self._state.running, speculative)):
+                and self._draft_outlook.expected(self._state.running)):
             return 1
         return self.max_steps_in_flight
 
