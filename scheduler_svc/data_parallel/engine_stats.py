@@ -1,0 +1,44 @@
+"""The front's GetStats: the engines' responses summed into one, as if one engine had served everything.
+
+Counters, gauges (queue lengths, block counts) and histograms (same bounds on every engine: the engines run one
+build) add up; the prefix-cache hit rate is recomputed from the summed hits and queries; per-position counts
+add position by position. Read from the message's descriptor, so a field added to GetStatsResponse is summed
+without a change here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from protos.pagedserve.v1 import generate_pb2
+
+_HISTOGRAM = generate_pb2.LatencyHistogram.DESCRIPTOR
+
+
+def summed_stats(responses: Sequence[generate_pb2.GetStatsResponse]) -> generate_pb2.GetStatsResponse:
+    total = generate_pb2.GetStatsResponse()
+    for field in generate_pb2.GetStatsResponse.DESCRIPTOR.fields:
+        if field.message_type is _HISTOGRAM:
+            _add_histograms(getattr(total, field.name), [getattr(r, field.name) for r in responses])
+        elif field.label == field.LABEL_REPEATED:
+            values = [list(getattr(r, field.name)) for r in responses]
+            getattr(total, field.name).extend(_add_elementwise(values))
+        elif field.type != field.TYPE_DOUBLE:  # the hit rate, recomputed below
+            setattr(total, field.name, sum(getattr(r, field.name) for r in responses))
+    if total.prefix_cache_query_tokens:
+        total.prefix_cache_hit_rate = total.prefix_cache_hit_tokens / total.prefix_cache_query_tokens
+    return total
+
+
+def _add_histograms(total: generate_pb2.LatencyHistogram, parts: list[generate_pb2.LatencyHistogram]) -> None:
+    bounded = [part for part in parts if part.upper_bounds]
+    if bounded:
+        total.upper_bounds.extend(bounded[0].upper_bounds)
+    total.counts.extend(_add_elementwise([list(part.counts) for part in parts]))
+    total.sum = sum(part.sum for part in parts)
+    total.count = sum(part.count for part in parts)
+
+
+def _add_elementwise(rows: list[list[int]]) -> list[int]:
+    width = max((len(row) for row in rows), default=0)
+    return [sum(row[i] for row in rows if i < len(row)) for i in range(width)]
