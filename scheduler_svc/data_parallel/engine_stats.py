@@ -1,4 +1,5 @@
-"""The front's GetStats: the engines' responses summed into one, as if one engine had served everything.
+"""The front's GetStats: the engines' responses summed into one, as if one engine had served everything, and
+each engine's own beside the sums (`engines`, for the metrics' `engine` label).
 
 Counters, gauges (queue lengths, block counts) and histograms (same bounds on every engine: the engines run one
 build) add up; the prefix-cache hit rate is recomputed from the summed hits and queries; per-position counts
@@ -15,11 +16,25 @@ from protos.pagedserve.v1 import generate_pb2
 _HISTOGRAM = generate_pb2.LatencyHistogram.DESCRIPTOR
 
 
+def front_stats(per_engine: dict[int, generate_pb2.GetStatsResponse], routed: Sequence[int],
+                in_flight: Sequence[int], policy: str) -> generate_pb2.GetStatsResponse:
+    """The sums of the engines that answered (`per_engine`: engine index -> its GetStats), each of them, and the
+    router's counts per engine."""
+    total = summed_stats(list(per_engine.values()))
+    total.router_policy = policy
+    for engine, stats in sorted(per_engine.items()):
+        total.engines.add(engine=engine, stats=stats, routed_requests=routed[engine],
+                          in_flight_requests=in_flight[engine])
+    return total
+
+
 def summed_stats(responses: Sequence[generate_pb2.GetStatsResponse]) -> generate_pb2.GetStatsResponse:
     total = generate_pb2.GetStatsResponse()
     for field in generate_pb2.GetStatsResponse.DESCRIPTOR.fields:
         if field.message_type is _HISTOGRAM:
             _add_histograms(getattr(total, field.name), [getattr(r, field.name) for r in responses])
+        elif field.message_type is not None:  # engines: the front fills them in
+            continue
         elif field.label == field.LABEL_REPEATED:
             values = [list(getattr(r, field.name)) for r in responses]
             getattr(total, field.name).extend(_add_elementwise(values))

@@ -11,7 +11,7 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
   which cancels the engine's call: the engine aborts the request and frees its blocks.
 - Abort: sent to every serving engine (the front keeps no id -> engine table); aborted when any aborted.
 - ModelInfo, Tokenize, Detokenize: the first serving engine (every engine serves the same model and flags).
-- GetStats: every serving engine's, summed (engine_stats.py).
+- GetStats: every serving engine's, summed, and each beside the sums with the router's counts (engine_stats.py).
 - Health: NOT_SERVING until every engine has served once (start-up, so that a ready server routes over all of
   them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
   not serve (its scheduler restarting) gets no new request. On SIGTERM: NOT_SERVING, new calls UNAVAILABLE,
@@ -34,7 +34,7 @@ from scheduler_svc.api.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.api.grpc_server import SERVICE_NAME, grpc_receive_limit
 from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.data_parallel.config import FrontConfig
-from scheduler_svc.data_parallel.engine_stats import summed_stats
+from scheduler_svc.data_parallel.engine_stats import front_stats
 from scheduler_svc.data_parallel.prefix_key import prefix_key
 from scheduler_svc.data_parallel.router import Router
 from scheduler_svc.service import SERVER_OPTIONS
@@ -153,20 +153,23 @@ class DataParallelFront:
 
     async def Abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         replies = await self._each_serving("Abort", request, context)
-        aborted = any(generate_pb2.AbortResponse.FromString(reply).aborted for reply in replies)
+        aborted = any(generate_pb2.AbortResponse.FromString(reply).aborted for reply in replies.values())
         return generate_pb2.AbortResponse(aborted=aborted).SerializeToString()
 
     async def GetStats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         replies = await self._each_serving("GetStats", request, context)
-        return summed_stats([generate_pb2.GetStatsResponse.FromString(reply) for reply in replies]).SerializeToString()
+        per_engine = {engine: generate_pb2.GetStatsResponse.FromString(reply) for engine, reply in replies.items()}
+        router = self.router
+        return front_stats(per_engine, router.routed, router.in_flight, router.policy).SerializeToString()
 
-    async def _each_serving(self, name: str, request: bytes, context: grpc.aio.ServicerContext) -> list[bytes]:
-        """The replies of every serving engine that answered; UNAVAILABLE when none did, the first engine's
-        error when each refused (a malformed request: INVALID_ARGUMENT)."""
-        engines = [self.engines[index] for index in self.serving_engines()]
-        results = await asyncio.gather(*(engine.unary[name](request, metadata=self._metadata, timeout=5.0)
-                                         for engine in engines), return_exceptions=True)
-        replies = [result for result in results if isinstance(result, bytes)]
+    async def _each_serving(self, name: str, request: bytes, context: grpc.aio.ServicerContext) -> dict[int, bytes]:
+        """The replies of every serving engine that answered, by engine index; UNAVAILABLE when none did, the
+        first engine's error when each refused (a malformed request: INVALID_ARGUMENT)."""
+        indices = self.serving_engines()
+        results = await asyncio.gather(*(self.engines[index].unary[name](request, metadata=self._metadata,
+                                                                         timeout=5.0)
+                                         for index in indices), return_exceptions=True)
+        replies = {index: result for index, result in zip(indices, results) if isinstance(result, bytes)}
         if not replies:
             errors = [result for result in results if isinstance(result, grpc.aio.AioRpcError)]
             if errors and errors[0].code() != grpc.StatusCode.UNAVAILABLE:
