@@ -97,7 +97,8 @@ class DataParallelFront:
                         await self.engines[0].unary["ModelInfo"](b"", metadata=self._metadata, timeout=5.0))
                     self._block_size, self.started = info.block_size, True
             serving = self.started and not self.draining and bool(self.serving_engines())
-            new_status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            new_status = (health_pb2.HealthCheckResponse.SERVING if serving
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
             if new_status != status:
                 status = new_status
                 await health.set("", status)
