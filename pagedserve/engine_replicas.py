@@ -66,7 +66,7 @@ def engine_replicas(args: argparse.Namespace, private_dir: str, worker_address: 
     if size == 1:
         return [EngineReplica(0, args.grpc_host, args.grpc_port, worker_address, args.device, "")]
     per_engine = args.tensor_parallel_size
-    return [EngineReplica(index, "127.0.0.1", free_port(), "ipc://" + os.path.join(private_dir, f"workers-{index}.sock"),
+    return [EngineReplica(index, "127.0.0.1", free_port(), f"ipc://{private_dir}{os.sep}workers-{index}.sock",
                           rank_device(args.device, index * per_engine), f"engine {index} ")
             for index in range(size)]
 

@@ -130,9 +130,9 @@ def serve(args: argparse.Namespace) -> int:
         def fresh_rendezvous() -> str | None:
             return f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
 
-        for replica in replicas:
-            start_engine(replica, fresh_rendezvous() if ray_group is None else
-                         ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None)
+        for replica in replicas:  # with Ray (-dp 1 only), rank 0's host holds a tensor-parallel rendezvous
+            ray_rendezvous = ray_group is not None and args.tensor_parallel_size > 1
+            start_engine(replica, ray_group.rendezvous_address() if ray_rendezvous else fresh_rendezvous())
 
         def restart_workers(replica: EngineReplica) -> None:
             """Worker crash recovery: the engine's whole rank set again (a new rendezvous for tensor parallel)."""
@@ -140,7 +140,7 @@ def serve(args: argparse.Namespace) -> int:
 
         def restart_engine(replica: EngineReplica) -> None:
             """Scheduler crash recovery: a new scheduler and a fresh rank set (the workers' KV cache belonged
-            to the dead scheduler's block tables). The gateway (and the front) stay: streams resume on the new one."""
+            to the dead scheduler's block tables). The gateway and the front stay: streams resume on the new one."""
             _stop_all({name: child for name, child in children.items() if is_worker(name) and replica.owns(name)},
                       10.0)
             start_engine(replica, fresh_rendezvous())

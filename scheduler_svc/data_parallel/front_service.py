@@ -30,14 +30,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from protos.pagedserve.v1 import generate_pb2
-from scheduler_svc.api.access import ApiKeyInterceptor, server_credentials
-from scheduler_svc.api.grpc_server import SERVICE_NAME, grpc_receive_limit
+from scheduler_svc.api.grpc_server import SERVICE_NAME
 from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.data_parallel.config import FrontConfig
 from scheduler_svc.data_parallel.engine_stats import front_stats
 from scheduler_svc.data_parallel.prefix_key import prefix_key
 from scheduler_svc.data_parallel.router import Router
-from scheduler_svc.service import SERVER_OPTIONS
+from scheduler_svc.service import public_grpc_server
 from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
 from service_runtime.model_source import resolve_model
@@ -208,17 +207,9 @@ async def run_front(config: FrontConfig) -> int:
     health = HealthServicer()
     await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
-        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", grpc_receive_limit(config.max_message_bytes)),
-                 ("grpc.so_reuseport", 0)])
+    server, address = public_grpc_server(config)
     add_front_service(front, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = f"{config.host}:{config.port}"
-    if config.tls_cert_file:
-        server.add_secure_port(address, server_credentials(config.tls_cert_file, config.tls_key_file))
-    else:
-        server.add_insecure_port(address)
     await server.start()
     logger.info("gRPC listening on %s; routing (%s) over %d engines: %s", address, config.router_policy,
                 len(engines), ", ".join(config.engine_targets))
