@@ -49,8 +49,6 @@ class FrontConfig:
                                    help="seconds in-flight streams get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
-        if not self.engine_targets:
-            raise SystemExit("--engine-targets: at least one engine")
         if self.router_load_bound < 0:
             raise SystemExit("--router-load-bound must be >= 0")
 

@@ -20,7 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from scheduler_svc.data_parallel.front_service import run_front
 
-    return asyncio.run(run_front(front_config_from_args(args)))
+    config = front_config_from_args(args)
+    if not config.engine_targets:
+        raise SystemExit("--engine-targets: give at least one engine's scheduler (host:port)")
+    return asyncio.run(run_front(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
