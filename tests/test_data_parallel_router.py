@@ -76,7 +76,8 @@ def test_prefix_policy_spills_to_the_least_loaded_engine_past_the_load_bound():
     router = Router("prefix", 2, load_bound=2)
     key = _keys(1, seed=2)[0]
     home = router.route(key, BOTH)
-    # The home engine may lead the other by 2 in-flight requests; the 4th request would make it 3 ahead.
+    # A request goes home while home is at most 2 in-flight requests ahead: the 2nd and 3rd (1, 2 ahead) do, the
+    # 4th (3 ahead) spills.
     assert [router.route(key, BOTH) for _ in range(2)] == [home, home]
     assert router.route(key, BOTH) == 1 - home
     router.release(1 - home)
