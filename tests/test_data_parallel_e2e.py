@@ -1,12 +1,15 @@
 """Data parallel through the real processes (`pagedserve serve -dp 2`: a front, two schedulers, a worker each,
 on the CPU): concurrent requests get the greedy tokens of a single engine (transformers' here), different
 prefixes spread over both engines while requests sharing a long prefix all go to one, whose prefix cache serves
-them; a client's cancel reaches the engine; `-dp 2` starts one front and `-dp 1` none. The router's policies
+them; a client's cancel reaches the engine; a killed worker of one engine is replaced and its streams finish
+token-exact while the front keeps serving; `-dp 2` starts one front and `-dp 1` none. The router's policies
 alone, and the front before stand-in schedulers: tests/test_data_parallel_router.py."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,8 +19,10 @@ import pytest
 from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import make_tiny_model
+from tests.stream_watch import HealthWatch, StreamWatch
 
 MAX_TOKENS = 12
+RECOVERY_TOKENS = 200  # long enough that engine 0's streams are still running when its worker is killed
 FRONT_MODULE = "scheduler_svc.data_parallel"
 
 
@@ -112,6 +117,30 @@ def test_a_client_cancel_through_the_front_ends_the_engines_request(server):
     stats = server.wait_all_blocks_free()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert stats.num_finished_abort >= 1
+
+
+def test_a_killed_worker_of_one_engine_is_replaced_while_the_front_keeps_serving(server, model):
+    """Each engine keeps its own crash recovery: its streams resume token-exact, and the other engine serves on."""
+    health = HealthWatch(server.target)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]
+    streams = [StreamWatch(server.target, prompt, max_tokens=RECOVERY_TOKENS, temperature=0.0, ignore_eos=True)
+               for prompt in prompts]
+    for stream in streams:
+        assert stream.first_chunk.wait(120), "a stream got no first chunk"
+    (engine_0_worker,) = [pid for pid, command in zip(server.children, _command_lines(server.children))
+                          if "-m worker_svc " in command and "workers-0.sock" in command]
+    os.kill(engine_0_worker, signal.SIGKILL)
+    for stream in streams:
+        stream.join(timeout=180)
+    health.close()
+    assert [stream.error for stream in streams] == [None] * len(prompts)
+    for prompt, stream in zip(prompts, streams):
+        assert [token for chunk in stream.chunks for token in chunk.token_ids] == hf_greedy(model, prompt,
+                                                                                             RECOVERY_TOKENS)
+    assert "NOT_SERVING" not in health.statuses, health.statuses
+    log = server.log()
+    assert "the engine 0 worker rank 0 exited" in log and "restarting the workers" in log
 
 
 def test_dp1_keeps_todays_layout_with_no_front(model, tmp_path):
