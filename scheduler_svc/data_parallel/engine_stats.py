@@ -35,10 +35,10 @@ def summed_stats(responses: Sequence[generate_pb2.GetStatsResponse]) -> generate
             _add_histograms(getattr(total, field.name), [getattr(r, field.name) for r in responses])
         elif field.message_type is not None:  # engines: the front fills them in
             continue
-        elif field.label == field.LABEL_REPEATED:
+        elif field.is_repeated:
             values = [list(getattr(r, field.name)) for r in responses]
             getattr(total, field.name).extend(_add_elementwise(values))
-        elif field.type != field.TYPE_DOUBLE:  # the hit rate, recomputed below
+        elif field.type not in (field.TYPE_DOUBLE, field.TYPE_STRING):  # the hit rate: below; the policy: the front's
             setattr(total, field.name, sum(getattr(r, field.name) for r in responses))
     if total.prefix_cache_query_tokens:
         total.prefix_cache_hit_rate = total.prefix_cache_hit_tokens / total.prefix_cache_query_tokens
