@@ -313,15 +313,33 @@ class ServerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Data parallel (`serve -dp N`): each engine's own stats (the fields above are their sums) and the front's
+    # router policy; empty from a lone scheduler.
+    engines: tuple[EngineStats, ...] = ()
+    router_policy: str = ""
 
     @classmethod
     def from_response(cls, response: generate_pb2.GetStatsResponse) -> ServerStats:
         values = {}
         for field in dataclasses.fields(cls):
             value = getattr(response, field.name)
-            if isinstance(value, generate_pb2.LatencyHistogram):
+            if field.name == "engines":
+                value = tuple(EngineStats(entry.engine, cls.from_response(entry.stats), entry.routed_requests,
+                                          entry.in_flight_requests) for entry in value)
+            elif isinstance(value, generate_pb2.LatencyHistogram):
                 value = LatencyHistogram.from_message(value)
-            elif not isinstance(value, (int, float)):  # a repeated field
+            elif not isinstance(value, (int, float, str)):  # a repeated field
                 value = tuple(value)
             values[field.name] = value
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One data-parallel engine's stats, and the requests the front routed to it since the front started (and
+    how many of them are still streaming); mirrors the EngineStats message."""
+
+    engine: int
+    stats: ServerStats
+    routed_requests: int
+    in_flight_requests: int

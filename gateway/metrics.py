@@ -9,7 +9,9 @@ tell "down" from "idle".
 Two sets of families, from the same snapshot: vLLM's `vllm:*` (gateway/vllm_metrics.py), labelled with the
 served model name, for vLLM's dashboards and alerts; and pagedserve's own unlabelled `pagedserve_*`, kept
 beside them because existing alerts use them and some have no vLLM counterpart (scheduler_up, swap-pool
-usage, swapped-out blocks, steps). Histograms are in seconds.
+usage, swapped-out blocks, steps). Histograms are in seconds. Behind a data-parallel front (`serve -dp N`) the
+`vllm:*` families carry one sample set per engine (its `engine` label), `pagedserve_*` the engines' sums, and
+`pagedserve_router_*` the front's routing per engine and policy.
 """
 
 from __future__ import annotations
@@ -78,6 +80,22 @@ class _StatsSnapshot(Collector):
         )
         for name, documentation, histogram in histograms:
             yield histogram_family(name, documentation, histogram)
+        if stats.engines:
+            yield from _router_families(stats)
+
+
+def _router_families(stats: ServerStats) -> Iterator[Metric]:
+    """A data-parallel front's router: requests routed to each engine since the front started, and those still
+    streaming (the front's own counts, which its load bound compares)."""
+    routed = CounterMetricFamily("pagedserve_router_requests_routed", "Requests the front routed to each engine",
+                                 labels=("engine", "policy"))
+    in_flight = GaugeMetricFamily("pagedserve_router_requests_in_flight",
+                                  "The front's requests still streaming from each engine", labels=("engine",))
+    for entry in stats.engines:
+        routed.add_metric([str(entry.engine), stats.router_policy], entry.routed_requests)
+        in_flight.add_metric([str(entry.engine)], entry.in_flight_requests)
+    yield routed
+    yield in_flight
 
 
 def render_metrics(stats: ServerStats | None, served: ServedModel | None) -> bytes:

@@ -1,7 +1,8 @@
 """The scheduler's GetStats as vLLM's `vllm:*` metric families, so a dashboard or alert built for vLLM works.
 
 Names, types, bucket bounds and labels are vLLM's (vllm/v1/metrics/loggers.py): every family carries
-`model_name` (the served model name) and `engine` ("0": one scheduler per gateway), and
+`model_name` (the served model name) and `engine` ("0" for a lone scheduler; "0".."N-1", one sample set per
+engine, behind a data-parallel front), and
 `vllm:request_success_total` also `finished_reason` (stop, length, abort). Two names export one histogram:
 `vllm:time_per_output_token_seconds` is vLLM's older name of `vllm:inter_token_latency_seconds` (each gap
 between a request's token steps); `vllm:request_time_per_output_token_seconds` is the per-request mean.
@@ -32,7 +33,21 @@ class ServedModel:
 
 
 def vllm_families(stats: ServerStats, served: ServedModel) -> Iterator[Metric]:
-    labels = [served.name, _ENGINE]
+    """Every family, with one sample set per engine: a data-parallel front's stats carry each engine's own
+    (`engine` "0".."N-1", as vLLM's data-parallel engines); a lone scheduler's are engine "0"."""
+    engines = [(str(entry.engine), entry.stats) for entry in stats.engines] or [(_ENGINE, stats)]
+    merged: dict[str, Metric] = {}
+    for engine, engine_stats in engines:
+        for family in _engine_families(engine_stats, served, engine):
+            if family.name in merged:
+                merged[family.name].samples.extend(family.samples)
+            else:
+                merged[family.name] = family
+    yield from merged.values()
+
+
+def _engine_families(stats: ServerStats, served: ServedModel, engine: str) -> Iterator[Metric]:
+    labels = [served.name, engine]
     kv_cache_usage = used_fraction(stats.num_kv_blocks, stats.num_free_kv_blocks)
     gauges = (
         ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
@@ -47,7 +62,7 @@ def vllm_families(stats: ServerStats, served: ServedModel) -> Iterator[Metric]:
         gauge = GaugeMetricFamily(name, documentation, labels=_LABELS)
         gauge.add_metric(labels, value)
         yield gauge
-    yield _cache_config_info(served)
+    yield _cache_config_info(served, engine)
     counters = (
         ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions),
         ("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.num_prompt_tokens),
@@ -120,10 +135,10 @@ def histogram_family(name: str, documentation: str, histogram: LatencyHistogram,
     return family
 
 
-def _cache_config_info(served: ServedModel) -> GaugeMetricFamily:
+def _cache_config_info(served: ServedModel, engine: str) -> GaugeMetricFamily:
     """vLLM's info gauge (always 1) whose labels carry the KV-cache configuration."""
     info = served.info
-    values = {"model_name": served.name, "engine": _ENGINE, "block_size": str(info.block_size),
+    values = {"model_name": served.name, "engine": engine, "block_size": str(info.block_size),
               "num_gpu_blocks": str(info.num_kv_blocks), "num_cpu_blocks": str(info.num_swap_blocks)}
     family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                labels=tuple(values))

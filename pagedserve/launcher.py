@@ -8,6 +8,12 @@ rendezvous); the scheduler is told to wait for N workers (`--num-workers N`). A 
 heads or the visible GPUs do not allow is refused here, before any process starts or any weight loads. Every
 rank is supervised like the others: any rank that exits stops the stack.
 
+Data parallel (`--data-parallel-size N`, `-dp N`): N engines, each a scheduler with its own ranks as above, on
+internal ports, behind one front process on the public gRPC address that routes each request to one engine
+(engine_replicas.py says the layout and why; docs/scale_out.md). Each engine is supervised as the one engine
+is alone: its worker and scheduler crashes are recovered within it, with restart budgets of its own; an
+engine that gives up, or the front, stops the stack.
+
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
 drains, then tells the worker to exit), and if any child dies on its own (the scheduler exits 1 when it
@@ -38,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config import GatewayConfig
+from pagedserve.engine_replicas import (FRONT, EngineReplica, data_parallel_refusal, engine_replicas, front_argv,
+                                       is_scheduler, is_worker)
 from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
 from scheduler_svc.config import (CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, SchedulerConfig,
@@ -58,7 +66,8 @@ from worker_svc.tensor_parallel_fit import draft_refusal, first_gpu_index, gpus_
 
 _POLL_SECONDS = 0.2
 # Each role's package, whose `__main__` is that service's entry point.
-SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gateway": "gateway"}
+SERVICE_MODULES = {"scheduler": "scheduler_svc", "worker": "worker_svc", "gateway": "gateway",
+                   "front": "scheduler_svc.data_parallel"}
 
 
 def warn_open_binds(args: argparse.Namespace, api_key: str | None) -> None:
@@ -80,6 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     refuse_unservable_adapters(args)
     model = resolve_servable_model(args)  # downloads a hub model once, before either child looks for it
     refuse_unfit_tensor_parallel(args, model.path)
+    refuse_unfit_data_parallel(args)
     resolve_draft_model(args, model.path)
     keep_prefix_cache_exact(args, model.path)
     refuse_bad_text_options(args, model.path)
@@ -94,34 +104,50 @@ def serve(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_group):
         if ray_group is None:
             address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
-            init_method = f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
         else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
             address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
-            init_method = ray_group.rendezvous_address() if args.tensor_parallel_size > 1 else None
+        replicas = engine_replicas(args, private_dir, address)
         # The worker link's shared secret: the one given, else a fresh one per start, in the children's
         # environment only. Set but empty: the link stays open (as under compose without one).
         given = os.environ.get(WORKER_SECRET_ENV)
         link_secret = {WORKER_SECRET_ENV: secrets.token_urlsafe(32) if given is None else given}
-        children = {"scheduler": _start("scheduler", _scheduler_argv(args, model_argv, address),
-                                        child_environment({API_KEY_ENV: api_key, **link_secret}))}
-        for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, init_method)):
-            children[f"worker rank {rank}"] = (_start("worker", argv, child_environment(link_secret))
-                                               if ray_group is None else ray_group.start(rank, argv, link_secret))
+        children: dict[str, subprocess.Popen] = {}
 
-        def restart_workers() -> None:
-            """Worker crash recovery: the whole rank set again (a new rendezvous for tensor parallel)."""
-            fresh = f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
-            for rank, argv in enumerate(worker_rank_argvs(args, model_argv, address, fresh)):
-                children[f"worker rank {rank}"] = _start("worker", argv, child_environment(link_secret))
+        def start_engine(replica: EngineReplica, init_method: str | None) -> None:
+            """One engine's scheduler and its rank set (`init_method`: their rendezvous, None for one rank)."""
+            children[replica.scheduler] = _start("scheduler", _scheduler_argv(args, model_argv, replica.worker_address,
+                                                                              replica),
+                                                 child_environment({API_KEY_ENV: api_key, **link_secret}))
+            start_workers(replica, init_method)
 
-        def restart_engine() -> None:
+        def start_workers(replica: EngineReplica, init_method: str | None) -> None:
+            argvs = worker_rank_argvs(args, model_argv, replica.worker_address, init_method, replica.device,
+                                      injects_fault=replica.index == 0)
+            for rank, argv in enumerate(argvs):
+                children[replica.worker(rank)] = (_start("worker", argv, child_environment(link_secret))
+                                                  if ray_group is None else ray_group.start(rank, argv, link_secret))
+
+        def fresh_rendezvous() -> str | None:
+            return f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
+
+        for replica in replicas:  # with Ray (-dp 1 only), rank 0's host holds a tensor-parallel rendezvous
+            ray_rendezvous = ray_group is not None and args.tensor_parallel_size > 1
+            start_engine(replica, ray_group.rendezvous_address() if ray_rendezvous else fresh_rendezvous())
+
+        def restart_workers(replica: EngineReplica) -> None:
+            """Worker crash recovery: the engine's whole rank set again (a new rendezvous for tensor parallel)."""
+            start_workers(replica, fresh_rendezvous())
+
+        def restart_engine(replica: EngineReplica) -> None:
             """Scheduler crash recovery: a new scheduler and a fresh rank set (the workers' KV cache belonged
-            to the dead scheduler's block tables). The gateway stays: its streams resume on the new one."""
-            _stop_all({name: child for name, child in children.items() if name.startswith("worker")}, 10.0)
-            children["scheduler"] = _start("scheduler", _scheduler_argv(args, model_argv, address),
-                                           child_environment({API_KEY_ENV: api_key, **link_secret}))
-            restart_workers()
+            to the dead scheduler's block tables). The gateway and the front stay: streams resume on the new one."""
+            _stop_all({name: child for name, child in children.items() if is_worker(name) and replica.owns(name)},
+                      10.0)
+            start_engine(replica, fresh_rendezvous())
 
+        if len(replicas) > 1:
+            children[FRONT] = _start("front", front_argv(args, model_argv, replicas),
+                                     child_environment({API_KEY_ENV: api_key}))
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args),
                                          child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}))
@@ -129,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, f: stop_requested.append(s))
         try:
-            return _supervise(args, model.name, children, stop_requested,
+            return _supervise(args, model.name, children, stop_requested, replicas,
                               restart_workers if ray_group is None else None,
                               restart_engine if ray_group is None else None)
         finally:
@@ -137,15 +163,19 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list,
-               restart_workers=None, restart_engine=None) -> int:
-    """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its rank set,
-    up to --max-worker-restarts times (the scheduler waits for them and resumes its requests), where
-    `restart_workers` can (the mp backend). A worker that refused the model while loading it (exit code
+               replicas: list[EngineReplica], restart_workers=None, restart_engine=None) -> int:
+    """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its engine's rank
+    set, up to --max-worker-restarts times per engine (the scheduler waits for them and resumes its requests),
+    where `restart_workers` can (the mp backend). A worker that refused the model while loading it (exit code
     LOAD_REFUSED_EXIT_CODE, its reason in its one line above) is not: it would refuse again. A scheduler that
-    crashed is restarted with fresh workers, up to --max-scheduler-restarts times, where `restart_engine` can;
-    the gateway and SDK clients resume their streams on it (client/stream_resume.py)."""
-    restarts_left = args.max_worker_restarts if restart_workers is not None else 0
-    scheduler_restarts_left = args.max_scheduler_restarts if restart_engine is not None else 0
+    crashed is restarted with fresh workers, up to --max-scheduler-restarts times per engine, where
+    `restart_engine` can; the gateway, the front and SDK clients resume their streams on it
+    (client/stream_resume.py). Anything else that exits (a scheduler that gave up, the front, the gateway)
+    stops the whole stack: with several engines too, an engine gone for good stops them all."""
+    restarts_left = {replica.index: args.max_worker_restarts if restart_workers is not None else 0
+                     for replica in replicas}
+    scheduler_restarts_left = {replica.index: args.max_scheduler_restarts if restart_engine is not None else 0
+                               for replica in replicas}
     target = _local_address(args.grpc_host, args.grpc_port)
     http_health = f"http://{_local_address(args.host, args.port)}/health" if args.enable_http else None
     ready_deadline = time.monotonic() + args.ready_timeout
@@ -153,38 +183,46 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
     while True:
         if stop_requested:
             print("pagedserve: shutting down", file=sys.stderr, flush=True)
-            for name in ("scheduler", "gateway"):
-                if name in children:
-                    children[name].send_signal(signal.SIGTERM)
-            code = _wait(children["scheduler"], args.shutdown_timeout + 10)
+            for name, child in children.items():
+                if is_scheduler(name) or name in (FRONT, "gateway"):
+                    child.send_signal(signal.SIGTERM)
+            codes = [_wait(children[replica.scheduler], args.shutdown_timeout + 10) for replica in replicas]
             for name in children:
-                if name.startswith("worker"):
+                if is_worker(name):
                     _wait(children[name], 15)
-            if "gateway" in children:
-                _wait(children["gateway"], args.shutdown_timeout + 10)
-            return 0 if code == 0 else 1
+            for name in (FRONT, "gateway"):
+                if name in children:
+                    _wait(children[name], args.shutdown_timeout + 10)
+            return 0 if all(code == 0 for code in codes) else 1
         exited = [name for name, child in children.items() if child.poll() is not None]
-        refused = [name for name in exited if name.startswith("worker")
-                   and children[name].returncode == LOAD_REFUSED_EXIT_CODE]
+        refused = [name for name in exited if is_worker(name) and children[name].returncode == LOAD_REFUSED_EXIT_CODE]
         if refused:
             print(f"pagedserve: cannot serve {model_name}: the {refused[0]} refused it while loading (the reason is "
                   "its line above); not restarting", file=sys.stderr, flush=True)
             return 1
         # Only a scheduler that had served: one that fails before (a port in use, a bad TLS file) fails again.
-        if ("scheduler" in exited and ready and scheduler_restarts_left > 0
-                and _crashed(children["scheduler"].returncode)):
-            scheduler_restarts_left -= 1
-            print(f"pagedserve: the scheduler exited with code {children['scheduler'].returncode}; restarting it "
-                  f"and the workers ({scheduler_restarts_left} restarts left)", file=sys.stderr, flush=True)
-            restart_engine()
+        crashed = [replica for replica in replicas if replica.scheduler in exited and ready
+                   and scheduler_restarts_left[replica.index] > 0 and _crashed(children[replica.scheduler].returncode)]
+        if crashed:
+            replica = crashed[0]
+            scheduler_restarts_left[replica.index] -= 1
+            print(f"pagedserve: the {replica.scheduler} exited with code {children[replica.scheduler].returncode}; "
+                  f"restarting it and the workers ({scheduler_restarts_left[replica.index]} restarts left)",
+                  file=sys.stderr, flush=True)
+            restart_engine(replica)
             ready, ready_deadline = False, time.monotonic() + args.ready_timeout
             continue
-        if exited and restarts_left > 0 and all(name.startswith("worker") for name in exited):
-            restarts_left -= 1
-            print(f"pagedserve: the {exited[0]} exited with code {children[exited[0]].returncode}; restarting the "
-                  f"workers ({restarts_left} restarts left)", file=sys.stderr, flush=True)
-            _stop_all({name: child for name, child in children.items() if name.startswith("worker")}, 10.0)
-            restart_workers()
+        broken = [replica for replica in replicas if any(replica.owns(name) for name in exited)]
+        if (exited and all(is_worker(name) for name in exited)
+                and all(restarts_left[replica.index] > 0 for replica in broken)):
+            for replica in broken:
+                restarts_left[replica.index] -= 1
+                first = next(name for name in exited if replica.owns(name))
+                print(f"pagedserve: the {first} exited with code {children[first].returncode}; restarting the "
+                      f"workers ({restarts_left[replica.index]} restarts left)", file=sys.stderr, flush=True)
+                _stop_all({name: child for name, child in children.items() if is_worker(name) and replica.owns(name)},
+                          10.0)
+                restart_workers(replica)
             continue
         for name in exited:
             print(f"pagedserve: the {name} exited with code {children[name].returncode}", file=sys.stderr, flush=True)
@@ -194,7 +232,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                      and (http_health is None or http_ok(http_health)))
             if ready:
                 http = f"; OpenAI API on {http_health.removesuffix('/health')}/v1" if http_health else ""
-                print(f"pagedserve: serving {model_name} on {target}{http}", file=sys.stderr, flush=True)
+                engines = f" ({len(replicas)} engines)" if len(replicas) > 1 else ""
+                print(f"pagedserve: serving {model_name} on {target}{engines}{http}", file=sys.stderr, flush=True)
             elif time.monotonic() > ready_deadline:
                 print("pagedserve: not ready in time", file=sys.stderr, flush=True)
                 return 1
@@ -255,13 +294,15 @@ def max_num_batched_tokens(args) -> int:
     return GPU_MAX_NUM_BATCHED_TOKENS if args.device.startswith("cuda") else CPU_MAX_NUM_BATCHED_TOKENS
 
 
-def _scheduler_argv(args, model_argv: list[str], address: str) -> list[str]:
+def _scheduler_argv(args, model_argv: list[str], address: str, replica: EngineReplica | None = None) -> list[str]:
     """The scheduler's flags: every scheduler flag `serve` shares, forwarded from its declaration
     (scheduler_svc/config.py), and where it listens, binds and how many ranks it waits for, set here. The
-    API key goes through the environment (child_environment); the flag is never forwarded."""
+    API key goes through the environment (child_environment); the flag is never forwarded. `replica`: one
+    engine of several binds its own internal address (engine_replicas.py), not serve's public one."""
     values = flag_values(SchedulerConfig, args, shared_only=True)
     del values["model"]  # in model_argv: the path resolved once, as the workers get it
-    values.update(host=args.grpc_host, port=args.grpc_port, worker_address=address,
+    host, port = (args.grpc_host, args.grpc_port) if replica is None else (replica.host, replica.port)
+    values.update(host=host, port=port, worker_address=address,
                   num_workers=args.tensor_parallel_size, max_num_batched_tokens=max_num_batched_tokens(args))
     return [*model_argv, *config_argv(SchedulerConfig, values)]
 
@@ -355,6 +396,18 @@ def refuse_unfit_tensor_parallel(args, model_path) -> None:
         raise SystemExit(f"pagedserve: {refusal}")
 
 
+def refuse_unfit_data_parallel(args) -> None:
+    """Exits naming --data-parallel-size if its engines cannot start here (engine_replicas.py says why)."""
+    visible = None
+    if args.data_parallel_size > 1 and args.device.startswith("cuda"):
+        import torch  # only here: the launcher otherwise never needs it
+
+        visible = torch.cuda.device_count()
+    refusal = data_parallel_refusal(args, visible)
+    if refusal is not None:
+        raise SystemExit(f"pagedserve: {refusal}")
+
+
 def keep_prefix_cache_exact(args, model_path) -> None:
     """Turns prefix caching off for a longrope model (Phi-3's 128k variants): its cached keys are rotated with
     the short or the long factors depending on the length of the sequence that computed them
@@ -371,22 +424,25 @@ def keep_prefix_cache_exact(args, model_path) -> None:
         args.enable_prefix_caching = False
 
 
-def rank_devices(args) -> list[str]:
-    """Each rank's --device. mp: rank r on the r-th GPU from --device's (cuda:r), or the CPU. ray: each rank
-    on the one GPU Ray gave its actor (its `cuda`), or the CPU."""
+def rank_devices(args, first_device: str | None = None) -> list[str]:
+    """Each rank's --device. mp: rank r on the r-th GPU from `first_device` (--device's by default: cuda:r), or
+    the CPU. ray: each rank on the one GPU Ray gave its actor (its `cuda`), or the CPU."""
     size = args.tensor_parallel_size
     if args.distributed_executor_backend == "ray":
         return ["cuda" if args.device.startswith("cuda") else "cpu"] * size
-    return [rank_device(args.device, rank) for rank in range(size)]
+    return [rank_device(first_device or args.device, rank) for rank in range(size)]
 
 
-def worker_rank_argvs(args, model_argv: list[str], address: str, init_method: str | None) -> list[list[str]]:
-    """Each rank's worker command line: the same flags, its own --rank and device, one rendezvous."""
+def worker_rank_argvs(args, model_argv: list[str], address: str, init_method: str | None,
+                      first_device: str | None = None, injects_fault: bool = True) -> list[list[str]]:
+    """Each rank's worker command line: the same flags, its own --rank and device, one rendezvous. With several
+    engines, `first_device` is the engine's first GPU and only engine 0 gets the fault-injection flags
+    (`injects_fault`)."""
     size = args.tensor_parallel_size
-    devices = rank_devices(args)
+    devices = rank_devices(args, first_device)
     if size == 1:
-        return [_worker_argv(args, model_argv, address, devices[0])]
-    return [_worker_argv(args, model_argv, address, devices[rank], rank == size - 1,
+        return [_worker_argv(args, model_argv, address, devices[0], injects_fault)]
+    return [_worker_argv(args, model_argv, address, devices[rank], injects_fault and rank == size - 1,
                          rank=rank, world_size=size, distributed_init_method=init_method)
             for rank in range(size)]
 

@@ -14,6 +14,7 @@ import argparse
 
 from gateway.config import add_gateway_arguments
 from pagedserve.vllm_flags import add_refused_vllm_flags
+from scheduler_svc.data_parallel.config import add_front_arguments
 from scheduler_svc.config import add_scheduler_arguments
 from worker_svc.config import add_worker_arguments
 
@@ -30,6 +31,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="ZeroMQ address between scheduler and worker (default: a private ipc socket)")
     serve.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int, default=1,
                        help="worker processes (one per GPU) the model is split over; must divide its attention heads")
+    serve.add_argument("--data-parallel-size", "-dp", dest="data_parallel_size", type=int, default=1,
+                       help="engines (each a scheduler with its own -tp ranks) behind one front that routes each "
+                            "request to one of them (docs/scale_out.md)")
+    add_front_arguments(serve, shared_only=True)
     serve.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                        help="how the ranks are started: mp, local processes (ray: not supported yet)")
     serve.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for readiness")

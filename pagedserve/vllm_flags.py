@@ -33,8 +33,6 @@ NOT_YET = "pagedserve does not support it (yet)"
 REFUSED_FLAGS = (
     RefusedFlag(("--pipeline-parallel-size", "-pp"), "pagedserve has no pipeline parallelism; use "
                 "--tensor-parallel-size", accepted=("1",)),
-    RefusedFlag(("--data-parallel-size", "-dp"), "pagedserve runs one engine per server; start more servers "
-                "behind a load balancer", accepted=("1",)),
     RefusedFlag(("--enable-expert-parallel",), "pagedserve has no expert parallelism", takes_value=False),
     RefusedFlag(("--cpu-offload-gb",), f"weight offloading to the CPU: {NOT_YET}", accepted=("0",)),
     RefusedFlag(("--quantization", "-q"), "supported: gguf (a .gguf model file; its quantization is read from "

@@ -57,20 +57,9 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     health = HealthServicer()
     await _set_health(health, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = GenerationServicer(tokenizer)
-    server = grpc.aio.server(
-        interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
-        # so_reuseport off: a second server started on a port in use fails to bind instead of silently
-        # sharing it (the kernel would then hand this server's clients to the other one).
-        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", grpc_receive_limit(config.max_message_bytes)),
-                 ("grpc.so_reuseport", 0)],
-    )
+    server, address = public_grpc_server(config)
     add_generation_service(servicer, server, config.max_message_bytes)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = f"{config.host}:{config.port}"
-    if config.tls_cert_file:
-        server.add_secure_port(address, server_credentials(config.tls_cert_file, config.tls_key_file))
-    else:
-        server.add_insecure_port(address)
     await server.start()
     logger.info("gRPC listening on %s%s%s; waiting for %d worker(s) on %s", address,
                 " (TLS)" if config.tls_cert_file else "", " (API key required)" if config.api_key else "",
@@ -144,6 +133,25 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
     finally:
         await server.stop(grace=1.0)
         await link.close()
+
+
+def public_grpc_server(config) -> tuple[grpc.aio.Server, str]:
+    """The public API's gRPC server, bound (not started) to config.host:config.port with the config's TLS, API
+    key and message limit, and that address: the scheduler's, and a data-parallel front's (whose config has the
+    same fields)."""
+    server = grpc.aio.server(
+        interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
+        # so_reuseport off: a second server started on a port in use fails to bind instead of silently
+        # sharing it (the kernel would then hand this server's clients to the other one).
+        options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", grpc_receive_limit(config.max_message_bytes)),
+                 ("grpc.so_reuseport", 0)],
+    )
+    address = f"{config.host}:{config.port}"
+    if config.tls_cert_file:
+        server.add_secure_port(address, server_credentials(config.tls_cert_file, config.tls_key_file))
+    else:
+        server.add_insecure_port(address)
+    return server, address
 
 
 async def _serve_until_stopped(config, engine: Engine, servicer, health, link: WorkerLink, stop, setup_for) -> int:

@@ -19,12 +19,14 @@ MODEL_INFO = generate_pb2.ModelInfoResponse(
     kv_cache_dtype="fp8_e4m3",
 )
 # Every counter set to its field's position (1, 2, ...), a repeated one to [position, position + 1]; every histogram
-# to one observation in its first bucket.
+# to one observation in its first bucket. A lone scheduler leaves the data-parallel front's fields empty.
+DATA_PARALLEL_FIELDS = ("engines", "router_policy")
 STATS = generate_pb2.GetStatsResponse(**{
     field.name: (generate_pb2.LatencyHistogram(upper_bounds=[0.5, 1.0], counts=[1, 0, 0], sum=0.25, count=1)
                  if field.message_type is not None
                  else [index + 1, index + 2] if field.is_repeated else index + 1)
     for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
+    if field.name not in DATA_PARALLEL_FIELDS
 })
 
 

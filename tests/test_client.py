@@ -35,7 +35,7 @@ from client import (
 )
 from pagedserve.testing.server_harness import free_port
 from protos.pagedserve.v1 import generate_pb2
-from tests.fake_generation_server import NORMAL_CHUNKS, STATS, FakeGeneration, FakeServer
+from tests.fake_generation_server import DATA_PARALLEL_FIELDS, NORMAL_CHUNKS, STATS, FakeGeneration, FakeServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,11 +144,12 @@ def test_model_info_and_stats_mirror_the_server_responses(client):
     proto_fields = [field.name for field in generate_pb2.GetStatsResponse.DESCRIPTOR.fields]
     assert [field.name for field in dataclasses.fields(ServerStats)] == proto_fields  # no counter left behind
     counters = [(index + 1, field.name) for index, field in enumerate(generate_pb2.GetStatsResponse.DESCRIPTOR.fields)
-                if field.message_type is None]
+                if field.message_type is None and field.name not in DATA_PARALLEL_FIELDS]
     assert [getattr(stats, name) for _, name in counters] == [
         (position, position + 1) if generate_pb2.GetStatsResponse.DESCRIPTOR.fields_by_name[name].is_repeated
         else position for position, name in counters]
-    histograms = set(proto_fields) - {name for _, name in counters}
+    assert (stats.engines, stats.router_policy) == ((), "")  # a data-parallel front's (tests/test_data_parallel.py)
+    histograms = set(proto_fields) - {name for _, name in counters} - set(DATA_PARALLEL_FIELDS)
     assert histograms == {"time_to_first_token", "time_per_output_token", "e2e_request_latency",
                           "inter_token_latency", "request_queue_time", "request_prefill_time",
                           "request_decode_time", "request_inference_time", "request_prompt_tokens",

@@ -18,10 +18,13 @@ import pytest
 from gateway import main as gateway_main
 from gateway.config import GatewayConfig, gateway_config_from_args
 from pagedserve.cli import parse_args
+from pagedserve.engine_replicas import engine_replicas, front_argv
 from pagedserve.launcher import _gateway_argv, _scheduler_argv, worker_rank_argvs
 from scheduler_svc import main as scheduler_main
 from scheduler_svc.config import SchedulerConfig, scheduler_config_from_args
 from scheduler_svc.core.speculative_config import SpeculativeConfig
+from scheduler_svc.data_parallel import main as front_main
+from scheduler_svc.data_parallel.config import FrontConfig, front_config_from_args
 from service_runtime.config_flags import add_config_arguments, config_argv, flag, flag_of, flagged_fields
 from service_runtime.lora_modules import LoraModule
 from worker_svc import main as worker_main
@@ -59,10 +62,16 @@ EXAMPLES = {
         uvicorn_log_level="warning", log_requests=False, max_request_body_bytes=1000, enable_auto_tool_choice=True,
         tool_call_parser="hermes", reasoning_parser="qwen3", retry_after_s=3, shutdown_timeout=5.0,
         resume_timeout=10.0, grpc_api_key="grpc-key", grpc_root_cert="cert.pem"),
+    FrontConfig: FrontConfig(
+        engine_targets=("127.0.0.1:7001", "127.0.0.1:7002"), router_policy="least-load", router_load_bound=3,
+        host="0.0.0.0", port=6000, model="some/model", tokenizer="tok/dir", chat_template="{{ messages }}",
+        api_key="the-key", tls_cert_file="cert.pem", tls_key_file="key.pem", max_message_bytes=1000,
+        shutdown_timeout=5.0),
 }
 SERVICES = {WorkerConfig: (worker_main.add_arguments, worker_config_from_args),
             SchedulerConfig: (scheduler_main.add_arguments, scheduler_config_from_args),
-            GatewayConfig: (gateway_main.add_arguments, gateway_config_from_args)}
+            GatewayConfig: (gateway_main.add_arguments, gateway_config_from_args),
+            FrontConfig: (front_main.add_arguments, front_config_from_args)}
 
 
 @pytest.fixture(autouse=True)
@@ -157,6 +166,8 @@ def launched(config_class, args: argparse.Namespace):
         (argv,) = worker_rank_argvs(args, model_argv, "ipc://x", None)
     elif config_class is SchedulerConfig:
         argv = _scheduler_argv(args, model_argv, "ipc://x")
+    elif config_class is FrontConfig:
+        argv = front_argv(args, model_argv, engine_replicas(args, "/tmp", "ipc://x"))
     else:
         argv = _gateway_argv(args)
     return service_config(config_class, argv)
@@ -176,6 +187,7 @@ def test_every_shared_flag_given_to_serve_reaches_its_child_with_its_value(confi
     (WorkerConfig, []),
     (SchedulerConfig, ["model", "max_num_batched_tokens"]),  # the CPU's step budget (scheduler_svc/config.py)
     (GatewayConfig, []),
+    (FrontConfig, []),
 ], ids=lambda value: getattr(value, "__name__", ""))
 def test_serve_given_only_a_model_leaves_its_children_their_defaults(config_class, changed):
     child = launched(config_class, parse_args(["serve", "m"]))

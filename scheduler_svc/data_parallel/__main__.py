@@ -1,0 +1,5 @@
+import sys
+
+from scheduler_svc.data_parallel.main import main
+
+sys.exit(main())

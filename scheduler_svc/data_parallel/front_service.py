@@ -1,0 +1,232 @@
+"""The data-parallel front: the public pagedserve.v1.Generation service (and gRPC health), forwarding each call
+to one engine's scheduler.
+
+Who owns what: the front holds one channel per engine (EngineLink), the router's in-flight counts
+(router.py) and, for the prefix policy, a tokenizer for prompt heads (prefix_key.py); the engines hold every
+request's state. Requests and responses pass through as bytes (no deserializer either way): the engine
+validates and refuses exactly as it does alone, and the front reads a Generate request only to route it.
+
+- Generate: routed to one engine; its initial metadata (`pagedserve-accepted`), messages and final status
+  are relayed as they come. A client that goes away, or whose deadline passes, cancels the front's handler,
+  which cancels the engine's call: the engine aborts the request and frees its blocks.
+- Abort: sent to every serving engine (the front keeps no id -> engine table); aborted when any aborted.
+- ModelInfo, Tokenize, Detokenize: the first serving engine (every engine serves the same model and flags).
+- GetStats: every serving engine's, summed, and each beside the sums with the router's counts (engine_stats.py).
+- Health: NOT_SERVING until every engine has served once (start-up, so that a ready server routes over all of
+  them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
+  not serve (its scheduler restarting) gets no new request. On SIGTERM: NOT_SERVING, new calls UNAVAILABLE,
+  streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from protos.pagedserve.v1 import generate_pb2
+from scheduler_svc.api.grpc_server import SERVICE_NAME
+from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
+from scheduler_svc.data_parallel.config import FrontConfig
+from scheduler_svc.data_parallel.engine_stats import front_stats
+from scheduler_svc.data_parallel.prefix_key import prefix_key
+from scheduler_svc.data_parallel.router import Router
+from scheduler_svc.service import public_grpc_server
+from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from service_runtime.model_source import resolve_model
+
+logger = logging.getLogger(__name__)
+HEALTH_POLL_SECONDS = 0.25
+_HEALTH_TIMEOUT_S = 1.0
+_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
+_FORWARDED_UNARY = ("ModelInfo", "Tokenize", "Detokenize")
+
+
+class EngineLink:
+    """One engine as the front reaches it: a channel to its scheduler, raw-bytes callables of its methods, and
+    whether its health said SERVING at the last poll."""
+
+    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None) -> None:
+        self.target = target
+        self.channel = (grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS) if credentials is None
+                        else grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS))
+        self.generate = self.channel.unary_stream(f"/{SERVICE_NAME}/Generate")
+        self.unary = {name: self.channel.unary_unary(f"/{SERVICE_NAME}/{name}")
+                      for name in (*_FORWARDED_UNARY, "Abort", "GetStats")}
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self.serving = False
+
+    async def poll_health(self) -> bool:
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
+            self.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            self.serving = False
+        return self.serving
+
+
+class DataParallelFront:
+    def __init__(self, engines: list[EngineLink], router: Router, tokenizer: Tokenizer | None,
+                 engine_metadata: tuple[tuple[str, str], ...]) -> None:
+        self.engines = engines
+        self.router = router
+        self._tokenizer = tokenizer
+        self._metadata = engine_metadata  # the API key the engines require, sent on every forwarded call
+        self._block_size: int | None = None  # the engines' KV block size, from ModelInfo once they serve
+        self.started = False
+        self.draining = False
+
+    def serving_engines(self) -> list[int]:
+        return [index for index, engine in enumerate(self.engines) if engine.serving]
+
+    async def watch_engines(self, health: HealthServicer) -> None:
+        """Polls the engines' health for as long as the front runs, and sets the front's own."""
+        status = None
+        while True:
+            await asyncio.gather(*(engine.poll_health() for engine in self.engines))
+            if not self.started and all(engine.serving for engine in self.engines):
+                with contextlib.suppress(grpc.RpcError):
+                    info = generate_pb2.ModelInfoResponse.FromString(
+                        await self.engines[0].unary["ModelInfo"](b"", metadata=self._metadata, timeout=5.0))
+                    self._block_size, self.started = info.block_size, True
+            serving = self.started and not self.draining and bool(self.serving_engines())
+            new_status = (health_pb2.HealthCheckResponse.SERVING if serving
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+            if new_status != status:
+                status = new_status
+                await health.set("", status)
+                await health.set(SERVICE_NAME, status)
+            await asyncio.sleep(HEALTH_POLL_SECONDS)
+
+    def _refusal(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        if not self.started:
+            return "the server is starting: the engines are not ready yet"
+        if not self.serving_engines():
+            return "no engine is serving (their schedulers are restarting)"
+        return None
+
+    async def Generate(self, request: bytes, context: grpc.aio.ServicerContext):
+        if (refusal := self._refusal()) is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        key = await self._prefix_key(request) if self.router.policy == "prefix" else None
+        candidates = self.serving_engines() or list(range(len(self.engines)))
+        engine = self.router.route(key, candidates)
+        call = self.engines[engine].generate(request, metadata=self._metadata, timeout=context.time_remaining())
+        try:
+            headers = await call.initial_metadata()
+            if headers:
+                await context.send_initial_metadata(tuple(headers))
+            async for message in call:
+                yield message
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+        finally:
+            call.cancel()  # a no-op once the engine's call ended; else the engine aborts the request
+            self.router.release(engine)
+
+    async def _prefix_key(self, request: bytes) -> bytes | None:
+        try:
+            parsed = generate_pb2.GenerateRequest.FromString(request)
+        except Exception:  # malformed: the engine refuses it with INVALID_ARGUMENT
+            return None
+        if prompt_chars(parsed.text, parsed.chat) > OFF_LOOP_PROMPT_CHARS:  # a large chat renders on a thread
+            return await asyncio.to_thread(prefix_key, parsed, self._tokenizer, self._block_size or 16)
+        return prefix_key(parsed, self._tokenizer, self._block_size or 16)
+
+    async def forward_unary(self, name: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        candidates = self.serving_engines()
+        if not candidates:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal() or "no engine is serving")
+        try:
+            return await self.engines[candidates[0]].unary[name](request, metadata=self._metadata,
+                                                                  timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+
+    async def Abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        replies = await self._each_serving("Abort", request, context)
+        aborted = any(generate_pb2.AbortResponse.FromString(reply).aborted for reply in replies.values())
+        return generate_pb2.AbortResponse(aborted=aborted).SerializeToString()
+
+    async def GetStats(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        replies = await self._each_serving("GetStats", request, context)
+        per_engine = {engine: generate_pb2.GetStatsResponse.FromString(reply) for engine, reply in replies.items()}
+        router = self.router
+        return front_stats(per_engine, router.routed, router.in_flight, router.policy).SerializeToString()
+
+    async def _each_serving(self, name: str, request: bytes, context: grpc.aio.ServicerContext) -> dict[int, bytes]:
+        """The replies of every serving engine that answered, by engine index; UNAVAILABLE when none did, the
+        first engine's error when each refused (a malformed request: INVALID_ARGUMENT)."""
+        indices = self.serving_engines()
+        results = await asyncio.gather(*(self.engines[index].unary[name](request, metadata=self._metadata,
+                                                                         timeout=5.0)
+                                         for index in indices), return_exceptions=True)
+        replies = {index: result for index, result in zip(indices, results) if isinstance(result, bytes)}
+        if not replies:
+            errors = [result for result in results if isinstance(result, grpc.aio.AioRpcError)]
+            if errors and errors[0].code() != grpc.StatusCode.UNAVAILABLE:
+                await context.abort(errors[0].code(), errors[0].details() or "")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._refusal() or "no engine answered")
+        return replies
+
+
+def add_front_service(front: DataParallelFront, server: grpc.aio.Server) -> None:
+    """The Generation service's methods, bytes in and bytes out."""
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(front.Generate),
+                "Abort": grpc.unary_unary_rpc_method_handler(front.Abort),
+                "GetStats": grpc.unary_unary_rpc_method_handler(front.GetStats)}
+    for name in _FORWARDED_UNARY:
+        async def forward(request, context, name=name):
+            return await front.forward_unary(name, request, context)
+        handlers[name] = grpc.unary_unary_rpc_method_handler(forward)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+async def run_front(config: FrontConfig) -> int:
+    tokenizer = None
+    if config.router_policy == "prefix" and config.model is not None:
+        model_path = resolve_model(config.model).path
+        tokenizer = load_tokenizer(model_path if config.tokenizer is None else resolve_model(config.tokenizer).path,
+                                   config.chat_template)
+    credentials = None
+    if config.tls_cert_file:
+        with open(config.tls_cert_file, "rb") as cert:
+            credentials = grpc.ssl_channel_credentials(root_certificates=cert.read())
+    engines = [EngineLink(target, credentials) for target in config.engine_targets]
+    metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else ()
+    front = DataParallelFront(engines, Router(config.router_policy, len(engines), config.router_load_bound),
+                              tokenizer, metadata)
+    health = HealthServicer()
+    await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    server, address = public_grpc_server(config)
+    add_front_service(front, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    await server.start()
+    logger.info("gRPC listening on %s; routing (%s) over %d engines: %s", address, config.router_policy,
+                len(engines), ", ".join(config.engine_targets))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    watching = asyncio.ensure_future(front.watch_engines(health))
+    try:
+        await stop.wait()
+        front.draining = True
+        deadline = loop.time() + config.shutdown_timeout + 5.0  # the engines drain for shutdown_timeout
+        while sum(front.router.in_flight) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return 0
+    finally:
+        watching.cancel()
+        await server.stop(grace=1.0)
+        for engine in engines:
+            await engine.channel.close()

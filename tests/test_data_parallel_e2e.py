@@ -1,0 +1,152 @@
+"""Data parallel through the real processes (`pagedserve serve -dp 2`: a front, two schedulers, a worker each,
+on the CPU): concurrent requests get the greedy tokens of a single engine (transformers' here), different
+prefixes spread over both engines while requests sharing a long prefix all go to one, whose prefix cache serves
+them; a client's cancel reaches the engine; a killed worker of one engine is replaced and its streams finish
+token-exact while the front keeps serving; `-dp 2` starts one front and `-dp 1` none. The router's policies
+alone, and the front before stand-in schedulers: tests/test_data_parallel_router.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pagedserve.testing.hf_reference import hf_greedy
+from pagedserve.testing.server_harness import running_server
+from pagedserve.testing.tiny_models import make_tiny_model
+from tests.stream_watch import HealthWatch, StreamWatch
+
+MAX_TOKENS = 12
+RECOVERY_TOKENS = 200  # long enough that engine 0's streams are still running when its worker is killed
+FRONT_MODULE = "scheduler_svc.data_parallel"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models"), "llama", seed=11)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("dp2"), "--model", str(model), "-dp", "2", "--max-model-len",
+                        "512") as running:
+        yield running
+
+
+def _generate_all(server, prompts, **sampling) -> list:
+    sampling = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) | sampling
+
+    def one(prompt):
+        with server.client() as client:
+            return client.generate(prompt, **sampling)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def _engines(server):
+    with server.client() as client:
+        return client.stats().engines
+
+
+def _command_lines(pids: list[int]) -> list[str]:
+    lines = []
+    for pid in pids:
+        try:
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return lines
+
+
+def test_dp2_starts_one_front_and_two_engines(server):
+    commands = _command_lines(server.children)
+    assert sum(f"-m {FRONT_MODULE} " in command for command in commands) == 1
+    assert sum("-m scheduler_svc " in command for command in commands) == 2
+    assert sum("-m worker_svc " in command for command in commands) == 2
+    assert [entry.engine for entry in _engines(server)] == [0, 1]
+
+
+def test_concurrent_requests_get_a_single_engines_greedy_tokens_and_spread_over_both(server, model):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 40))] for _ in range(10)]
+    before = [entry.routed_requests for entry in _engines(server)]
+    results = _generate_all(server, prompts)
+    for prompt, result in zip(prompts, results):
+        assert list(result.token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
+    routed = [entry.routed_requests - earlier for entry, earlier in zip(_engines(server), before)]
+    assert sum(routed) == 10 and min(routed) >= 2, f"different prefixes should spread over both engines: {routed}"
+
+
+def test_requests_sharing_a_long_prefix_all_go_to_one_engine_whose_cache_serves_them(server, model):
+    rng = random.Random(6)
+    prefix = [rng.randrange(512) for _ in range(48)]  # three 16-token blocks
+    prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(1, 12))] for _ in range(6)]
+    before = _engines(server)
+    first = _generate_all(server, prompts[:1])  # fills one engine's prefix cache
+    rest = _generate_all(server, prompts[1:])  # 5 in flight at once: within the default load bound (16)
+    after = server.wait_all_blocks_free()
+    for prompt, result in zip(prompts, first + rest):
+        assert list(result.token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
+    routed = [now.routed_requests - then.routed_requests for now, then in zip(after.engines, before)]
+    home = routed.index(6)
+    assert routed[1 - home] == 0
+    hits = [now.stats.prefix_cache_hit_tokens - then.stats.prefix_cache_hit_tokens
+            for now, then in zip(after.engines, before)]
+    assert hits[home] >= 5 * 48 and hits[1 - home] == 0
+
+
+def test_a_client_cancel_through_the_front_ends_the_engines_request(server):
+    with server.client() as client:
+        stream = client.generate_stream(list(range(1, 30)), max_tokens=400, temperature=0.0, ignore_eos=True)
+        for _ in range(3):
+            next(stream)
+        running = [entry.stats.num_running for entry in client.stats().engines]
+        assert sorted(running) == [0, 1]
+        stream.close()
+        deadline = time.monotonic() + 10
+        while (stats := client.stats()).num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert [entry.stats.num_running for entry in stats.engines] == [0, 0]
+    assert all(entry.in_flight_requests == 0 for entry in stats.engines)
+    stats = server.wait_all_blocks_free()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert stats.num_finished_abort >= 1
+
+
+def test_a_killed_worker_of_one_engine_is_replaced_while_the_front_keeps_serving(server, model):
+    """Each engine keeps its own crash recovery: its streams resume token-exact, and the other engine serves on."""
+    health = HealthWatch(server.target)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(512) for _ in range(20)] for _ in range(6)]
+    streams = [StreamWatch(server.target, prompt, max_tokens=RECOVERY_TOKENS, temperature=0.0, ignore_eos=True)
+               for prompt in prompts]
+    for stream in streams:
+        assert stream.first_chunk.wait(120), "a stream got no first chunk"
+    (engine_0_worker,) = [pid for pid, command in zip(server.children, _command_lines(server.children))
+                          if "-m worker_svc " in command and "workers-0.sock" in command]
+    os.kill(engine_0_worker, signal.SIGKILL)
+    for stream in streams:
+        stream.join(timeout=180)
+    health.close()
+    assert [stream.error for stream in streams] == [None] * len(prompts)
+    for prompt, stream in zip(prompts, streams):
+        assert [token for chunk in stream.chunks for token in chunk.token_ids] == hf_greedy(model, prompt,
+                                                                                             RECOVERY_TOKENS)
+    assert "NOT_SERVING" not in health.statuses, health.statuses
+    log = server.log()
+    assert "the engine 0 worker rank 0 exited" in log and "restarting the workers" in log
+
+
+def test_dp1_keeps_todays_layout_with_no_front(model, tmp_path):
+    with running_server(tmp_path, "--model", str(model), "-dp", "1", "--max-model-len", "512") as lone:
+        commands = _command_lines(lone.children)
+        assert not any(FRONT_MODULE in command for command in commands)
+        assert sum("-m scheduler_svc " in command for command in commands) == 1
+        with lone.client() as client:
+            assert client.stats().engines == ()
