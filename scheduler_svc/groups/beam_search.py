@@ -134,6 +134,7 @@ class BeamSearch(RequestGroup):
                 priority=source.priority,
                 num_beam_candidates=self._num_candidates,
                 lora_name=source.lora_name,
+                lora_path=source.lora_path,
                 lora_slot=source.lora_slot,
             )
             # Forks come before the parent's own append: the child shares what the parent has computed.

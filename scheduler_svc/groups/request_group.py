@@ -201,6 +201,7 @@ class ParallelSampling(RequestGroup):
                 eos_token_ids=self.root.eos_token_ids,
                 priority=self.root.priority,
                 lora_name=self.root.lora_name,
+                lora_path=self.root.lora_path,
                 lora_slot=self.root.lora_slot,
             )
             self._children.append(child)
