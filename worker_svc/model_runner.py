@@ -15,8 +15,8 @@ the layers `load_model` builds (and so into every path the dispatcher runs); a d
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
 dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
-lora_loads before the forward: lora_adapters.py; each step's slots reach the layers in the attention metadata). Tests that need faults wrap the runner (fault_injection.py);
-a serving runner has no fault hook.
+lora_loads before the forward: lora_adapters.py; each step's slots reach the layers in the attention
+metadata). Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
 """
 
 from __future__ import annotations
