@@ -81,7 +81,7 @@ class LoraAdapterSlots:
 
     def read(self, adapters: list[worker_pb2.LoraAdapterSetup]) -> None:
         """Reads the adapters of --lora-modules at setup (refusing one the model cannot serve) and keeps the
-        first --max-cpu-loras of them in host memory."""
+        last --max-cpu-loras of them in host memory."""
         for adapter in adapters:
             self._host_adapter(adapter.name, adapter.path)
 

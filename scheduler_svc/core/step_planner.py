@@ -37,6 +37,9 @@ Policy, per step:
    distinct adapters (the base model does not count); one that would exceed it cannot start, so it waits at
    the head like one without blocks (the same argument: the running requests of other adapters only drain,
    and (0) preempts idle ones in its way), and the adapters of the running requests bound every step's.
+   A request getting a worker row runs in its adapter's GPU slot, loaded by the plan if the workers do not hold
+   it (`lora_slots.py`: a free slot, else the least recently used one no running request uses; one always
+   exists, by the bound above).
 
 3. Speculative decoding (with a SpeculativeConfig, and only while at most disable_by_batch_size requests run):
    last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
