@@ -5,8 +5,8 @@ Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/compl
 --allow-runtime-lora-updating), /tokenize and /detokenize (all behind `--api-key` when set), GET /health and
 /ping (200 once the scheduler is SERVING, else 503: the readiness probe), GET /version and GET /metrics
 (Prometheus; open, as probes and scrapers carry no key). Every response echoes the request id in `X-Request-Id`
-(request_ids.py). Everything the app uses hangs
-off the one Backend made here, so two apps in one process (tests) share nothing.
+(request_ids.py). Everything the app uses hangs off the one Backend made here, so two apps in one process (tests)
+share nothing.
 """
 
 from __future__ import annotations
