@@ -23,6 +23,7 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from scheduler_svc.api.lora_registry import LoraRefused, LoraRegistry
 
 MAX_TOKENS = 8
+LONG = 200  # the request in flight while its adapter is unloaded
 ADAPTERS = {  # name: (rank, targets, extra config): other targets each, so a slot left dirty shows
     "attn": (4, ["q_proj", "k_proj", "v_proj", "o_proj"], {}),
     "mlp": (8, ["gate_proj", "up_proj", "down_proj"], {"use_rslora": True}),
@@ -115,12 +116,13 @@ def test_unloading_lets_the_request_in_flight_finish_and_new_ones_are_not_found(
     model, adapters = llama
     with server.client() as client:
         client.load_lora_adapter("gone", str(adapters["mlp"]))
-        stream = client.generate_stream(PROMPTS[0], max_tokens=40, temperature=0.0, ignore_eos=True,
+        stream = client.generate_stream(PROMPTS[0], max_tokens=LONG, temperature=0.0, ignore_eos=True,
                                         lora_name="gone")
         tokens = list(next(stream).token_ids)  # running now
         client.unload_lora_adapter("gone")
+        assert client.stats().num_running == 1  # unloaded while it runs (LONG tokens take far longer than this)
         tokens += [token for chunk in stream for token in chunk.token_ids]
-        assert tokens == peft_greedy(model, adapters["mlp"], PROMPTS[0], 40)
+        assert tokens == peft_greedy(model, adapters["mlp"], PROMPTS[0], LONG)
         with pytest.raises(NotFoundError, match="'gone'"):
             client.generate(PROMPTS[0], max_tokens=2, lora_name="gone")
         with pytest.raises(NotFoundError, match="'gone'"):
