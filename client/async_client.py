@@ -124,6 +124,16 @@ class AsyncClient:
         request = generate_pb2.DetokenizeRequest(token_ids=list(token_ids))
         return (await self._call(self._generation.Detokenize, request)).text
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serves the PEFT adapter at `lora_path` (as the server sees it) as `lora_name` from now on (a server
+        started with --allow-runtime-lora-updating). InvalidRequestError: refused (its config, a name served)."""
+        await self._call(self._generation.LoadLoraAdapter,
+                         generate_pb2.LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path))
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stops serving `lora_name` (its requests in flight finish). NotFoundError: not served."""
+        await self._call(self._generation.UnloadLoraAdapter, generate_pb2.UnloadLoraAdapterRequest(lora_name=lora_name))
+
     async def stats(self) -> ServerStats:
         return ServerStats.from_response(await self._call(self._generation.GetStats, generate_pb2.GetStatsRequest()))
 

@@ -1,10 +1,12 @@
 """The gateway's FastAPI application: routes, the API-key check, and every failure in OpenAI's error shape.
 
-Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, /tokenize and
-/detokenize (all behind `--api-key` when set), GET /health and /ping (200 once the scheduler is SERVING, else
-503: the readiness probe), GET /version and GET /metrics (Prometheus; open, as probes and scrapers carry no
-key). Every response echoes the request id in `X-Request-Id` (request_ids.py). Everything the app uses hangs
-off the one Backend made here, so two apps in one process (tests) share nothing.
+Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter (the scheduler refuses them without
+--allow-runtime-lora-updating), /tokenize and /detokenize (all behind `--api-key` when set), GET /health and
+/ping (200 once the scheduler is SERVING, else 503: the readiness probe), GET /version and GET /metrics
+(Prometheus; open, as probes and scrapers carry no key). Every response echoes the request id in `X-Request-Id`
+(request_ids.py). Everything the app uses hangs off the one Backend made here, so two apps in one process (tests)
+share nothing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from client.errors import PagedServeError
@@ -27,7 +29,8 @@ from gateway.draining import DrainGate, DrainState
 from gateway.errors import OpenAIError, invalid_api_key, invalid_request
 from gateway.metrics import CONTENT_TYPE, render_metrics
 from gateway.model_card import model_card, model_cards
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from gateway.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                              TokenizeRequest, UnloadLoRAAdapterRequest)
 from gateway.request_ids import RequestIdEcho
 from gateway.streaming import ClientDisconnected
 from gateway.tokenization import detokenize, tokenize
@@ -70,6 +73,16 @@ def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, backend, config)
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        await backend.client.load_lora_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        await backend.client.unload_lora_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     app.include_router(v1)
     # vLLM serves these at the root, not under /v1; they need the key as /v1 does.

@@ -74,6 +74,8 @@ def from_scheduler_error(error: PagedServeError, retry_after_s: int) -> OpenAIEr
     if error.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return OpenAIError(503, f"the model server is not available: {details}", type="service_unavailable_error",
                            code="service_unavailable", retry_after_s=retry_after_s)
+    if error.code == grpc.StatusCode.FAILED_PRECONDITION:  # runtime LoRA updates without their flag
+        return invalid_request(details)
     if error.code == grpc.StatusCode.NOT_FOUND:  # a LoRA adapter gone since the gateway looked (ModelInfo)
         return OpenAIError(404, f"the requested model does not exist: {details}", type="invalid_request_error",
                            param="model", code="model_not_found")

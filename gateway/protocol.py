@@ -246,3 +246,17 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Int32]
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at `lora_path` as the model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter (`lora_int_id` is vLLM's, accepted and unused: names select adapters)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

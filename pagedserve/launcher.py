@@ -347,7 +347,8 @@ def refuse_unservable_adapters(args) -> None:
     starts (a worker would refuse them later, but only after loading the model; it still checks the adapters'
     tensors against the model)."""
     refusal = lora_flags_refusal(args.enable_lora, tuple(args.lora_modules or ()), args.max_loras, args.max_lora_rank,
-                                 args.max_cpu_loras, args.speculative_config is not None)
+                                 args.max_cpu_loras, args.speculative_config is not None,
+                                 args.allow_runtime_lora_updating)
     if refusal is not None:
         raise SystemExit(f"pagedserve: {refusal}")
     if args.enable_lora and args.batch_invariant:

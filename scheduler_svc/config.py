@@ -199,9 +199,10 @@ class SchedulerConfig:
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8}, or {"method": '
              '"draft_model", "model": DIR, "num_speculative_tokens": 3} (docs/speculative_decoding.md)')
-    # Multi-LoRA (docs/lora.md), vLLM's flags: the adapters (all loaded by the workers at start, WorkerSetup.
-    # lora_adapters; a request names one by `lora_name`), the most distinct adapters in one step, the rank they
-    # are padded to; --max-cpu-loras is accepted for vLLM's command lines (every adapter is loaded at start).
+    # Multi-LoRA (docs/lora.md), vLLM's flags: the adapters served from the start (a request names one by
+    # `lora_name`), the workers' GPU slots (--max-loras: also the most distinct adapters in one step), the rank
+    # they are padded to, the adapters each worker keeps in host memory; and whether adapters may be loaded and
+    # unloaded while serving (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING environment variable, as a flag).
     enable_lora: bool = flag("--enable-lora", default=False, switch="on",
                              help="serve LoRA adapters (--lora-modules) beside the base model (docs/lora.md)")
     lora_modules: tuple[LoraModule, ...] = flag(
@@ -210,14 +211,20 @@ class SchedulerConfig:
         help='PEFT LoRA adapters to serve: name=path, or vLLM\'s JSON {"name": ..., "path": ..., '
              '"base_model_name": ...}; requests select one by name (the OpenAI `model` field)')
     max_loras: int = flag("--max-loras", default=DEFAULT_MAX_LORAS,
-                          help="most distinct LoRA adapters in one step (the base model does not count); requests "
-                               "of other adapters wait, first come first served")
+                          help="LoRA adapters held on the GPU at once (slots, least recently used evicted), so the "
+                               "most distinct adapters in one step; requests of other adapters wait, first come "
+                               "first served")
     max_lora_rank: int = flag("--max-lora-rank", default=DEFAULT_MAX_LORA_RANK,
                               help="largest adapter rank served (every adapter is padded to it); a larger one is "
                                    "refused at start")
     max_cpu_loras: int | None = flag("--max-cpu-loras", default=None,
-                                     help="vLLM's adapter cache in host memory; accepted (at least --max-loras): "
-                                          "every adapter of --lora-modules is loaded at start")
+                                     help="LoRA adapters each worker keeps in host memory (least recently used "
+                                          "dropped), so a slot reloads them without the disk (default and "
+                                          "minimum: --max-loras)")
+    allow_runtime_lora_updating: bool = flag(
+        "--allow-runtime-lora-updating", default=False, switch="on",
+        help="allow loading and unloading LoRA adapters while serving (/v1/load_lora_adapter, "
+             "/v1/unload_lora_adapter); replaces vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
     # Access (see access.py): a key every RPC but health must carry (never on a command line `serve` builds: it
     # goes in the child's environment); TLS when both files are given.
     api_key: str | None = flag("--api-key", default=None, shared=False, forwarded=False,
@@ -281,7 +288,8 @@ class SchedulerConfig:
         --enable-lora beside --speculative-config, which the scheduler's start checks (the config itself may hold
         both: the flag tests set every field at once)."""
         return lora_flags_refusal(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
-                                  self.max_cpu_loras, with_speculation and self.speculative_config is not None)
+                                  self.max_cpu_loras, with_speculation and self.speculative_config is not None,
+                                  self.allow_runtime_lora_updating)
 
     @property
     def structured_outputs_disable_any_whitespace(self) -> bool:
@@ -296,12 +304,14 @@ class SchedulerConfig:
 
 
 def lora_flags_refusal(enable_lora: bool, lora_modules: tuple[LoraModule, ...], max_loras: int, max_lora_rank: int,
-                       max_cpu_loras: int | None, speculative: bool) -> str | None:
+                       max_cpu_loras: int | None, speculative: bool, allow_runtime_lora_updating: bool = False,
+                       ) -> str | None:
     """Why the LoRA flags cannot go together, or None (`serve` asks before any child starts; the adapters
     themselves are read by the launcher and the workers: service_runtime/lora_modules.py)."""
     given = [name for name, value, default in (
         ("--lora-modules", tuple(lora_modules), ()), ("--max-loras", max_loras, DEFAULT_MAX_LORAS),
-        ("--max-lora-rank", max_lora_rank, DEFAULT_MAX_LORA_RANK), ("--max-cpu-loras", max_cpu_loras, None))
+        ("--max-lora-rank", max_lora_rank, DEFAULT_MAX_LORA_RANK), ("--max-cpu-loras", max_cpu_loras, None),
+        ("--allow-runtime-lora-updating", allow_runtime_lora_updating, False))
         if value != default]
     if not enable_lora:
         return f"{', '.join(given)}: LoRA flags need --enable-lora" if given else None

@@ -129,7 +129,7 @@ class Engine:
             eos_token_ids=self._eos_token_ids,
             priority=priority,
             lora_name=validated.lora_name,
-            lora_slot=validated.lora_slot,
+            lora_path=validated.lora_path,
         )
         if validated.resume is not None:
             root.output_token_ids = list(validated.resume.token_ids)

@@ -26,6 +26,7 @@ from protos.pagedserve.v1 import worker_pb2
 from scheduler_svc.api.access import ApiKeyInterceptor, server_credentials
 from scheduler_svc.api.grpc_server import SERVICE_NAME, GenerationServicer, ServedModel, add_generation_service
 from scheduler_svc.api.grpc_server import grpc_receive_limit
+from scheduler_svc.api.lora_registry import LoraRegistry
 from scheduler_svc.api.request_limits import RequestLimits
 from scheduler_svc.api.request_validation import ServingLimits
 from scheduler_svc.config import SchedulerConfig
@@ -125,7 +126,10 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         servicer.start_serving(engine, ServedModel(model.name, limits, config.block_size, pool.num_kv_blocks,
                                                    pool.num_swap_blocks, eos_token_ids, config.max_queued_requests,
                                                    generation_defaults, pool.batch_invariant, pool.quantization,
-                                                   pool.kv_cache_dtype, config.enable_lora, config.lora_modules))
+                                                   pool.kv_cache_dtype,
+                                                   LoraRegistry(config.enable_lora, config.lora_modules,
+                                                                config.max_lora_rank,
+                                                                config.allow_runtime_lora_updating)))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)
@@ -287,6 +291,8 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
         lora_adapters=[worker_pb2.LoraAdapterSetup(name=module.name, path=module.path)
                        for module in config.lora_modules] if config.enable_lora else [],
         max_lora_rank=config.max_lora_rank if config.enable_lora else 0,
+        max_loras=config.max_loras if config.enable_lora else 0,
+        max_cpu_loras=(config.max_cpu_loras or config.max_loras) if config.enable_lora else 0,
     )
 
 

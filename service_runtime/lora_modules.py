@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -129,3 +130,29 @@ def adapters_refusal(modules: tuple[LoraModule, ...], max_lora_rank: int) -> str
         except (ValueError, OSError) as error:
             return str(error)
     return None
+
+
+_PEFT_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.weight$")
+
+
+def read_adapter_tensor_names(module: LoraModule, rank: int) -> None:
+    """Refuses (ValueError naming the adapter and the tensor) a weights file holding anything but LoRA A/B of the
+    served projections with the config's rank, from the safetensors header alone (8 bytes of length, then JSON):
+    a runtime load (`/v1/load_lora_adapter`) is refused before any worker reads it. Whether the model has each
+    module, and its sizes, only the worker knows (worker_svc/lora_adapters.py)."""
+    where = f"LoRA adapter {module.name!r} ({module.path})"
+    with open(os.path.join(module.path, ADAPTER_WEIGHTS), "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        try:
+            header = json.loads(file.read(header_size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ValueError(f"{where}: {ADAPTER_WEIGHTS} is not a safetensors file") from None
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        match = _PEFT_TENSOR.match(key)
+        if match is None or match["module"].rpartition(".")[2] not in SERVED_TARGETS:
+            raise ValueError(f"{where}: tensor {key!r} is not served (LoRA A/B of {', '.join(SERVED_TARGETS)} only)")
+        shape = entry.get("shape", [])
+        if len(shape) != 2 or shape[0 if match["kind"] == "lora_A" else 1] != rank:
+            raise ValueError(f"{where}: {key}: shape {shape} does not have rank {rank}")

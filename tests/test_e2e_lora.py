@@ -7,7 +7,6 @@ each in one line before the model loads (or, for a tensor the model has no layer
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import shutil
@@ -21,8 +20,7 @@ from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.testing.server_harness import http_json, running_server
 from pagedserve.testing.tiny_lora import make_tiny_adapter, peft_greedy
 from pagedserve.testing.tiny_models import make_tiny_model
-from scheduler_svc.api.grpc_server import LoraNotServed, ServedModel
-from scheduler_svc.api.request_validation import ServingLimits
+from scheduler_svc.api.lora_registry import LoraRefused, LoraRegistry
 from service_runtime.lora_modules import LoraModule
 from tests.test_model_refusals import _serve
 
@@ -146,16 +144,16 @@ def test_two_ranks_through_the_offline_llm_equal_peft(tmp_path):
 
 
 def test_a_lora_name_is_invalid_without_enable_lora_and_not_found_when_unknown():
-    """The gRPC edge's choice of status (ServedModel.lora_selection), without a server."""
-    served = ServedModel("m", ServingLimits(64, 512, 1024), 16, 4, 0, ())
-    assert served.lora_selection("") == (None, 0)
-    with pytest.raises(LoraNotServed, match="--enable-lora") as refused:
-        served.lora_selection("sql")
+    """The gRPC edge's choice of status (LoraRegistry.selection), without a server."""
+    registry = LoraRegistry()
+    assert registry.selection("") is None
+    with pytest.raises(LoraRefused, match="--enable-lora") as refused:
+        registry.selection("sql")
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    served = dataclasses.replace(served, enable_lora=True, lora_modules=(LoraModule("a", "/a"), LoraModule("b", "/b")))
-    assert served.lora_selection("b") == ("b", 2)
-    with pytest.raises(LoraNotServed, match="'sql'") as refused:
-        served.lora_selection("sql")
+    registry = LoraRegistry(enable_lora=True, modules=(LoraModule("a", "/a"), LoraModule("b", "/b")))
+    assert registry.selection("b") == LoraModule("b", "/b")
+    with pytest.raises(LoraRefused, match="'sql'") as refused:
+        registry.selection("sql")
     assert refused.value.code == grpc.StatusCode.NOT_FOUND
 
 

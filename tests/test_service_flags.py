@@ -55,7 +55,7 @@ EXAMPLES = {
         max_worker_restarts=1, heartbeat_grace=5.0, worker_ready_timeout=60.0,
         speculative_config=SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4, prompt_lookup_min=2,
                                              disable_by_batch_size=4),
-        enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=4,
+        enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=4, allow_runtime_lora_updating=True,
         lora_modules=(LoraModule("a", "/adapters/a"), LoraModule("b=c", "/adapters/b", base_model_name="base"))),
     GatewayConfig: GatewayConfig(
         grpc_target="10.0.0.1:6000", host="0.0.0.0", port=9000, api_key="the-key", served_model_name="mine",

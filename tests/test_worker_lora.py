@@ -1,10 +1,12 @@
 """Multi-LoRA on the worker: rows of three PEFT adapters (different ranks, targets, rsLoRA) and of the base model
-decode in one batch, each greedy token for token PEFT's `PeftModel` output; the adapters are refused at setup
-for what this slice cannot serve, naming the adapter and the key."""
+decode in one batch, each greedy token for token PEFT's `PeftModel` output; one GPU slot reloaded with adapters of
+other targets serves each exactly (nothing of the previous one is left), and from the host copy once the files are
+gone; the adapters are refused at setup for what this slice cannot serve, naming the adapter and the key."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -37,12 +39,34 @@ def served(request, tmp_path_factory):
     return model, adapters
 
 
-def make_worker(model, adapters, max_lora_rank=8) -> Worker:
+def make_worker(model, adapters, max_lora_rank=8, max_loras=3, max_cpu_loras=0) -> Worker:
+    """A worker with `max_loras` empty GPU slots that read `adapters` at setup (the --lora-modules ones)."""
     worker = Worker(WorkerConfig(scheduler_address="", model=str(model), num_kv_blocks=64, swap_space=0.01))
     worker.setup(worker_pb2.WorkerSetup(
         block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64, max_lora_rank=max_lora_rank,
+        max_loras=max_loras, max_cpu_loras=max_cpu_loras,
         lora_adapters=[worker_pb2.LoraAdapterSetup(name=name, path=str(path)) for name, path in adapters.items()]))
     return worker
+
+
+def loads(adapters: dict, first_slot: int = 1) -> list[worker_pb2.LoraLoad]:
+    return [worker_pb2.LoraLoad(slot=slot, name=name, path=str(path))
+            for slot, (name, path) in enumerate(adapters.items(), start=first_slot)]
+
+
+def decode(worker, requests: list[worker_pb2.NewRequest], lora_loads=()) -> dict[str, list[int]]:
+    """The rows' greedy tokens over MAX_TOKENS steps, the first plan loading `lora_loads`."""
+    outputs: dict[str, list[int]] = {new.request_id: [] for new in requests}
+    step = worker_pb2.StepPlan(new_requests=requests, lora_loads=list(lora_loads))
+    for _ in range(MAX_TOKENS):
+        sampled = worker.execute(step).sampled
+        for request_id, token in zip(sampled.request_ids, sampled.token_ids):
+            outputs[request_id].append(token)
+        step = worker_pb2.StepPlan(scheduled_requests=[
+            worker_pb2.ScheduledRequest(request_id=request_id, num_scheduled_tokens=1) for request_id in outputs])
+    step = worker_pb2.StepPlan(finished_request_ids=list(outputs))
+    worker.execute(step)
+    return outputs
 
 
 def new(request_id, tokens, slot, first_block) -> worker_pb2.NewRequest:
@@ -59,19 +83,28 @@ def test_adapters_and_the_base_model_interleaved_in_one_batch_equal_peft(served)
     worker = make_worker(model, adapters)
     names = [None, *adapters]
     requests = [new(f"r{i}", PROMPTS[i], slot=i, first_block=8 * i) for i in range(4)]
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(4)}
-    step = worker_pb2.StepPlan(new_requests=requests)
-    for _ in range(MAX_TOKENS):
-        sampled = worker.execute(step).sampled
-        for request_id, token in zip(sampled.request_ids, sampled.token_ids):
-            outputs[request_id].append(token)
-        step = worker_pb2.StepPlan(scheduled_requests=[
-            worker_pb2.ScheduledRequest(request_id=f"r{i}", num_scheduled_tokens=1) for i in range(4)])
+    outputs = decode(worker, requests, loads(adapters))
     expected = {f"r{i}": peft_greedy(model, None if names[i] is None else adapters[names[i]], PROMPTS[i], MAX_TOKENS)
                 for i in range(4)}
     assert outputs == expected
     base_alone = [peft_greedy(model, None, PROMPTS[i], MAX_TOKENS) for i in range(1, 4)]
     assert all(outputs[f"r{i}"] != base_alone[i - 1] for i in range(1, 4)), "an adapter changed nothing"
+
+
+def test_one_slot_reloaded_serves_each_adapter_exactly_and_reloads_from_host_memory(served, tmp_path):
+    """--max-loras 1: attn (q, v), then mlp (gate, up, down: nothing of attn may be left), then attn again from
+    the host copy (its files deleted); --max-cpu-loras 2 keeps both."""
+    model, adapters = served
+    attn = shutil.copytree(adapters["attn"], tmp_path / "attn")
+    worker = make_worker(model, {}, max_loras=1, max_cpu_loras=2)
+    expected = {name: peft_greedy(model, path, PROMPTS[1], MAX_TOKENS) for name, path in
+                (("attn", attn), ("mlp", adapters["mlp"]))}
+    for turn, name in enumerate(["attn", "mlp", "attn"]):
+        if turn == 2:
+            shutil.rmtree(attn)
+        load = worker_pb2.LoraLoad(slot=1, name=name, path=str(attn if name == "attn" else adapters["mlp"]))
+        outputs = decode(worker, [new(f"{name}{turn}", PROMPTS[1], slot=1, first_block=0)], [load])
+        assert outputs[f"{name}{turn}"] == expected[name], (turn, name)
 
 
 def test_lora_add_reference_adds_each_tokens_own_adapter_and_skips_slot_minus_one():
@@ -131,4 +164,4 @@ def test_steps_without_adapter_rows_carry_no_slots(served):
     assert base.lora_token_slots is None
     row = worker.batch.add(new("l", PROMPTS[2], 2, 8))
     mixed = worker.batch.build_inputs(np.asarray([0, row]), np.asarray([7, 5]))
-    assert mixed.lora_token_slots.tolist() == [-1] * 7 + [2] * 5
+    assert mixed.lora_token_slots.tolist() == [-1] * 7 + [1] * 5  # slot 2 is index 1 of the layers' stacks

@@ -1,25 +1,35 @@
-"""Loads the served LoRA adapters (WorkerSetup.lora_adapters) into the model's parallel linear layers, once, at setup.
+"""The worker's LoRA adapters: --max-loras GPU slots in every servable layer, and an LRU of adapters read into host
+memory (--max-cpu-loras), so that loading one again into a slot skips the disk.
 
-Who owns what: the model's layers hold the stacked weights afterwards (`LayerLora`, layers/layer_lora.py); this
-module only reads each PEFT adapter directory and places its tensors. Slot i + 1 is the i-th adapter (the
-scheduler's `lora_slot`), slot 0 stays zeros (the base model).
+Who owns what: the scheduler decides which adapter sits in which slot (scheduler_svc/core/lora_slots.py) and
+says so in the plan (`StepPlan.lora_loads`, applied before the step's forward pass: `load`); this object owns the
+host copies and writes the slots; the model's layers hold the stacked slots (`LayerLora`, layers/layer_lora.py),
+created at setup, zeros, for every served projection of every decoder layer (q|k|v, o, gate|up, down: an adapter
+loaded later may target any of them). Slot s (NewRequest.lora_slot s >= 1) is index s - 1 of the stacks; base
+tokens carry slot -1. A load is a copy on the step's own stream (ordered after the previous step's forward pass,
+which may still read the slot's old adapter); a side stream is not done yet.
 
 A PEFT weights file names its tensors after the HF modules: `base_model.model.model.layers.3.self_attn.q_proj
 .lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). q/k/v and gate/up go to their part of our fused
 projection (the model's `_fused_target`, as the checkpoint loader does), and every layer takes this rank's slice
 (layers/layer_lora.py says which). Layers an adapter leaves out (other modules, or other layers: PEFT's
-layers_to_transform) keep zeros for it.
+layers_to_transform) hold zeros for it.
 
 Refused, naming the adapter and what it cannot serve (a LoadRefused: the worker leaves with one line): keys the
 adapter config already refuses (service_runtime/lora_modules.py), a tensor for a module the model does not have,
 a tensor of any other kind (DoRA magnitudes, embeddings), shapes that do not match the model, and models whose
-decoder layers are not the Llama family's (llama.py: Llama, Mistral, Qwen2, Qwen3) with a gated MLP.
+decoder layers are not the Llama family's (llama.py: Llama, Mistral, Qwen2, Qwen3) with a gated MLP. The
+adapters of --lora-modules are read at setup (WorkerSetup.lora_adapters), so those refusals come before the
+server starts; one loaded at run time was checked by the scheduler (config, tensor names and ranks), and only a
+size mismatch with the model is left to fail here.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
@@ -36,33 +46,125 @@ from worker_svc.models.llama import DecoderLayer, LlamaForCausalLM
 _PEFT_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.weight$")
 
 
-def load_lora_adapters(model: torch.nn.Module, adapters: list[worker_pb2.LoraAdapterSetup], max_lora_rank: int,
-                       device: torch.device, dtype: torch.dtype) -> None:
-    """Gives every layer some adapter targets its `LayerLora` (all adapters stacked, padded with zeros to
-    `stack_rank(max_lora_rank)`: zeros add nothing)."""
-    _refuse_unserved_model(model)
-    padded_rank = stack_rank(max_lora_rank)
-    lora_add = lora_kernel(device, padded_rank)
-    num_slots = len(adapters) + 1
-    scalings = torch.zeros(num_slots, dtype=torch.float32)
-    stacks: dict[str, list[list[torch.Tensor]]] = {}  # layer name -> per part [A, B]
-    for slot, adapter in enumerate(adapters, start=1):
-        module = LoraModule(adapter.name, adapter.path)
+@dataclass(frozen=True)
+class HostAdapter:
+    """One adapter read and sliced for this rank, in host memory: `tensors` maps (layer name, part, "lora_A" or
+    "lora_B") to this rank's slice at the adapter's own rank (A [r, columns], B [rows, r])."""
+
+    scaling: float
+    rank: int
+    tensors: dict[tuple[str, int, str], torch.Tensor]
+
+
+class LoraAdapterSlots:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        _refuse_unserved_model(model)
+        self._model, self._device, self._dtype = model, device, dtype
+        self._max_lora_rank = max_lora_rank
+        self._max_cpu_loras = max(max_cpu_loras, 1)
+        self._pin = device.type == "cuda"
+        padded_rank = stack_rank(max_lora_rank)
+        lora_add = lora_kernel(device, padded_rank)
+        self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.layers: dict[str, LayerLora] = {}
+        for name, layer in servable_layers(model).items():
+            parts = []
+            for part in range(_num_parts(layer)):
+                _, rows = _output_rows(layer, part)
+                parts.append(LoraPart(
+                    layer_offset(layer, part), rows,
+                    torch.zeros(max_loras, padded_rank, _input_columns(layer)[1], device=device, dtype=dtype),
+                    torch.zeros(max_loras, rows, padded_rank, device=device, dtype=dtype)))
+            layer.lora = self.layers[name] = LayerLora(tuple(parts), self.scalings, lora_add)
+        self._host: OrderedDict[tuple[str, str], HostAdapter] = OrderedDict()
+
+    def read(self, adapters: list[worker_pb2.LoraAdapterSetup]) -> None:
+        """Reads the adapters of --lora-modules at setup (refusing one the model cannot serve) and keeps the
+        last --max-cpu-loras of them in host memory."""
+        for adapter in adapters:
+            self._host_adapter(adapter.name, adapter.path)
+
+    def load(self, loads: list[worker_pb2.LoraLoad]) -> None:
+        """Writes each adapter into its GPU slot (every layer's, zeros where it has no tensor)."""
+        for load in loads:
+            adapter = self._host_adapter(load.name, load.path)
+            index = load.slot - 1
+            self.scalings[index] = adapter.scaling
+            for name, layer_lora in self.layers.items():
+                for part_index, part in enumerate(layer_lora.parts):
+                    part.lora_a[index].zero_()
+                    part.lora_b[index].zero_()
+                    lora_a = adapter.tensors.get((name, part_index, "lora_A"))
+                    lora_b = adapter.tensors.get((name, part_index, "lora_B"))
+                    if lora_a is not None:
+                        part.lora_a[index, : adapter.rank].copy_(lora_a, non_blocking=self._pin)
+                    if lora_b is not None:
+                        part.lora_b[index, :, : adapter.rank].copy_(lora_b, non_blocking=self._pin)
+
+    def _host_adapter(self, name: str, path: str) -> HostAdapter:
+        """The adapter from the host LRU (moved to its end), else read from disk and cached (the least recently
+        used dropped beyond --max-cpu-loras)."""
+        key = (name, path)
+        adapter = self._host.get(key)
+        if adapter is not None:
+            self._host.move_to_end(key)
+            return adapter
+        adapter = self._read(name, path)
+        self._host[key] = adapter
+        while len(self._host) > self._max_cpu_loras:
+            self._host.popitem(last=False)
+        return adapter
+
+    def _read(self, name: str, path: str) -> HostAdapter:
         try:
-            config = read_adapter_config(module, max_lora_rank)
-        except ValueError as error:
+            config = read_adapter_config(LoraModule(name, path), self._max_lora_rank)
+        except (ValueError, OSError) as error:
             raise LoadRefused(str(error)) from None
-        scalings[slot] = config.scaling
-        weights = load_file(os.path.join(adapter.path, ADAPTER_WEIGHTS))
-        for key, tensor in weights.items():
-            _place(model, stacks, key, tensor, slot, num_slots, padded_rank, config.rank, adapter.name)
-    scalings = scalings.to(device)
-    for name, parts in stacks.items():
-        layer = model.get_submodule(name)
-        layer.lora = LayerLora(
-            tuple(LoraPart(layer_offset(layer, part), b.shape[1], a.to(device, dtype), b.to(device, dtype))
-                  for part, (a, b) in enumerate(parts)),
-            scalings, lora_add)
+        tensors = {}
+        for key, tensor in load_file(os.path.join(path, ADAPTER_WEIGHTS)).items():
+            layer_name, part, kind, sliced = self._slice(key, tensor, config.rank, name)
+            sliced = sliced.to(self._dtype).contiguous()
+            tensors[(layer_name, part, kind)] = sliced.pin_memory() if self._pin else sliced
+        return HostAdapter(config.scaling, config.rank, tensors)
+
+    def _slice(self, key: str, tensor: torch.Tensor, rank: int, adapter: str) -> tuple[str, int, str, torch.Tensor]:
+        """One PEFT tensor's layer, part and kind, and this rank's slice of it; LoadRefused if it fits nothing."""
+        match = _PEFT_KEY.match(key)
+        if match is None:
+            raise LoadRefused(f"LoRA adapter {adapter!r}: tensor {key!r} is not served (LoRA A/B of "
+                              f"{', '.join(SERVED_TARGETS)} only)")
+        hf_module, kind = match["module"], match["kind"]
+        target, part = self._model._fused_target(hf_module + ".weight")
+        layer_name = target.removesuffix(".weight")
+        layer = self._model.get_submodule(layer_name) if layer_name in self.layers else None
+        if hf_module.rpartition(".")[2] not in SERVED_TARGETS or layer is None:
+            raise LoadRefused(f"LoRA adapter {adapter!r}: target module {hf_module!r}: the model has no such "
+                              f"projection (LoRA is served on {', '.join(SERVED_TARGETS)})")
+        rank_axis = tensor.shape[0] if kind == "lora_A" else tensor.shape[-1]
+        if tensor.dim() != 2 or rank_axis != rank:
+            raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: shape {list(tensor.shape)} does not have rank {rank}")
+        if kind == "lora_A":
+            start, columns = _input_columns(layer)
+            if tensor.shape[1] != _full_input_size(layer):
+                raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: {tensor.shape[1]} input features, the model's "
+                                  f"projection has {_full_input_size(layer)}")
+            return layer_name, part, kind, tensor[:, start : start + columns]
+        start, rows = _output_rows(layer, part)
+        if tensor.shape[0] < start + rows:
+            raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: {tensor.shape[0]} output features do not match "
+                              "the model's projection")
+        return layer_name, part, kind, tensor[start : start + rows]
+
+
+def servable_layers(model: LlamaForCausalLM) -> dict[str, torch.nn.Module]:
+    """Every decoder layer's projections an adapter may target, by module name (our fused names: qkv_proj,
+    o_proj, gate_up_proj, down_proj)."""
+    fused = {source.rpartition(".")[2]: target.rpartition(".")[2] for source, (target, _) in
+             model._fused_slices().items()}
+    names = {fused.get(target, target) for target in SERVED_TARGETS}
+    return {name: module for name, module in model.named_modules()
+            if name.rpartition(".")[2] in names and isinstance(module, (ColumnParallelLinear, RowParallelLinear))}
 
 
 def stack_rank(max_lora_rank: int) -> int:
@@ -95,52 +197,8 @@ def _refuse_unserved_model(model: torch.nn.Module) -> None:
                           f"Qwen2, Qwen3), not on {type(model).__name__}")
 
 
-def _place(model: LlamaForCausalLM, stacks: dict, key: str, tensor: torch.Tensor, slot: int, num_slots: int,
-           max_rank: int, rank: int, adapter: str) -> None:
-    """Copies one PEFT tensor into its layer's stack (created, zeros, on first use), this rank's slice of it."""
-    match = _PEFT_KEY.match(key)
-    if match is None:
-        raise LoadRefused(f"LoRA adapter {adapter!r}: tensor {key!r} is not served (LoRA A/B of "
-                          f"{', '.join(SERVED_TARGETS)} only)")
-    hf_module, kind = match["module"], match["kind"]
-    target, part = model._fused_target(hf_module + ".weight")
-    layer_name = target.removesuffix(".weight")
-    try:
-        layer = model.get_submodule(layer_name)
-    except AttributeError:
-        layer = None
-    if hf_module.rpartition(".")[2] not in SERVED_TARGETS or not isinstance(
-            layer, (ColumnParallelLinear, RowParallelLinear)):
-        raise LoadRefused(f"LoRA adapter {adapter!r}: target module {hf_module!r}: the model has no such "
-                          f"projection (LoRA is served on {', '.join(SERVED_TARGETS)})")
-    parts = stacks.setdefault(layer_name, [_zero_stack(layer, part, num_slots, max_rank)
-                                           for part in range(_num_parts(layer))])
-    lora_a, lora_b = parts[part]
-    expected_rank_axis = tensor.shape[0] if kind == "lora_A" else tensor.shape[1]
-    if tensor.dim() != 2 or expected_rank_axis != rank:
-        raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: shape {list(tensor.shape)} does not have rank {rank}")
-    if kind == "lora_A":
-        columns = _input_columns(layer)
-        if tensor.shape[1] != _full_input_size(layer):
-            raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: {tensor.shape[1]} input features, the model's "
-                              f"projection has {_full_input_size(layer)}")
-        lora_a[slot, :rank] = tensor[:, columns[0] : columns[0] + columns[1]]
-    else:
-        start, rows = _output_rows(layer, part)
-        if tensor.shape[0] < start + rows:
-            raise LoadRefused(f"LoRA adapter {adapter!r}: {key}: {tensor.shape[0]} output features do not match "
-                              "the model's projection")
-        lora_b[slot, :, :rank] = tensor[start : start + rows]
-
-
 def _num_parts(layer) -> int:
     return len(layer.shards) if isinstance(layer, ColumnParallelLinear) else 1
-
-
-def _zero_stack(layer, part: int, num_slots: int, max_rank: int) -> list[torch.Tensor]:
-    """[A, B] of zeros for every slot: A [slots, R, this rank's input], B [slots, this rank's part rows, R]."""
-    _, rows = _output_rows(layer, part)
-    return [torch.zeros(num_slots, max_rank, _input_columns(layer)[1]), torch.zeros(num_slots, rows, max_rank)]
 
 
 def _output_rows(layer, part: int) -> tuple[int, int]:

@@ -14,9 +14,9 @@ Where features plug in, each without a branch in the worker's step: a quantized 
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
 dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
-per-token inputs the runner passes to the model (loaded into the layers at setup: lora_adapters.py; each step's
-slots reach the layers in the attention metadata). Tests that need faults wrap the runner (fault_injection.py);
-a serving runner has no fault hook.
+per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
+lora_loads before the forward: lora_adapters.py; each step's slots reach the layers in the attention
+metadata). Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.kv_cache_sizing import DraftPool, num_kv_blocks
-from worker_svc.lora_adapters import load_lora_adapters
+from worker_svc.lora_adapters import LoraAdapterSlots
 from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
@@ -116,6 +116,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         # Speculative decoding with a draft model: loaded at setup, which names it (WorkerSetup.draft_model).
         self.draft: DraftModel | None = None
+        # Multi-LoRA: the adapters' GPU slots and host copies (lora_adapters.py), made at setup with --max-loras.
+        self.lora_slots: LoraAdapterSlots | None = None
         self.graphs: GraphDispatcher | None = None
         self.device_busy = DeviceBusyClock(enabled=self.on_gpu)
         # Grammar bitmasks (5 MB a step for 256 rows of a 152k vocabulary) go up on a stream of their own.
@@ -132,10 +134,12 @@ class ModelRunner:
         config, tensor_parallel, device = self.config, self.tensor_parallel, self.device
         draft_pool = None
         block_bytes = bytes_per_block(self.model_config, setup.block_size, self.kv_dtype, tensor_parallel)
-        if setup.lora_adapters:  # before sizing: the stacked adapters take memory the KV pool cannot have
+        if setup.max_loras:  # before sizing: the adapters' GPU slots take memory the KV pool cannot have
             if setup.HasField("draft_model"):
                 raise LoadRefused("LoRA adapters cannot go with a draft model (speculative decoding)")
-            load_lora_adapters(self.model, list(setup.lora_adapters), setup.max_lora_rank, device, self.dtype)
+            self.lora_slots = LoraAdapterSlots(self.model, setup.max_loras, setup.max_lora_rank,
+                                               setup.max_cpu_loras or setup.max_loras, device, self.dtype)
+            self.lora_slots.read(list(setup.lora_adapters))
         if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
             self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
                                     make_attention_backend(config), self.layer_ops, tensor_parallel,
@@ -173,6 +177,13 @@ class ModelRunner:
             warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", config.rank, blocks, swap_blocks)
         return self.kv_cache
+
+    def load_loras(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's LoRA adapters into their GPU slots, on the step's stream, before its forward pass."""
+        if plan.lora_loads:
+            if self.lora_slots is None:
+                raise ValueError(f"step {plan.step_id}: LoRA loads for a worker set up without LoRA slots")
+            self.lora_slots.load(list(plan.lora_loads))
 
     def move_blocks(self, plan: worker_pb2.StepPlan) -> None:
         """A plan's block moves, in the order the scheduler relies on: out to the host, in, then copies."""

@@ -16,8 +16,8 @@ after the last kept one. A step with drafts is never overlapped (Worker.can_over
 PENDING_TOKEN: their drafts stay in place until verified.
 
 Multi-LoRA: a row keeps the adapter slot its NewRequest names (`lora_slot`, 0 the base model; a preempted
-request is sent again with the same slot), and a step with any adapter row gives each token its row's slot
-(`StepInputs.lora_token_slots`, -1 for base rows).
+request may come back in another slot), and a step with any adapter row gives each token its row's slot index
+(`StepInputs.lora_token_slots`: slot - 1, -1 for base rows).
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ class PersistentBatch:
         lora_token_slots = None
         if self.num_rows_with_lora and self.lora_slot[rows].any():
             slots = np.repeat(self.lora_slot[rows], num_scheduled)
-            lora_token_slots = np.where(slots == 0, -1, slots)
+            lora_token_slots = slots - 1  # slot s is index s - 1 of the layers' stacks; the base model's 0 is -1
         return StepInputs(
             rows=rows,
             input_ids=input_ids,

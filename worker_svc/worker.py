@@ -134,6 +134,7 @@ class Worker:
         for request_id in plan.preempted_request_ids:
             batch.remove(request_id)
         self.runner.move_blocks(plan)
+        self.runner.load_loras(plan)
         batch.grammars.prepare([new.sampling.structured_grammar for new in plan.new_requests
                                 if new.sampling.structured_grammar])
         rows = [batch.add(new) for new in plan.new_requests]

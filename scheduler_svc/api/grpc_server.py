@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from protos.pagedserve.v1 import generate_pb2, generate_pb2_grpc
 from scheduler_svc.api.delta_coalescing import coalesce, take_ready
+from scheduler_svc.api.lora_registry import LoraRefused, LoraRegistry
 from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.api.request_limits import RequestLimitError
 from scheduler_svc.api.request_validation import ServingLimits, validate_request
@@ -37,7 +38,6 @@ from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.metrics import fill_stats_response
 from scheduler_svc.text.output_stream import OutputDelta
 from scheduler_svc.text.tokenizer import Tokenizer
-from service_runtime.lora_modules import LoraModule
 from service_runtime.package_version import pagedserve_version
 
 _FINISH_REASONS = {
@@ -69,30 +69,9 @@ class ServedModel:
     batch_invariant: bool = False  # the workers run --batch-invariant
     quantization: str = ""  # the workers' linear layers' method ("" unquantized; vLLM's --quantization names)
     kv_cache_dtype: str = "auto"  # what the KV pool stores ("auto": the model's dtype; "fp8_e4m3")
-    # Multi-LoRA: whether --enable-lora is on, and the adapters served (--lora-modules, in slot order).
-    enable_lora: bool = False
-    lora_modules: tuple[LoraModule, ...] = ()
-
-    def lora_selection(self, lora_name: str) -> tuple[str | None, int]:
-        """A request's (adapter name, worker slot): (None, 0) for the base model. Raises LoraNotServed."""
-        if not lora_name:
-            return None, 0
-        if not self.enable_lora:
-            raise LoraNotServed(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"lora_name: LoRA is not enabled on this server (--enable-lora); got {lora_name!r}")
-        names = [module.name for module in self.lora_modules]
-        if lora_name not in names:
-            raise LoraNotServed(grpc.StatusCode.NOT_FOUND, f"lora_name: the LoRA adapter {lora_name!r} does not "
-                                f"exist (served: {', '.join(names) or 'none'})")
-        return lora_name, names.index(lora_name) + 1
-
-
-class LoraNotServed(Exception):
-    """A request naming an adapter the server does not serve: the gRPC status and the message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
+    # Multi-LoRA: the adapters served now (--lora-modules, and those loaded and unloaded at run time). The one
+    # mutable part of the model: the registry changes, the field never does.
+    loras: LoraRegistry = field(default_factory=LoraRegistry)
 
 
 class MalformedRequest:
@@ -182,8 +161,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if engine.is_in_flight(request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: a request with this id is in flight")
         try:
-            lora_name, lora_slot = model.lora_selection(request.lora_name)
-        except LoraNotServed as refusal:
+            adapter = model.loras.selection(request.lora_name)
+        except LoraRefused as refusal:
             await context.abort(refusal.code, str(refusal))
         if model.generation_defaults.values:  # --generation-config: unset sampling fields take the defaults
             request.sampling.CopyFrom(model.generation_defaults.apply(request.sampling))
@@ -196,8 +175,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 validated = validate_request(request, self._tokenizer, model.limits)
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        if lora_name is not None:
-            validated = dataclasses.replace(validated, lora_name=lora_name, lora_slot=lora_slot)
+        if adapter is not None:
+            validated = dataclasses.replace(validated, lora_name=adapter.name, lora_path=adapter.path)
         queue, seed = engine.submit(request_id, validated, request.priority)
         # A resumed stream's client already had the first message: the prompt is not echoed again.
         echo = request.return_prompt and validated.resume is None
@@ -259,8 +238,35 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             quantization=model.quantization,
             kv_cache_dtype=model.kv_cache_dtype,
             lora_adapters=[generate_pb2.LoraAdapterInfo(name=module.name, base_model_name=module.base_model_name or "")
-                           for module in model.lora_modules],
+                           for module in model.loras.modules],
         )
+
+    async def LoadLoraAdapter(self, request: generate_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext):
+        """vLLM's /v1/load_lora_adapter: the adapter is read and checked here; the workers load it into a GPU slot
+        when a request first needs it (the plan's lora_loads)."""
+        await _refuse_malformed(request, context)
+        model = await self._serving_model(context)
+        try:
+            model.loras.load(request.lora_name, request.lora_path)
+        except LoraRefused as refusal:
+            await context.abort(refusal.code, str(refusal))
+        return generate_pb2.LoadLoraAdapterResponse()
+
+    async def UnloadLoraAdapter(self, request: generate_pb2.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext):
+        """vLLM's /v1/unload_lora_adapter: new requests for it get NOT_FOUND, those in flight finish."""
+        await _refuse_malformed(request, context)
+        model = await self._serving_model(context)
+        try:
+            model.loras.unload(request.lora_name)
+        except LoraRefused as refusal:
+            await context.abort(refusal.code, str(refusal))
+        return generate_pb2.UnloadLoraAdapterResponse()
+
+    async def _serving_model(self, context: grpc.aio.ServicerContext) -> ServedModel:
+        if self._model is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the workers are not ready yet")
+        return self._model
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context: grpc.aio.ServicerContext):
         return await self._tokenizer_call(request, context, tokenize)

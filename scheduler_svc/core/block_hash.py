@@ -13,7 +13,8 @@ Why a cryptographic digest (BLAKE2b, 256 bits) and not Python's `hash()` or exac
   tuple hashes, so every dict lookup rehashes the whole chain. A digest is 32 bytes and hashes in O(block).
 
 A LoRA adapter changes every layer's K/V, so a request of an adapter starts its chain from the adapter's own root
-key (`adapter_root_key`, a digest of its name) instead of no parent: two adapters, or an adapter and the base
+key (`adapter_root_key`, a digest of its name and directory: an adapter unloaded and loaded again under the
+same name from elsewhere is another adapter) instead of no parent: two adapters, or an adapter and the base
 model, never share a block of the same prompt, and the base model's keys are what they were without LoRA.
 
 Token ids are packed as signed 64-bit integers, so any id a tokenizer produces fits; the byte order is the
@@ -39,7 +40,8 @@ def chain_block_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockK
     return digest.digest()
 
 
-def adapter_root_key(lora_name: str) -> BlockKey:
-    """The parent key of a LoRA adapter's first block: a digest of its name, in a domain of its own (no token
-    block hashes to it)."""
-    return hashlib.blake2b(lora_name.encode(), digest_size=_DIGEST_SIZE, person=b"pagedserve-lora").digest()
+def adapter_root_key(lora_name: str, lora_path: str) -> BlockKey:
+    """The parent key of a LoRA adapter's first block: a digest of its name and directory, in a domain of its
+    own (no token block hashes to it)."""
+    return hashlib.blake2b(f"{lora_name}\0{lora_path}".encode(), digest_size=_DIGEST_SIZE,
+                           person=b"pagedserve-lora").digest()

@@ -103,10 +103,12 @@ class Request:
     # older tokens is never used.
     proposed_draft_token_ids: tuple[int, ...] = ()
     proposed_after: int = -1
-    # Multi-LoRA: the adapter the request runs with (its name, and its worker slot: its place in --lora-modules
-    # plus one); None and 0: the base model. Part of its prefix-cache keys (block_manager.py); forked children,
-    # preemptions and worker recovery keep it.
+    # Multi-LoRA: the adapter the request runs with (its name and directory; None: the base model), part of its
+    # prefix-cache keys (block_manager.py); forked children, preemptions and worker recovery keep it. Its GPU
+    # slot (lora_slots.py; 0: none) is given by the planner whenever the request gets a worker row: fixed while
+    # it runs, possibly another after a preemption.
     lora_name: str | None = None
+    lora_path: str = ""
     lora_slot: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

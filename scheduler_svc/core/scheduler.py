@@ -340,6 +340,7 @@ class Scheduler:
         state.worker_rows.clear()
         state.unsent_token_ids.clear()
         state.reporting_in_flight.clear()
+        state.lora_slots.forget()  # the new workers hold no adapter: every slot assigned from now on is loaded
         self._unapplied.clear()
         self._finished_ids_to_report = []
         self._worker_cancels = []

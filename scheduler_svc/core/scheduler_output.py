@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler_svc.core.lora_slots import LoraLoadData
 from scheduler_svc.core.sampling_params import SamplingParams
 
 
@@ -38,7 +39,7 @@ class NewRequestData:
     num_beam_candidates: int = 0  # > 0: a beam row (return this many candidates, do not sample)
     num_prompt_tokens: int = 0  # the first num_prompt_tokens of token_ids are the prompt
     eos_token_ids: tuple[int, ...] = ()  # masked (with the stop ids) until min_tokens are generated
-    lora_slot: int = 0  # the LoRA adapter's worker slot (0: the base model); kept when resumed after preemption
+    lora_slot: int = 0  # the LoRA adapter's GPU slot (0: the base model); may change when resumed after preemption
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ class SchedulerOutput:
     # Speculative decoding with a draft model: > 0 asks the workers to propose this many draft tokens after the
     # step for each row that samples in it (the scheduler plans them as the next step's drafts).
     propose_draft_tokens: int = 0
+    # Multi-LoRA: adapters the workers load into GPU slots before this step's forward (lora_slots.py).
+    lora_loads: tuple[LoraLoadData, ...] = ()
 
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Request id -> tokens scheduled in this step, over new and already-running requests."""

@@ -15,6 +15,7 @@ theirs to keep together.
 - `awaiting_engine`: requests reported to the engine that cannot go on until it acts (a fan-out root to be
   forked and released, a beam row until its next token is appended). They are idle: no tokens to compute, even
   after a recompute preemption.
+- `lora_slots`: the GPU slot of each adapter the workers hold; a running request's adapter keeps its slot.
 - `held`: requests the engine keeps out of every step for now (suspects of a worker loss waiting for their
   turn to be recomputed). Idle as well; set only after a worker loss, when every request is waiting.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.lora_slots import LoraSlots
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.request_queue import RequestQueue
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
@@ -45,6 +47,11 @@ class SchedulerState:
     # their result is reported (the engine forks from what they computed).
     reporting_in_flight: set[str] = field(default_factory=set)
     num_preemptions: int = 0
+    # Multi-LoRA: which adapter sits in which of the workers' GPU slots (emptied after a worker loss).
+    lora_slots: LoraSlots = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.lora_slots = LoraSlots(self.limits.max_loras)
 
     def queue_of(self, request: Request) -> RequestQueue:
         return {

@@ -37,6 +37,9 @@ Policy, per step:
    distinct adapters (the base model does not count); one that would exceed it cannot start, so it waits at
    the head like one without blocks (the same argument: the running requests of other adapters only drain,
    and (0) preempts idle ones in its way), and the adapters of the running requests bound every step's.
+   A request getting a worker row runs in its adapter's GPU slot, loaded by the plan if the workers do not hold
+   it (`lora_slots.py`: a free slot, else the least recently used one no running request uses; one always
+   exists, by the bound above).
 
 3. Speculative decoding (with a SpeculativeConfig, and only while at most disable_by_batch_size requests run):
    last, with the budget nobody above took, each plain decode planned in (1) for a row the worker holds gets
@@ -74,6 +77,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.block_manager import SlotAllocation
+from scheduler_svc.core.lora_slots import LoraLoadData
 from scheduler_svc.core.ngram_proposer import propose_ngram_drafts
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.request_queue import scheduling_key
@@ -101,6 +105,7 @@ class _PlanInProgress:
     # Plain decodes of rows the worker holds, newest token known: (request, index in scheduled_requests), the
     # candidates for draft tokens (3).
     decodes: list[tuple[Request, int]] = field(default_factory=list)
+    lora_loads: list[LoraLoadData] = field(default_factory=list)
 
 
 class StepPlanner:
@@ -133,6 +138,7 @@ class StepPlanner:
             total_num_scheduled_tokens=self._limits.max_num_batched_tokens - in_progress.token_budget,
             completing_request_ids=tuple(in_progress.completing_request_ids),
             propose_draft_tokens=propose_draft_tokens,
+            lora_loads=tuple(in_progress.lora_loads),
         )
 
     # ---- (0) room for the first in line ------------------------------------------------------------------
@@ -302,8 +308,9 @@ class StepPlanner:
         """Whether the running requests would hold at most max_loras distinct adapters with `request` too."""
         if request.lora_name is None:
             return True
-        running = {r.lora_name for r in self._state.running if r.lora_name is not None}
-        return request.lora_name in running or len(running) < self._limits.max_loras
+        adapter = (request.lora_name, request.lora_path)
+        running = {(r.lora_name, r.lora_path) for r in self._state.running if r.lora_name is not None}
+        return adapter in running or len(running) < self._limits.max_loras
 
     def _admit(self, request: Request, in_progress: _PlanInProgress) -> bool:
         assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
@@ -424,6 +431,8 @@ class StepPlanner:
             return
         state.worker_rows.add(request_id)
         state.unsent_token_ids.pop(request_id, None)
+        if request.lora_name is not None:
+            self._assign_lora_slot(request, in_progress)
         in_progress.new_requests.append(
             NewRequestData(
                 request_id=request_id,
@@ -438,6 +447,14 @@ class StepPlanner:
                 lora_slot=request.lora_slot,
             )
         )
+
+    def _assign_lora_slot(self, request: Request, in_progress: _PlanInProgress) -> None:
+        """The slot of the adapter of a request getting a worker row (lora_slots.py), and its load if the
+        workers do not hold it yet: a free slot, else the LRU one no running request uses."""
+        in_use = {(r.lora_name, r.lora_path) for r in self._state.running if r.lora_name is not None}
+        request.lora_slot, load = self._state.lora_slots.assign((request.lora_name, request.lora_path), in_use)
+        if load is not None:
+            in_progress.lora_loads.append(load)
 
 
 def _proposed_drafts(request: Request, speculative: SpeculativeConfig, num_drafts: int) -> list[int]:

@@ -37,7 +37,7 @@ class ValidatedRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     resume: ResumedOutput | None = None  # None: a new request
-    # The LoRA adapter it runs with (GenerateRequest.lora_name, checked against --lora-modules) and its worker
-    # slot; None and 0: the base model.
+    # The LoRA adapter it runs with (GenerateRequest.lora_name, checked against the adapters served) and its
+    # directory; None and "": the base model.
     lora_name: str | None = None
-    lora_slot: int = 0
+    lora_path: str = ""

@@ -134,7 +134,7 @@ class BeamSearch(RequestGroup):
                 priority=source.priority,
                 num_beam_candidates=self._num_candidates,
                 lora_name=source.lora_name,
-                lora_slot=source.lora_slot,
+                lora_path=source.lora_path,
             )
             # Forks come before the parent's own append: the child shares what the parent has computed.
             self._add(child, parent.member_id, num_shared_tokens=source.num_computed_tokens)

@@ -201,7 +201,7 @@ class ParallelSampling(RequestGroup):
                 eos_token_ids=self.root.eos_token_ids,
                 priority=self.root.priority,
                 lora_name=self.root.lora_name,
-                lora_slot=self.root.lora_slot,
+                lora_path=self.root.lora_path,
             )
             self._children.append(child)
             self._streams[child.request_id] = OutputStream(child, self.context.tokenizer)

@@ -25,6 +25,8 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
     for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in), (plan.copy, output.copy)):
         for src, dst in pairs:
             moves.add(src=src, dst=dst)
+    for load in output.lora_loads:
+        plan.lora_loads.add(slot=load.slot, name=load.name, path=load.path)
     for new in output.new_requests:
         plan.new_requests.append(
             worker_pb2.NewRequest(

@@ -1,12 +1,13 @@
 """One parallel linear layer's LoRA adapters: every adapter's A and B for each fused part, stacked by slot.
 
 Why stacked by slot: a step mixes requests of several adapters and of the base model, and each token adds its
-own adapter's delta (`kernels/lora_ref.lora_add`), so a layer holds all adapters at once, indexed by the slot
-the token's row runs with. Slot 0 (the base model) is all zeros and never read: base tokens carry slot -1 and
-are skipped. Every adapter is padded with zeros to the server's --max-lora-rank (zeros add nothing).
+own adapter's delta (`kernels/lora_ref.lora_add`), so a layer holds --max-loras adapters at once, indexed by the
+slot the token's row runs with; base tokens carry slot -1 and are skipped. Every adapter is padded with zeros to
+the server's --max-lora-rank (zeros add nothing).
 
-Who owns it: the layer (`ColumnParallelLinear.lora`, `RowParallelLinear.lora`, None without LoRA), filled once
-at setup by worker_svc/lora_adapters.py; the per-token slots come with each step's attention metadata.
+Who owns it: the layer (`ColumnParallelLinear.lora`, `RowParallelLinear.lora`, None without LoRA), made at setup
+and written slot by slot as the plans load adapters (worker_svc/lora_adapters.py); the per-token slots come with
+each step's attention metadata.
 
 Tensor parallel, split the way the base layer is: a column-parallel layer holds, per fused part, A whole and
 this rank's rows of B (the part's output rows it computes); a row-parallel layer holds this rank's input columns
@@ -37,8 +38,8 @@ class LoraPart:
 
 @dataclass(frozen=True)
 class LayerLora:
-    """`scalings` [slots]: each adapter's alpha / r (or alpha / sqrt(r), rsLoRA); slot 0's is 0. `lora_add`: the
-    kernel (the torch reference on the CPU)."""
+    """`scalings` [slots]: each adapter's alpha / r (or alpha / sqrt(r), rsLoRA), one tensor shared by every
+    layer. `lora_add`: the kernel (the torch reference on the CPU)."""
 
     parts: tuple[LoraPart, ...]
     scalings: torch.Tensor
