@@ -66,7 +66,12 @@ def engine_replicas(args: argparse.Namespace, private_dir: str, worker_address: 
     if size == 1:
         return [EngineReplica(0, args.grpc_host, args.grpc_port, worker_address, args.device, "")]
     per_engine = args.tensor_parallel_size
-    return [EngineReplica(index, "127.0.0.1", free_port(), f"ipc://{private_dir}{os.sep}workers-{index}.sock",
+    ports: list[int] = []
+    while len(ports) < size:  # distinct, and never the front's public port (which binds after them)
+        port = free_port()
+        if port != args.grpc_port and port not in ports:
+            ports.append(port)
+    return [EngineReplica(index, "127.0.0.1", ports[index], f"ipc://{private_dir}{os.sep}workers-{index}.sock",
                           rank_device(args.device, index * per_engine), f"engine {index} ")
             for index in range(size)]
 
@@ -90,6 +95,12 @@ def data_parallel_refusal(args: argparse.Namespace, visible_gpus: int | None) ->
         return "--data-parallel-size > 1 runs local processes only (--distributed-executor-backend mp)"
     if args.worker_address is not None:
         return "--worker-address cannot go with --data-parallel-size > 1 (each engine has a private socket)"
+    if args.allow_runtime_lora_updating:
+        return ("--allow-runtime-lora-updating cannot go with --data-parallel-size > 1 yet (the front does not "
+                "forward adapter loads to every engine): serve the adapters with --lora-modules")
+    if args.tls_cert_file:
+        return ("TLS (--tls-cert-file) cannot go with --data-parallel-size > 1 yet (the front reaches its engines "
+                "on loopback by IP address, which the certificate does not name)")
     needed = first_gpu_index(args.device) + size * args.tensor_parallel_size
     if visible_gpus is not None and needed > visible_gpus:
         return (f"--data-parallel-size {size} x --tensor-parallel-size {args.tensor_parallel_size} needs {needed} "

@@ -38,6 +38,7 @@ from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.text.tokenizer_loading import load_tokenizer, read_eos_token_ids
 from scheduler_svc.worker_io.plan_log import PlanLogWriter
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink, WorkerPool
+from service_runtime.lora_modules import read_projection_shapes
 from service_runtime.model_source import resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV, link_keys_from
 
@@ -129,7 +130,8 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
                                                    pool.kv_cache_dtype,
                                                    LoraRegistry(config.enable_lora, config.lora_modules,
                                                                 config.max_lora_rank,
-                                                                config.allow_runtime_lora_updating)))
+                                                                config.allow_runtime_lora_updating,
+                                                                read_projection_shapes(model.path))))
         await _set_health(health, health_pb2.HealthCheckResponse.SERVING)
         logger.info("serving %s: %d KV blocks of %d tokens, %d swap blocks, max_model_len %d", model.name,
                     pool.num_kv_blocks, config.block_size, pool.num_swap_blocks, max_model_len)

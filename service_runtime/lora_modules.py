@@ -135,11 +135,44 @@ def adapters_refusal(modules: tuple[LoraModule, ...], max_lora_rank: int) -> str
 _PEFT_TENSOR = re.compile(r"^base_model\.model\.(?P<module>.+)\.(?P<kind>lora_A|lora_B)\.weight$")
 
 
-def read_adapter_tensor_names(module: LoraModule, rank: int) -> None:
+@dataclass(frozen=True)
+class ProjectionShapes:
+    """The base model's decoder layers and each served projection's (input, output) features, unsharded, from
+    its config.json: what a runtime-loaded adapter's tensors must match, checked before any worker loads them (a
+    worker that found a mismatch inside a step would fail as in a crash, again for every request of the
+    adapter)."""
+
+    num_layers: int
+    features: dict[str, tuple[int, int]]
+
+
+def read_projection_shapes(model_path: str) -> ProjectionShapes | None:
+    """The shapes of a Llama-family model directory's projections; None where there is no config.json (a GGUF
+    file: the worker's own check is then the only one)."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as file:
+            config = json.load(file)
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        intermediate, layers = config["intermediate_size"], config["num_hidden_layers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    attention, kv = heads * head_dim, kv_heads * head_dim
+    return ProjectionShapes(layers, {"q_proj": (hidden, attention), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                                     "o_proj": (attention, hidden), "gate_proj": (hidden, intermediate),
+                                     "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)})
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def read_adapter_tensor_names(module: LoraModule, rank: int, shapes: ProjectionShapes | None = None) -> None:
     """Refuses (ValueError naming the adapter and the tensor) a weights file holding anything but LoRA A/B of the
-    served projections with the config's rank, from the safetensors header alone (8 bytes of length, then JSON):
-    a runtime load (`/v1/load_lora_adapter`) is refused before any worker reads it. Whether the model has each
-    module, and its sizes, only the worker knows (worker_svc/lora_adapters.py)."""
+    served projections with the config's rank (and, given the model's `shapes`, of its layers and sizes), from
+    the safetensors header alone (8 bytes of length, then JSON): a runtime load (`/v1/load_lora_adapter`) is
+    refused before any worker reads it. Without `shapes` (a GGUF model) only the worker checks the sizes
+    (worker_svc/lora_adapters.py)."""
     where = f"LoRA adapter {module.name!r} ({module.path})"
     with open(os.path.join(module.path, ADAPTER_WEIGHTS), "rb") as file:
         header_size = int.from_bytes(file.read(8), "little")
@@ -156,3 +189,11 @@ def read_adapter_tensor_names(module: LoraModule, rank: int) -> None:
         shape = entry.get("shape", [])
         if len(shape) != 2 or shape[0 if match["kind"] == "lora_A" else 1] != rank:
             raise ValueError(f"{where}: {key}: shape {shape} does not have rank {rank}")
+        if shapes is not None:
+            layer = _LAYER_INDEX.search(match["module"])
+            if layer is None or int(layer[1]) >= shapes.num_layers:
+                raise ValueError(f"{where}: {key}: the model has no such layer (it has {shapes.num_layers})")
+            inputs, outputs = shapes.features[match["module"].rpartition(".")[2]]
+            expected = [rank, inputs] if match["kind"] == "lora_A" else [outputs, rank]
+            if shape != expected:
+                raise ValueError(f"{where}: {key}: shape {shape}, the model's projection needs {expected}")

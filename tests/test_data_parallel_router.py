@@ -106,7 +106,8 @@ def test_a_token_prompts_key_is_its_first_blocks_prefix_cache_key():
     assert prefix_key(_request(token_ids=generate_pb2.TokenIds(ids=ids[:16] + [7, 8])), None, 16) == key
     assert prefix_key(_request(token_ids=generate_pb2.TokenIds(ids=[5] + ids[1:])), None, 16) != key
     adapter = prefix_key(_request(token_ids=generate_pb2.TokenIds(ids=ids), lora_name="sql"), None, 16)
-    assert adapter == chain_block_key(adapter_root_key("sql"), ids[:16])  # as the engine keys an adapter's blocks
+    assert adapter == chain_block_key(adapter_root_key("sql", ""), ids[:16])  # by the adapter's name
+    assert adapter != key
     assert prefix_key(_request(text="hello"), None, 16) is None  # no tokenizer: the router balances by load
 
 
@@ -290,3 +291,39 @@ def test_an_engine_that_stops_serving_gets_no_request_and_none_serving_makes_the
             generate_pb2.GenerateRequest(text="hello").SerializeToString())
         list(call)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
+    """Ray, a shared worker address, runtime LoRA loads (the front does not fan them out) and TLS (the front
+    reaches the engines by loopback IP) are refused with -dp > 1, in one line naming the flag; -dp 1 takes all."""
+    import argparse
+
+    from pagedserve.engine_replicas import data_parallel_refusal
+
+    def refusal(size=2, **changes):
+        args = argparse.Namespace(data_parallel_size=size, tensor_parallel_size=1, device="cpu",
+                                  distributed_executor_backend="mp", worker_address=None,
+                                  allow_runtime_lora_updating=False, tls_cert_file=None)
+        return data_parallel_refusal(argparse.Namespace(**{**vars(args), **changes}), None)
+
+    assert refusal() is None
+    assert "--distributed-executor-backend" in refusal(distributed_executor_backend="ray")
+    assert "--worker-address" in refusal(worker_address="tcp://127.0.0.1:5")
+    assert "--allow-runtime-lora-updating" in refusal(allow_runtime_lora_updating=True)
+    assert "--tls-cert-file" in refusal(tls_cert_file="/etc/cert.pem")
+    assert refusal(1, allow_runtime_lora_updating=True, tls_cert_file="/etc/cert.pem") is None
+    assert "needs 4 GPUs" in data_parallel_refusal(argparse.Namespace(
+        data_parallel_size=2, tensor_parallel_size=2, device="cuda", distributed_executor_backend="mp",
+        worker_address=None, allow_runtime_lora_updating=False, tls_cert_file=None), 2)
+
+
+def test_engine_ports_are_distinct_and_never_the_public_port(monkeypatch):
+    import argparse
+
+    import pagedserve.engine_replicas as replicas
+
+    offered = iter([50051, 40000, 40000, 40001])
+    monkeypatch.setattr(replicas, "free_port", lambda: next(offered))
+    args = argparse.Namespace(data_parallel_size=2, tensor_parallel_size=1, device="cpu", grpc_port=50051,
+                              grpc_host="0.0.0.0")
+    assert [replica.port for replica in replicas.engine_replicas(args, "/tmp/x", "ipc:///tmp/w")] == [40000, 40001]

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from client.errors import InvalidRequestError, NotFoundError
 from pagedserve.testing.server_harness import http_json, running_server
@@ -99,6 +101,13 @@ def test_refused_loads_name_the_problem(llama, server, tmp_path):
     url = f"{server.http_url}/v1/load_lora_adapter"
     status, text = post_text(url, {"lora_name": "dora", "lora_path": str(dora)})
     assert status == 400 and "use_dora" in text, text
+    wide = shutil.copytree(adapters["attn"], tmp_path / "wide")  # trained on a model with wider layers
+    weights = load_file(wide / "adapter_model.safetensors")
+    name = next(key for key in weights if key.endswith("q_proj.lora_A.weight"))
+    weights[name] = torch.zeros(weights[name].shape[0], weights[name].shape[1] + 16)
+    save_file(weights, wide / "adapter_model.safetensors")
+    status, text = post_text(url, {"lora_name": "wide", "lora_path": str(wide)})
+    assert status == 400 and "the model's projection needs" in text and "q_proj" in text, text
     status, text = post_text(url, {"lora_name": "nowhere", "lora_path": str(tmp_path / "missing")})
     assert status == 400 and "not a PEFT adapter directory" in text, text
     with server.client() as client:
@@ -109,7 +118,7 @@ def test_refused_loads_name_the_problem(llama, server, tmp_path):
     assert status == 400 and "already loaded" in text, text
     status, text = post_text(f"{server.http_url}/v1/unload_lora_adapter", {"lora_name": "never"})
     assert status == 404 and "'never'" in text, text
-    assert "dora" not in listed_models(server) and "twice" in listed_models(server)
+    assert not {"dora", "wide"} & listed_models(server) and "twice" in listed_models(server)
 
 
 def test_unloading_lets_the_request_in_flight_finish_and_new_ones_are_not_found(llama, server):

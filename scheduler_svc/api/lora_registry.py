@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import grpc
 
-from service_runtime.lora_modules import LoraModule, read_adapter_config, read_adapter_tensor_names
+from service_runtime.lora_modules import (
+    LoraModule,
+    ProjectionShapes,
+    read_adapter_config,
+    read_adapter_tensor_names,
+)
 
 
 class LoraRefused(Exception):
@@ -29,8 +34,9 @@ class LoraRefused(Exception):
 
 class LoraRegistry:
     def __init__(self, enable_lora: bool = False, modules: tuple[LoraModule, ...] = (), max_lora_rank: int = 0,
-                 allow_runtime_updating: bool = False) -> None:
+                 allow_runtime_updating: bool = False, projection_shapes: ProjectionShapes | None = None) -> None:
         self.enable_lora = enable_lora
+        self._projection_shapes = projection_shapes  # the base model's: a runtime adapter's tensors must fit
         self._max_lora_rank = max_lora_rank
         self._allow_runtime_updating = allow_runtime_updating
         self._modules: dict[str, LoraModule] = {module.name: module for module in modules}
@@ -67,7 +73,7 @@ class LoraRegistry:
         module = LoraModule(lora_name, lora_path)
         try:
             config = read_adapter_config(module, self._max_lora_rank)
-            read_adapter_tensor_names(module, config.rank)
+            read_adapter_tensor_names(module, config.rank, self._projection_shapes)
         except (ValueError, OSError) as error:
             raise LoraRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         self._modules[lora_name] = module

@@ -152,7 +152,8 @@ class DataParallelFront:
             await context.abort(error.code(), error.details() or "")
 
     async def Abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        replies = await self._each_serving("Abort", request, context)
+        # Every engine, not only those serving now: one briefly NOT_SERVING may hold the request.
+        replies = await self._each_serving("Abort", request, context, every_engine=True)
         aborted = any(generate_pb2.AbortResponse.FromString(reply).aborted for reply in replies.values())
         return generate_pb2.AbortResponse(aborted=aborted).SerializeToString()
 
@@ -162,10 +163,12 @@ class DataParallelFront:
         router = self.router
         return front_stats(per_engine, router.routed, router.in_flight, router.policy).SerializeToString()
 
-    async def _each_serving(self, name: str, request: bytes, context: grpc.aio.ServicerContext) -> dict[int, bytes]:
-        """The replies of every serving engine that answered, by engine index; UNAVAILABLE when none did, the
-        first engine's error when each refused (a malformed request: INVALID_ARGUMENT)."""
-        indices = self.serving_engines()
+    async def _each_serving(self, name: str, request: bytes, context: grpc.aio.ServicerContext,
+                            every_engine: bool = False) -> dict[int, bytes]:
+        """The replies of every serving engine (`every_engine`: of every engine) that answered, by engine index;
+        UNAVAILABLE when none did, the first engine's error when each refused (a malformed request:
+        INVALID_ARGUMENT)."""
+        indices = list(range(len(self.engines))) if every_engine else self.serving_engines()
         results = await asyncio.gather(*(self.engines[index].unary[name](request, metadata=self._metadata,
                                                                          timeout=5.0)
                                          for index in indices), return_exceptions=True)

@@ -1,8 +1,9 @@
 """A request's prefix key for routing: the prefix-cache key (core/block_hash.py) of its prompt's first block,
 computed by the front from the request alone.
 
-Token ids: the first `block_size` ids, keyed exactly as the engine keys its first block (a LoRA adapter's
-requests from the adapter's root key, as there). Text and chat: the text as the scheduler renders it (the same
+Token ids: the first `block_size` ids, keyed as the engine keys its first block (a LoRA adapter's requests from
+a root key of the adapter's name: the engine's root key also covers the adapter's directory, which the front
+does not know; routing needs only a key that is the same for every request of one adapter and prefix). Text and chat: the text as the scheduler renders it (the same
 `render_chat`, chat template and options included), then only its head is encoded, with the scheduler's
 add_special_tokens defaults: `block_size` tokens span at most block_size * max_token_chars *
 MAX_NORMALIZATION_FOLD characters, so the head's first block is the prompt's first block (tokenizers split
@@ -27,7 +28,7 @@ def prefix_key(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | Non
     ids = _first_block_ids(request, tokenizer, block_size)
     if not ids:
         return None
-    return chain_block_key(adapter_root_key(request.lora_name) if request.lora_name else None, ids)
+    return chain_block_key(adapter_root_key(request.lora_name, "") if request.lora_name else None, ids)
 
 
 def _first_block_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None,
