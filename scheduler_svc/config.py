@@ -19,6 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 from scheduler_svc.api.grammar_limits import GrammarLimits
+from scheduler_svc.core.json_flag import json_object_flag
 from scheduler_svc.core.speculative_config import SpeculativeConfig, speculative_config
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.api_key_source import API_KEY_ENV, VLLM_API_KEY_ENV, api_key_from
@@ -38,12 +39,7 @@ CPU_MAX_NUM_BATCHED_TOKENS = 128
 
 def structured_outputs_config(text: str) -> dict:
     """--structured-outputs-config's value: vLLM's JSON object; the keys llguidance serves, else an argparse error."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(options, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
+    options = json_object_flag(text)
     known = ("backend", "disable_any_whitespace", *(limit.name for limit in dataclasses.fields(GrammarLimits)))
     unknown = sorted(set(options) - set(known))
     if unknown:

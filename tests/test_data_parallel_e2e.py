@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from pagedserve.testing.hf_reference import hf_greedy
 from pagedserve.testing.server_harness import running_server
 from pagedserve.testing.tiny_models import make_tiny_model
 from tests.stream_watch import HealthWatch, StreamWatch
+from tests.test_tensor_parallel_e2e import _generate_all as generate_all
 
 MAX_TOKENS = 12
 RECOVERY_TOKENS = 200  # long enough that engine 0's streams are still running when its worker is killed
@@ -38,15 +38,8 @@ def server(model, tmp_path_factory):
         yield running
 
 
-def _generate_all(server, prompts, **sampling) -> list:
-    sampling = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True) | sampling
-
-    def one(prompt):
-        with server.client() as client:
-            return client.generate(prompt, **sampling)
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+def _generate_all(server, prompts) -> list:
+    return generate_all(server, prompts, max_tokens=MAX_TOKENS)
 
 
 def _engines(server):

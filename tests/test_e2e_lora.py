@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from client.errors import NotFoundError
 from pagedserve import LLM, LoRARequest, SamplingParams
 from pagedserve.testing.server_harness import http_json, running_server
-from pagedserve.testing.tiny_lora import make_tiny_adapter, peft_greedy
+from pagedserve.testing.tiny_lora import generate_with_adapters, make_tiny_adapter, peft_greedy
 from pagedserve.testing.tiny_models import make_tiny_model
 from scheduler_svc.api.lora_registry import LoraRefused, LoraRegistry
 from service_runtime.lora_modules import LoraModule
@@ -76,15 +75,7 @@ def _expected(model, adapters, requests) -> list[list[int]]:
 def test_adapters_and_the_base_model_interleaved_equal_peft_with_preemption_and_prefix_hits(llama, server):
     model, adapters = llama
     requests = _requests(seed=1)
-
-    def one(request):
-        name, prompt = request
-        with server.client() as client:
-            return list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                        lora_name=name).outputs[0].token_ids)
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        outputs = list(pool.map(one, requests))
+    outputs = generate_with_adapters(server, requests, MAX_TOKENS)
     stats = server.wait_all_blocks_free()
     assert outputs == _expected(model, adapters, requests)
     assert len({tuple(output) for output in outputs}) == len(outputs)  # every adapter changes the output

@@ -11,7 +11,6 @@ import json
 import shutil
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 from client.errors import InvalidRequestError, NotFoundError
 from pagedserve.testing.server_harness import http_json, running_server
-from pagedserve.testing.tiny_lora import make_tiny_adapter, peft_greedy
+from pagedserve.testing.tiny_lora import generate_with_adapters, make_tiny_adapter, peft_greedy
 from pagedserve.testing.tiny_models import make_tiny_model
 from scheduler_svc.api.lora_registry import LoraRefused, LoraRegistry
 
@@ -78,15 +77,7 @@ def test_adapters_loaded_at_run_time_share_one_slot_and_each_equals_peft(llama, 
         client.load_lora_adapter("mixed", str(adapters["mixed"]))
     assert {"attn", "mlp", "mixed"} <= listed_models(server)
     requests = [(name, prompt) for prompt in PROMPTS for name in (*ADAPTERS, None)]
-
-    def one(request):
-        name, prompt = request
-        with server.client() as client:
-            return list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
-                                        lora_name=name).outputs[0].token_ids)
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        outputs = list(pool.map(one, requests))
+    outputs = generate_with_adapters(server, requests, MAX_TOKENS)
     expected = [peft_greedy(model, None if name is None else adapters[name], prompt, MAX_TOKENS)
                 for name, prompt in requests]
     assert outputs == expected

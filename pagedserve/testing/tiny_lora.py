@@ -44,3 +44,18 @@ def peft_greedy(model_dir: Path, adapter_dir: Path | None, prompt: list[int], ma
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def generate_with_adapters(server, requests: list[tuple[str | None, list[int]]], max_tokens: int) -> list[list[int]]:
+    """Each (adapter name or None, prompt)'s greedy token ids from `server` (a running_server), all requests at
+    once so the adapters and the base model share steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(request):
+        name, prompt = request
+        with server.client() as client:
+            return list(client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                        lora_name=name).outputs[0].token_ids)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))

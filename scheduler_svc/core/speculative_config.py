@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler_svc.core.json_flag import json_object_flag
+
 NGRAM_METHODS = ("ngram", "[ngram]")
 DRAFT_MODEL_METHOD = "draft_model"
 # Methods vLLM serves that need heads or proposers we do not have (refused by name).
@@ -131,12 +133,7 @@ class SpeculativeConfig:
 
 def speculative_config(text: str) -> SpeculativeConfig:
     """--speculative-config's argparse type: the config, or an argparse error naming what is refused."""
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
-    if not isinstance(options, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
+    options = json_object_flag(text)
     try:
         return SpeculativeConfig.from_options(options)
     except ValueError as error:
