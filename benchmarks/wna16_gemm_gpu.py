@@ -39,6 +39,8 @@ import torch
 from benchmarks.gemm_floors import projections, time_in_graph
 from benchmarks.kernel_bench import time_eager
 from kernels.triton_wna16_gemm import Tiles, launch_plan, wna16_gemm
+from kernels.triton_wna16_gemv import GEMV_MOST_ROWS, GemvTiles, wna16_gemv
+from kernels.triton_wna16_gemv import launch_plan as gemv_launch_plan
 from kernels.triton_wna16_linear import wna16_linear
 from kernels.wna16_ref import pack_factor, wna16_linear_ref
 
@@ -51,6 +53,8 @@ BYTES_PER_GRAPH = 256 << 20
 MAX_COPIES = 32
 CALLS_PER_GRAPH = 20
 ERROR_BOUND = 1e-2
+# The GEMV's (block_n, warps, step_words) the sweep tries.
+GEMV_CANDIDATES = ((128, 1, 16), (256, 2, 16), (512, 4, 16), (256, 1, 8), (512, 2, 8), (128, 1, 8))
 
 
 def bytes_moved(rows: int, k_size: int, n_size: int, bits: int, group_size: int, has_zeros: bool = False,
@@ -114,6 +118,16 @@ def bench_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
         row["of_copy"] = row["wna16_gb_s"] / row["copy_gb_s"]
         row["speedup"] = bf16_s / wna16_s
         row["ok"] = row["relative_error"] < ERROR_BOUND and row["bits_equal_fp32_dequant"]
+        if rows <= GEMV_MOST_ROWS:
+            gemv_s = seconds_per_call([lambda q=q, s=s: wna16_gemv(x, q, s, None, BITS, GROUP_SIZE)
+                                       for q, s in weight_sets])
+            gemv_error = ((wna16_gemv(x, qweight, scales, None, BITS, GROUP_SIZE).float() - expected).norm()
+                          / expected.norm()).item()
+            row.update(gemv_us=gemv_s * 1e6, gemv_of_copy=num_bytes / gemv_s / 1e9 / row["copy_gb_s"],
+                       gemv_speedup=bf16_s / gemv_s, gemv_relative_error=gemv_error)
+            row["ok"] = row["ok"] and gemv_error < ERROR_BOUND
+            print(f"{name:8s} M={rows:4d} GEMV {row['gemv_us']:8.1f} us ({row['gemv_of_copy']:4.0%} of copy) "
+                  f"x{row['gemv_speedup']:.2f} of bf16  err {gemv_error:.1e}", flush=True)
         print(f"{name:8s} M={rows:4d} splits={plan.splits:2d} {row['wna16_us']:8.1f} us {row['wna16_gb_s']:7.0f} GB/s "
               f"({row['of_copy']:4.0%} of copy {row['copy_gb_s']:5.0f})  bf16 {row['bf16_us']:8.1f} us "
               f"(x{row['speedup']:.2f}) linear x{row['linear_speedup']:.2f}  err {row['relative_error']:.1e}", flush=True)
@@ -158,6 +172,35 @@ def sweep_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[in
     return best
 
 
+def gemv_sweep_projection(name: str, k_size: int, n_size: int, rows_list: Sequence[int],
+                          generator: torch.Generator) -> list[dict]:
+    """The fastest GEMV tiles and split count per row count (kernels/triton_wna16_gemv.py), with every timing."""
+    weight_bytes = bytes_moved(0, k_size, n_size, BITS, GROUP_SIZE)
+    weight_sets = [quantized_weights(k_size, n_size, generator) for _ in range(copies_past_l2(weight_bytes))]
+    best = []
+    for rows in rows_list:
+        x = torch.randn(rows, k_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        num_bytes = bytes_moved(rows, k_size, n_size, BITS, GROUP_SIZE)
+        timings = []
+        for block_n, warps, step_words in GEMV_CANDIDATES:
+            tiles = GemvTiles(block_n, warps, 1024, step_words)
+            for splits in (None, 16, 32, 64):
+                plan = gemv_launch_plan(rows, n_size, k_size, BITS, GROUP_SIZE, splits, tiles)
+                try:
+                    seconds = seconds_per_call([lambda q=q, s=s: wna16_gemv(x, q, s, None, BITS, GROUP_SIZE,
+                                                                             splits=plan.splits, tiles=tiles)
+                                                for q, s in weight_sets])
+                except Exception as error:  # e.g. triton's OutOfResources: skip that tile
+                    print(f"gemv sweep {name} M={rows} {tiles} splits={splits}: {error!r:.200}", flush=True)
+                    break
+                timings.append({"block_n": block_n, "warps": warps, "step_words": step_words,
+                                "splits": plan.splits, "us": seconds * 1e6, "gb_s": num_bytes / seconds / 1e9})
+        fastest = min(timings, key=lambda timing: timing["us"])
+        print(f"gemv sweep {name:8s} M={rows:4d} best {fastest}", flush=True)
+        best.append({"projection": name, "rows": rows, "best": fastest, "timings": timings})
+    return best
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
@@ -165,6 +208,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--projections", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
     parser.add_argument("--sweep", type=int, nargs="*", default=None,
                         help="first sweep the tiles at these row counts (none given: 1 16 64 256)")
+    parser.add_argument("--gemv-sweep", type=int, nargs="*", default=None,
+                        help="sweep the GEMV's tiles at these row counts (none given: 1 2 4)")
     return parser.parse_args(argv)
 
 
@@ -177,11 +222,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     sweep = [] if args.sweep is None else [
         best for name in args.projections
         for best in sweep_projection(name, *shapes[name], args.sweep or [1, 16, 64, 256], generator)]
+    gemv_sweep = [] if args.gemv_sweep is None else [
+        best for name in args.projections
+        for best in gemv_sweep_projection(name, *shapes[name], args.gemv_sweep or [1, 2, 4], generator)]
     results = [row for name in args.projections
                for row in bench_projection(name, *shapes[name], args.rows, generator)]
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "shape": SHAPE, "bits": BITS, "group_size": GROUP_SIZE, "error_bound": ERROR_BOUND,
-              "sweep": sweep, "results": results, "ok": all(row["ok"] for row in results)}
+              "sweep": sweep, "gemv_sweep": gemv_sweep, "results": results, "ok": all(row["ok"] for row in results)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -1,5 +1,6 @@
-"""A weight-only integer linear (W4A16 / W8A16) on the GPU: the in-register GEMM for a decode's few rows, the
-whole weight dequantized then a dense matmul for more.
+"""A weight-only integer linear (W4A16 / W8A16) on the GPU: a CUDA-core GEMV for one to four rows
+(kernels/triton_wna16_gemv.py says why), the in-register GEMM for a decode's few rows, the whole weight
+dequantized then a dense matmul for more.
 
 Why two ways: at 1-16 rows the step is bound by reading the weights, and the split-K GEMM of
 kernels/triton_wna16_gemm.py reads a quarter (4-bit) of a bf16 layer's bytes. With more rows the product is
@@ -20,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_wna16_gemm import bf16_dequant_applies, check_operands, dequantize_step, launch_plan, wna16_gemm
+from kernels.triton_wna16_gemv import GEMV_MOST_ROWS, wna16_gemv
 from kernels.wna16_ref import pack_factor
 
 GEMM_MOST_ROWS = 16  # more rows than this: dequantize, then torch's linear
@@ -66,9 +68,12 @@ def wna16_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 
 def wna16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  bits: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b (the arguments of `wna16_gemm`): the GEMM for at most GEMM_MOST_ROWS rows, else the
-    dequantized weight and torch's linear (as the reference) (module docstring). The choice is a function of the shapes."""
+    """y = x W^T + b (the arguments of `wna16_gemm`): the CUDA-core GEMV for at most GEMV_MOST_ROWS rows
+    (kernels/triton_wna16_gemv.py), the GEMM for at most GEMM_MOST_ROWS, else the dequantized weight and torch's
+    linear (as the reference) (module docstring). The choice is a function of the shapes."""
     k_size, n_size = check_operands(x, qweight, scales, zeros, bits, group_size, bias)
+    if 0 < x.numel() // k_size <= GEMV_MOST_ROWS:
+        return wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias=bias)
     if x.numel() // k_size <= GEMM_MOST_ROWS:
         return wna16_gemm(x, qweight, scales, zeros, bits, group_size, bias=bias)
     weight = wna16_dequantize(qweight.contiguous(), scales.contiguous(),

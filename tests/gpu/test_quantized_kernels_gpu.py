@@ -17,6 +17,7 @@ from kernels.int8_linear_ref import int8_linear_ref
 from kernels.triton_fused_moe import fused_moe
 from kernels.triton_int8_quant import int8_scaled_mm
 from kernels.triton_wna16_gemm import wna16_gemm
+from kernels.triton_wna16_gemv import wna16_gemv
 from kernels.wna16_ref import pack_rows, wna16_linear_ref
 from pagedserve.testing.int_checkpoints import write_awq_checkpoint, write_gptq_checkpoint
 from pagedserve.testing.tiny_models import make_tiny_model
@@ -51,6 +52,21 @@ def test_the_compiled_wna16_gemm_equals_the_reference(dtype, bits, group_size, a
     want = wna16_linear_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
     assert got.dtype == dtype and got.shape == (rows, n_size)
     assert _relative_error(got, want) < 1e-2  # the same dequantized weight; fp32 accumulation in both
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits,group_size,asymmetric", [(4, 128, False), (4, 32, True), (8, 4096, False)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_the_compiled_wna16_gemv_equals_the_reference(dtype, bits, group_size, asymmetric, rows):
+    """kernels/triton_wna16_gemv.py: the mantissa trick and the fp32 scale product, compiled."""
+    k_size, n_size = 4096, 1000  # N not a multiple of any BLOCK_N: the masked path
+    qweight, scales, zeros = _weights(k_size, n_size, bits, group_size, asymmetric, dtype)
+    x = torch.randn(rows, k_size, device=DEVICE, dtype=dtype)
+    bias = torch.randn(n_size, device=DEVICE, dtype=dtype)
+    got = wna16_gemv(x, qweight, scales, zeros, bits, group_size, bias=bias)
+    want = wna16_linear_ref(x, qweight, scales, zeros, bits, group_size, bias=bias)
+    assert got.dtype == dtype and got.shape == (rows, n_size)
+    assert _relative_error(got, want) < 1e-2
 
 
 def test_a_split_k_call_replayed_from_a_cuda_graph_equals_the_eager_call_bitwise():
