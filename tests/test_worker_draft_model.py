@@ -2,7 +2,8 @@
 verified drafts) in its own pool, and when a plan asks, proposes k tokens after each sampled row's newest token:
 exactly the draft model's own greedy continuation of the row's tokens (checked against a worker that serves the
 draft model alone). With the target itself as its draft, the proposals are the target's own next tokens, so a
-step given them keeps them all."""
+step given them keeps them all; for a request that samples too (proposals drawn from q with its seeded noise,
+verified by exact rejection sampling)."""
 
 from __future__ import annotations
 

@@ -42,8 +42,8 @@ from kernels.sample_ref import kth_largest, mass_above
 from worker_svc.sampling.logits_processors import apply_adjustments
 from worker_svc.sampling.sampler import GREEDY_TEMPERATURE, SamplerOutput, SamplingTensors
 
-# Streams of a request's seeded noise: its seed XOR one of these (as int64 bits), so that the acceptance test
-# and the residual draw at a position are independent of the proposal drawn there with the seed itself.
+# Streams of a request's seeded noise: its seed XOR one of these (each below 2**63: an int64), so that the
+# acceptance test and the residual draw at a position are independent of the proposal drawn there with the seed.
 ACCEPTANCE_STREAM = 0x2545F4914F6CDD1D
 RESIDUAL_STREAM = 0x5851F42D4C957F2D
 
@@ -120,14 +120,14 @@ def verify_sampled_drafts(logits: torch.Tensor, tensors: SamplingTensors, out: S
     target_at = target.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     draft_at = draft.gather(-1, draft_ids.unsqueeze(-1)).squeeze(-1)
     # Kept with probability min(1, p(x) / q(x)); never where p(x) = 0 (q(x) may have underflowed to 0 too).
-    uniform = keyed_uniform(seed ^ _as_int64(ACCEPTANCE_STREAM), position)
+    uniform = keyed_uniform(seed ^ ACCEPTANCE_STREAM, position)
     kept = (target_at > 0) & ((draft_at <= target_at) | (uniform * draft_at < target_at))
     residual = (target - draft).clamp_(min=0.0)
     # Rounding can leave no residual mass although p(x) < q(x) (p and q equal but for the last bits): then p
     # without x, the residual's limit.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, target.scatter(-1, draft_ids.unsqueeze(-1), 0.0), residual)
-    noise = gumbel_noise(seed ^ _as_int64(RESIDUAL_STREAM), position, residual.shape[-1])
+    noise = gumbel_noise(seed ^ RESIDUAL_STREAM, position, residual.shape[-1])
     resampled = (torch.log(residual) + noise).argmax(dim=-1)
     token_ids = out.token_ids.clone()
     token_ids[entries] = torch.where(kept, draft_ids, resampled)
@@ -146,10 +146,7 @@ def _select(tensors: SamplingTensors, entries: torch.Tensor) -> SamplingTensors:
 
 
 def keyed_uniform(seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """float32 [N] in (0, 1), a pure function of (seed, position): the CDF of the keyed Gumbel noise's first
-    column (exp(-exp(-g)) of a standard Gumbel g is uniform)."""
+    """float32 [N] in (0, 1] (1 by rounding only), a pure function of (seed, position): the CDF of the keyed
+    Gumbel noise's first column (exp(-exp(-g)) of a standard Gumbel g is uniform)."""
     return torch.exp(-torch.exp(-gumbel_noise(seed, position, 1)[:, 0]))
 
-
-def _as_int64(bits: int) -> int:
-    return bits - (1 << 64) if bits >= 1 << 63 else bits
