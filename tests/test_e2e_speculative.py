@@ -7,7 +7,9 @@ Why copy-heavy prompts and 64 tokens: the n-gram proposer then always finds matc
 greedy output keeps only a handful of drafts, and which ones depends on the steps' timing, so the greedy case
 runs a repeater (the same model with its layers' output projections zero: it repeats its last token, and the
 drafts of that run are kept); seeded sampling on the random model keeps few. Every kept and every rejected draft
-must leave the output exactly as it is without speculation."""
+must leave the output exactly as it is without speculation. A draft model's drafts for seeded sampling are drawn
+from its distribution and verified by exact rejection sampling: the same tokens for the same seed, run to run,
+and those of no speculation only where the draft equals the target."""
 
 from __future__ import annotations
 
@@ -133,6 +135,25 @@ def test_a_draft_model_gives_the_tokens_of_no_speculation_itself_as_draft_keepin
     assert _tokens(drafted) == _tokens(plain)
     assert stats.spec_decode_num_draft_tokens > 60 and stats.num_preemptions > 0, stats
     assert stats.spec_decode_num_accepted_tokens <= 0.2 * stats.spec_decode_num_draft_tokens, stats
+
+
+def test_a_draft_model_with_seeded_sampling_keeps_drafts_by_the_rejection_rule_and_repeats(tmp_path):
+    """Seeded sampling with the target itself as the draft: it draws its drafts from its distribution q (with the
+    request's seeded noise) and the workers verify them by exact rejection sampling, which keeps nearly all of
+    them (q = p). The model's small weights make its distributions flat, so greedy drafts, matched against seeded
+    draws, would keep almost none. A lone request sent twice gets the same tokens both times (every draw is
+    keyed by the seed and position). (A random draft's rejections and residual draws repeating, the target as
+    its own draft giving the seeded tokens of no speculation, and the rule's distribution:
+    tests/test_worker_draft_model.py, tests/test_rejection_sampler.py.)"""
+    flat = make_tiny_model(tmp_path / "flat", "llama", seed=11, num_hidden_layers=2, initializer_range=0.02)
+    prompt = _prompts(1, seed=5)[0]
+    with running_server(tmp_path, "--model", str(flat), *_draft_model_flag(flat)) as server:
+        with server.client() as client:
+            runs = [list(client.generate(prompt, max_tokens=48, ignore_eos=True, temperature=1.0, top_p=0.9,
+                                         seed=7).outputs[0].token_ids) for _ in range(2)]
+        stats = server.wait_all_blocks_free()
+    assert runs[0] == runs[1] and len(runs[0]) == 48
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens > 40, stats
 
 
 def test_serve_refuses_other_methods_and_batch_invariant_speculation_naming_why(model):

@@ -2,7 +2,8 @@
 verified drafts) in its own pool, and when a plan asks, proposes k tokens after each sampled row's newest token:
 exactly the draft model's own greedy continuation of the row's tokens (checked against a worker that serves the
 draft model alone). With the target itself as its draft, the proposals are the target's own next tokens, so a
-step given them keeps them all."""
+step given them keeps them all; for a request that samples too (proposals drawn from q with its seeded noise,
+verified by exact rejection sampling)."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def make_worker(model, draft=None) -> Worker:
     return worker
 
 
-def new(request_id, tokens=None, num_scheduled=None, num_computed=0) -> worker_pb2.NewRequest:
+def new(request_id, tokens=None, num_scheduled=None, num_computed=0, **sampling) -> worker_pb2.NewRequest:
     tokens = PROMPTS[request_id] if tokens is None else tokens
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": 1, **sampling}
     return worker_pb2.NewRequest(
         request_id=request_id, token_ids=tokens, block_ids=BLOCKS[request_id], num_computed_tokens=num_computed,
         num_scheduled_tokens=num_scheduled or len(tokens) - num_computed, num_prompt_tokens=len(tokens),
-        sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=1, num_logprobs=-1,
-                                                 num_prompt_logprobs=-1))
+        sampling=worker_pb2.WorkerSamplingParams(**sampling, num_logprobs=-1, num_prompt_logprobs=-1))
 
 
 def scheduled(request_id, drafts=(), num_tokens=1) -> worker_pb2.ScheduledRequest:
@@ -64,10 +65,11 @@ def proposals_of(sampled: worker_pb2.SampledTokens) -> dict[str, list[int]]:
     return out
 
 
-def greedy_continuation(worker_alone: Worker, tokens: list[int], count: int) -> list[int]:
-    """`count` tokens the model decodes greedily after `tokens`, on a worker serving that model alone."""
+def greedy_continuation(worker_alone: Worker, tokens: list[int], count: int, **sampling) -> list[int]:
+    """`count` tokens the model decodes greedily (or with `sampling`) after `tokens`, on a worker serving that
+    model alone."""
     request_id = f"ref{len(tokens)}-{tokens[-1]}"
-    first = worker_pb2.NewRequest(**{**_fields(new("a", tokens)), "request_id": request_id})
+    first = worker_pb2.NewRequest(**{**_fields(new("a", tokens, **sampling)), "request_id": request_id})
     out = list(worker_alone.execute(plan(new_requests=[first], propose=0)).sampled.token_ids)
     for _ in range(count - 1):
         out += worker_alone.execute(plan(scheduled(request_id), propose=0)).sampled.token_ids
@@ -118,6 +120,42 @@ def test_the_target_as_its_own_draft_proposes_its_own_tokens_and_they_are_all_ke
         assert list(result.num_accepted_drafts) == [K]
         output += drafts + list(result.token_ids)
     assert output == reference
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "top_k": 40, "min_p": 0.01, "seed": 11}
+
+
+def verified_run(worker: Worker, num_steps: int) -> tuple[list[int], list[int]]:
+    """Request a (SAMPLED) on `worker`: a first step, then `num_steps` steps verifying the proposals of the one
+    before. Its output and each step's kept drafts."""
+    result = worker.execute(plan(new_requests=[new("a", **SAMPLED)])).sampled
+    output, kept = list(result.token_ids), []
+    for _ in range(num_steps):
+        drafts = proposals_of(result)["a"]
+        assert worker.runner.draft.proposed is not None  # q kept for the step that verifies them
+        result = worker.execute(plan(scheduled("a", drafts))).sampled
+        kept += list(result.num_accepted_drafts)
+        output += drafts[: kept[-1]] + list(result.token_ids)
+    return output, kept
+
+
+def test_a_sampled_row_proposes_from_q_and_the_target_as_its_own_draft_gives_its_seeded_tokens(models):
+    """With temperature, top-k, top-p and min_p: the draft draws with the request's seeded noise, so the target
+    as its own draft proposes the tokens the target alone samples, q = p keeps them all (the rejection rule),
+    and the output is the target alone's, which is not its greedy output."""
+    worker, alone = make_worker(models["target"], models["target"]), make_worker(models["target"])
+    output, kept = verified_run(worker, 4)
+    assert kept == [K] * 4
+    assert output == greedy_continuation(alone, PROMPTS["a"], len(output), **SAMPLED)
+    assert output != greedy_continuation(alone, PROMPTS["a"], len(output))
+
+
+def test_a_sampled_row_with_another_draft_repeats_its_tokens_and_keeps_some_drafts(models):
+    """Another random model as the draft: two fresh workers given the same plans give the same tokens and keep
+    the same drafts (all the randomness is keyed by the seed and position), some of them."""
+    first = verified_run(make_worker(models["target"], models["draft"]), 6)
+    assert first == verified_run(make_worker(models["target"], models["draft"]), 6)
+    assert 0 < sum(first[1]) < 6 * K, first[1]
 
 
 def test_a_prefix_cache_start_and_a_swap_reach_the_draft_pool(models):

@@ -1,5 +1,6 @@
 """Speculative decoding with a draft model: a smaller model of the target's tokenizer proposes each row's next
-tokens greedily, and the target verifies them as it verifies n-gram drafts (sample-and-match, lossless).
+tokens (greedy rows: its argmax, verified like n-gram drafts by sample-and-match; rows that sample: drawn from its
+distribution, verified by exact rejection sampling), and the target verifies them in one step.
 
 Who owns what: the model runner owns one `DraftModel` when the setup names one (WorkerSetup.draft_model). It holds
 the draft's weights (loaded by the target's loader, in its dtype, attention backend and tensor-parallel group)
@@ -17,10 +18,14 @@ Two passes, both over this worker's rows:
   draft skipped would leave its K/V behind the target's for good, cached blocks included.
 - `propose`, after a step whose plan asks for proposals (StepPlan.propose_draft_tokens), once its tokens are on
   the host and verified: for each row that sampled, the draft computes that newest token (at its position; no
-  pool has its K/V yet) and takes the argmax of its logits as proposal 1, then feeds each proposal back for the
-  next, k single-token passes in all. The K/V these passes write lies past the row's computed tokens: the next
-  step's mirror overwrites what it computes there. It goes to the row's own blocks where the row has them, else
-  to the row's scratch blocks, never to a block the scheduler may have given to another request.
+  pool has its K/V yet) and takes proposal 1 from its logits, then feeds each proposal back for the next, k
+  single-token passes in all. A greedy row proposes the argmax; a row that samples draws from the draft's
+  distribution q under its own temperature, top-k, top-p and min_p, with its seeded noise at the proposed
+  token's position, and q is kept on the device (`proposed`, draft_probabilities.py) for the step that verifies
+  these drafts by exact rejection sampling (sampling/rejection_sampler.py). The K/V these passes write lies
+  past the row's computed tokens: the next step's mirror overwrites what it computes there. It goes to the row's
+  own blocks where the row has them, else to the row's scratch blocks, never to a block the scheduler may have
+  given to another request.
 """
 
 from __future__ import annotations
@@ -32,12 +37,15 @@ from kernels.attention_metadata import AttentionMetadata
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
 from service_runtime.model_source import resolve_model
+from worker_svc.draft_probabilities import DraftProbabilities
 from worker_svc.graph_dispatcher import GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
+from worker_svc.sampling.rejection_sampler import draw_proposals
+from worker_svc.sampling.sampler import GREEDY_TEMPERATURE, SamplingTensors
 from worker_svc.tensor_parallel import TensorParallel
 from worker_svc.tensor_parallel_fit import draft_refusal
 
@@ -63,6 +71,8 @@ class DraftModel:
         self._block_size = 0
         self._num_blocks = 0
         self.scratch_blocks_per_row = 0
+        # The q of the latest proposals of rows that sample, until the step that verifies them (None: none).
+        self.proposed: DraftProbabilities | None = None
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one block of the draft's pool on this rank (the sizing counts it with the target's)."""
@@ -94,9 +104,11 @@ class DraftModel:
         self._graphs.forward(inputs, previous_sampled)
 
     def propose(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Up to `k` greedy draft tokens to follow each row's known tokens (`rows`: rows whose newest token was
-        sampled in the step just finished, so their computed tokens are all but it). Returns each row's count
-        (k, fewer near max_model_len) and the tokens, row after row."""
+        """Up to `k` draft tokens to follow each row's known tokens (`rows`: rows whose newest token was sampled
+        in the step just finished, so their computed tokens are all but it): greedy rows' argmax, sampled rows'
+        draws from q (kept in `proposed`). Returns each row's count (k, fewer near max_model_len) and the
+        tokens, row after row."""
+        self.proposed = None
         num_tokens = batch.num_tokens[rows]
         counts = np.clip(np.minimum(k, batch.token_ids.shape[1] - num_tokens), 0, None).astype(np.int64)
         if not len(rows) or not counts.any():
@@ -105,6 +117,9 @@ class DraftModel:
         first = num_tokens - 1  # each row's newest token: the first pass computes it
         tables = self._block_tables(batch, rows, first + counts)
         proposals = torch.zeros((len(rows), num_passes), dtype=torch.long, device=self.device)
+        sampled = batch.temperature[rows] >= GREEDY_TEMPERATURE
+        probs = (torch.zeros((len(rows), num_passes, self.target_vocab_size), device=self.device)
+                 if sampled.any() else None)
         active = np.arange(len(rows))
         input_ids = to_device(batch.token_ids[rows, first], self.device, torch.long)
         for step in range(num_passes):
@@ -113,14 +128,26 @@ class DraftModel:
                 active = active[keep]
                 input_ids = input_ids[to_device(np.flatnonzero(keep), self.device, torch.long)]
             positions = first[active] + step
-            input_ids = self._next_tokens(input_ids, positions, tables[active])
-            proposals[to_device(active, self.device, torch.long), step] = input_ids
+            sampling = SamplingTensors.from_host(
+                temperature=batch.temperature[rows[active]], top_p=batch.top_p[rows[active]],
+                top_k=batch.top_k[rows[active]], min_p=batch.min_p[rows[active]], seed=batch.seed[rows[active]],
+                position=positions + 1, device=self.device)
+            input_ids, step_probs = draw_proposals(self._logits(input_ids, positions, tables[active]), sampling)
+            on_device = to_device(active, self.device, torch.long)
+            proposals[on_device, step] = input_ids
+            if step_probs is not None:
+                probs[on_device, step] = step_probs
         host = proposals.cpu().numpy()
+        if probs is not None:
+            kept = to_device(np.flatnonzero(sampled), self.device, torch.long)
+            self.proposed = DraftProbabilities(
+                rows=rows[sampled], generations=batch.generation[rows[sampled]].copy(), starts=num_tokens[sampled],
+                counts=counts[sampled], token_ids=host[sampled], probs=probs[kept])
         return counts, host[np.arange(num_passes) < counts[:, None]]
 
-    def _next_tokens(self, input_ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
-        """One token per row at `positions` (each row's table in `tables`); the argmax of the draft's logits
-        over the target's vocabulary."""
+    def _logits(self, input_ids: torch.Tensor, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """The draft's logits over the target's vocabulary for one token per row at `positions` (each row's table
+        in `tables`)."""
         device, block_size = self.device, self._block_size
         blocks = tables[np.arange(len(positions)), positions // block_size]
         metadata = AttentionMetadata(
@@ -132,8 +159,7 @@ class DraftModel:
             num_decode_seqs=len(positions),
         )
         hidden = self.model(input_ids, to_device(positions, device, torch.long), self.kv_cache.layers, metadata)
-        logits = self.model.compute_logits(hidden)
-        return torch.argmax(logits[:, : self.target_vocab_size], dim=-1)
+        return self.model.compute_logits(hidden)[:, : self.target_vocab_size]
 
     def _block_tables(self, batch: PersistentBatch, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Each row's blocks for its positions below `ends` (per row): its own while it has them (they cover its

@@ -47,6 +47,7 @@ from worker_svc.model_config import ModelConfig, quantization_name
 from worker_svc.models.model_loader import load_model, refused_as_load_refusal
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
 from worker_svc.sampling.prompt_logprobs import prompt_logprobs
+from worker_svc.sampling.rejection_sampler import SampledDrafts, verify_sampled_drafts
 from worker_svc.sampling.sampler import SamplerOutput, SamplingTensors, sample
 from worker_svc.sampling.sampler_warmup import warm_up_sampler
 from worker_svc.tensor_parallel import init_tensor_parallel
@@ -217,15 +218,25 @@ class ModelRunner:
                              f"{self.draft.num_speculative_tokens if self.draft else 'none'}")
         return self.draft.propose(batch, rows, k)
 
-    def sample(self, logits: torch.Tensor, tensors: SamplingTensors,
-               masks: tuple[np.ndarray, torch.Tensor] | None) -> DeviceSample:
+    def sampled_drafts(self, batch: PersistentBatch, rows: np.ndarray, offsets: np.ndarray) -> SampledDrafts | None:
+        """The draft model's q for a step's draft entries (its draw's `rows` and `offsets`) that it drew from q
+        for the row's current tokens (`DraftProbabilities.for_entries`); None without any."""
+        if self.draft is None or self.draft.proposed is None:
+            return None
+        return self.draft.proposed.for_entries(batch, rows, offsets)
+
+    def sample(self, logits: torch.Tensor, tensors: SamplingTensors, masks: tuple[np.ndarray, torch.Tensor] | None,
+               drafts: SampledDrafts | None = None) -> DeviceSample:
         """Draws every row of `logits` on the device and starts the step's one device-to-host copy (ids,
         logprobs, any ranks and top-k together). `masks`: the constrained rows' grammar bitmasks (row indices
         into `logits`, bitmask on the host), applied first: vLLM masks at the same point, so logprobs are of the
-        masked logits."""
+        masked logits. `drafts`: entries whose drafts a draft model sampled, whose tokens the rejection rule
+        gives (sampling/rejection_sampler.py)."""
         if masks is not None:
             self._apply_grammar_masks(logits, *masks)
         out = sample(logits, tensors, self.sampling_ops)
+        if drafts is not None:
+            out = verify_sampled_drafts(logits, tensors, out, drafts)
         packed = pack_sampler_output(out)
         if not self.on_gpu:
             return DeviceSample(out.token_ids, packed, None)

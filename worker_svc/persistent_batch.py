@@ -360,7 +360,10 @@ class PersistentBatch:
         entries together, from offset 0): a row keeps its drafts while each equals the token sampled at its
         position. Returns, per row (its offset-0 entry's order), the index of the entry whose token it takes
         (the first that differs from its draft, or the one after the last draft) and its number of kept drafts.
-        Whole-array: the entry after a row's last draft has no draft, so every row's run of matches ends."""
+        Whole-array: the entry after a row's last draft has no draft, so every row's run of matches ends.
+        Exact for point-mass drafts (n-gram, greedy): it is the rejection rule with q(x) = 1. A draft a draft model
+        sampled from q has, at its entry, the rejection rule's token instead of a plain draw
+        (sampling/rejection_sampler.py): the draft when kept, another token when not, so the same match applies."""
         first = np.flatnonzero(offsets == 0)
         is_draft = offsets < self.num_drafts[rows]
         # Only the draft entries are read: a plain row's token count already counts its pending token, and

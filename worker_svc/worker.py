@@ -170,7 +170,11 @@ class Worker:
             step.num_logprobs = batch.num_logprobs[step.sampled_rows].copy()
             # The sampling inputs as of now (a row's seed position is its token count before begin_step).
             tensors = build_sampling_tensors(batch, step.draw_rows, self.runner.device, step.draw_offsets)
-            draw = partial(self._draw, self.runner.select_rows(logits, np.flatnonzero(~is_beam)), step, tensors)
+            # Drafts a draft model sampled (with their q): verified by the rejection rule, the others by matching.
+            drafts = (self.runner.sampled_drafts(batch, step.draw_rows, step.draw_offsets)
+                      if step.draw_offsets is not None else None)
+            draw = partial(self._draw, self.runner.select_rows(logits, np.flatnonzero(~is_beam)), step, tensors,
+                           drafts)
             if behind_another and batch.grammars.follows_sampled_tokens(step.draw_rows):
                 # A grammar's mask needs the token the step in flight samples (a waiting grammar: whether it
                 # starts): queued forward first, the mask and the draw once that step is finished (`complete`),
@@ -184,8 +188,8 @@ class Worker:
             step.result.beam_candidates.extend(self._beam_candidates(
                 self.runner.select_rows(logits, np.flatnonzero(is_beam)), inputs.sample_rows[is_beam]))
 
-    def _draw(self, logits: torch.Tensor, step: LaunchedStep, tensors) -> None:
-        step.sampled = self.runner.sample(logits, tensors, self._grammar_masks(step))
+    def _draw(self, logits: torch.Tensor, step: LaunchedStep, tensors, drafts) -> None:
+        step.sampled = self.runner.sample(logits, tensors, self._grammar_masks(step), drafts)
 
     def _grammar_masks(self, step: LaunchedStep) -> tuple[np.ndarray, torch.Tensor] | None:
         """The constrained sampled rows' bitmasks: filled in the background while the queued forward pass ran
