@@ -26,6 +26,11 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
         rope_theta=500_000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
     ),
+    "llama-3.1-70b": dict(
+        config_class="LlamaConfig", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+        rope_theta=500_000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    ),
     "qwen3-8b": dict(
         config_class="Qwen3Config", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
