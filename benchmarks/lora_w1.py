@@ -4,7 +4,7 @@
 
 The model is the shape's config with random weights (--load-format dummy, bf16, as benchmarks/offline_throughput.py
 runs W1), and NUM_ADAPTERS PEFT adapters of rank RANK on all seven projections of every layer, written here with
-random weights (adapter_config.json + adapter_model.safetensors, what `save_pretrained` writes). One engine with
+random weights (pagedserve/testing/tiny_lora.py `write_random_adapter`: what `save_pretrained` writes). One engine with
 `--enable-lora --max-loras NUM_ADAPTERS --max-lora-rank RANK --lora-modules ...` runs, each pass after a warm-up pass
 over other prompts (Triton's and cuBLAS's one-time costs; other prompts, as prefix caching is on):
 
@@ -34,7 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 from benchmarks.model_shapes import SHAPES, write_config_dir  # noqa: E402
 from benchmarks.offline_throughput import OUTPUT_LEN, prompts  # noqa: E402
@@ -42,38 +41,9 @@ from client import AsyncClient  # noqa: E402
 from pagedserve import LLM, LoRARequest, SamplingParams  # noqa: E402
 from pagedserve.bench.offline_engine import engine_options  # noqa: E402
 from pagedserve.cli import parse_args  # noqa: E402
-from service_runtime.lora_modules import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SERVED_TARGETS  # noqa: E402
+from pagedserve.testing.tiny_lora import write_random_adapter  # noqa: E402
 
-NUM_ADAPTERS, RANK, ALPHA = 8, 16, 32.0
-
-
-def write_random_adapter(shape: str, directory: Path, seed: int, rank: int = RANK) -> Path:
-    """A PEFT LoRA adapter of `rank` on every served projection of every layer of `shape`, random bf16 weights
-    scaled so that the delta is small beside the layer's output (the tokens are not checked, only timed)."""
-    s = SHAPES[shape]
-    hidden, intermediate = s["hidden_size"], s["intermediate_size"]
-    head_dim = s.get("head_dim", hidden // s["num_attention_heads"])
-    q_size, kv_size = s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim
-    sizes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
-             "o_proj": (q_size, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
-             "down_proj": (intermediate, hidden)}
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(s["num_hidden_layers"]):
-        for target in SERVED_TARGETS:
-            module = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{module}.{target}"
-            in_features, out_features = sizes[target]
-            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_features, generator=generator)
-                                                  / in_features ** 0.5).bfloat16()
-            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, rank, generator=generator)
-                                                  * 0.01).bfloat16()
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / ADAPTER_WEIGHTS)
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": ALPHA, "target_modules": list(SERVED_TARGETS),
-              "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(config))
-    return directory
+NUM_ADAPTERS, RANK = 8, 16
 
 
 def timed_pass(llm: LLM, requests: list[list[int]], adapters: list[str | None]) -> dict:
@@ -139,7 +109,9 @@ def main() -> int:
     out_dir = Path(os.environ.get("OUT", "."))
     work = Path(tempfile.mkdtemp())
     model_dir = write_config_dir(args.shape, work / args.shape)
-    adapters = {f"lora{index}": write_random_adapter(args.shape, work / f"lora{index}", seed=index)
+    # bf16 files (the served dtype); B small, so that the delta stays small beside a layer's random output.
+    adapters = {f"lora{index}": write_random_adapter(SHAPES[args.shape], work / f"lora{index}", RANK, seed=index,
+                                                     b_scale=0.01, dtype=torch.bfloat16)
                 for index in range(NUM_ADAPTERS)}
     requests = prompts(args.num_requests, SHAPES[args.shape]["vocab_size"])
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else args.device

@@ -78,6 +78,9 @@ class LoraAdapterSlots:
         self._pin = device.type == "cuda"
         padded_rank = stack_rank(max_lora_rank)
         lora_add = lora_kernel(device, padded_rank)
+        # Whether CUDA graphs may capture the delta: the Triton kernel has no host sync; the torch reference (the
+        # CPU, or a padded rank above the kernel's largest) loops over the slots present, so those run eagerly.
+        self.capturable = lora_add is not lora_add_reference
         self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.layers: dict[str, LayerLora] = {}
         for name, layer in servable_layers(model).items():

@@ -16,7 +16,8 @@ decoding, draft_model.py) as an object the runner calls around `execute`, with i
 dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
 lora_loads before the forward on a stream of their own: lora_adapters.py; each step's slots reach the layers in
-the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
+the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need
+faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ class ModelRunner:
                     warm_up_kernels(self.draft.model, self.draft.kv_cache.layers, setup.block_size,
                                     max_blocks_per_seq, setup.max_num_seqs, device)
         if self.on_gpu and config.cuda_graphs:
+            with_lora = self.lora_slots is not None and self.lora_slots.capturable
             self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
-                                                   max_blocks_per_seq, config.world_size, config.rank,
-                                                   with_lora=self.lora_slots is not None)
+                                                   max_blocks_per_seq, config.world_size, config.rank, with_lora)
         else:
             self.graphs = GraphDispatcher(self.model, layers, setup.block_size, device)
         if self.on_gpu:
