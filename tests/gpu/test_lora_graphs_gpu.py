@@ -2,7 +2,8 @@
 delta, replayed over steps mixing three adapters' rows (ranks 4, 8, 16) and base rows, gives the eager forward's
 hidden states (bit for bit over the same padded bucket, within float32 rounding over the real rows alone); a step
 without adapter rows through the same graphs is the base model's, bit for bit (the delta kernels skip slot -1); a
-slot loaded again after the capture (on the load stream, in place) is what the next replay reads."""
+slot loaded again after the capture (on the load stream, in place) is what the next replay reads. Steps with prefill
+through the piecewise graphs captured with LoRA (worker_svc/mixed_graphs.py) likewise."""
 
 from __future__ import annotations
 
@@ -25,8 +26,12 @@ from tests.gpu.graph_steps import (
     load_cuda_model,
     random_kv_caches,
 )
-from worker_svc.decode_graphs import DecodeGraphs
+from kernels.attention_metadata import AttentionMetadata
+from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.host_to_device import to_device
+from worker_svc.layers.attention import Attention
 from worker_svc.lora_adapters import LoraAdapterSlots
+from worker_svc.mixed_graphs import MixedGraphs
 
 MAX_NUM_SEQS = 16  # buckets 1, 2, 4, 8, 16
 MAX_MODEL_LEN = 160
@@ -105,3 +110,37 @@ def test_a_slot_loaded_again_after_the_capture_is_what_the_replay_reads(captured
     step, token_slots = lora_step(config, rng, 5, with_adapters=True)
     slots.wait_for_loads(token_slots)  # as the model runner does before the forward
     replay_against_eager(captured, step, token_slots, 8, "slot 2 reloaded")
+
+
+# (context lengths, query lengths) of steps with prefill, decodes first; then the bucket.
+MIXED_STEPS = [([40, 7, 90, 20], [1, 1, 1, 100], 128), ([5, 60, 0, 33], [1, 1, 64, 64], 256)]
+
+
+def test_steps_with_prefill_through_the_piecewise_graphs_with_adapter_rows_give_the_eager_forwards(captured):
+    model, config, _, kv_caches, _, _, _ = captured
+    attention = [module for module in model.modules() if isinstance(module, Attention)]
+    graphs = MixedGraphs(model, kv_caches, attention, attention[0].backend, BLOCK_SIZE, DEVICE, with_lora=True)
+    graphs.capture()
+    rng = np.random.default_rng(3)
+    for contexts, queries, bucket in MIXED_STEPS:
+        decodes = [row for row, query in enumerate(queries) if query == 1]
+        step = build_step(contexts, queries, pending=decodes[::2], num_blocks=NUM_BLOCKS,
+                          vocab_size=config.vocab_size, rng=rng)
+        row_slots = np.arange(len(queries)) % (len(RANKS) + 1) - 1  # base, adapter 0, 1, 2, base, ...
+        token_slots = np.repeat(row_slots, queries)
+        inputs, num_tokens = step.inputs, sum(queries)
+        assert graphs.bucket_for(num_tokens) == bucket
+        with torch.inference_mode():
+            input_ids = to_device(inputs.input_ids, DEVICE, torch.long)
+            take_pending_tokens(input_ids, inputs, step.previous_sampled)
+            metadata = AttentionMetadata(
+                slot_mapping=to_device(inputs.slot_mapping, DEVICE, torch.long),
+                query_start_loc=to_device(inputs.query_start_loc, DEVICE, torch.int32),
+                seq_lens=to_device(inputs.seq_lens, DEVICE, torch.int32),
+                block_tables=to_device(inputs.block_tables, DEVICE, torch.int32),
+                block_size=BLOCK_SIZE, num_decode_seqs=inputs.num_decode_seqs)
+            replayed = graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, bucket,
+                                  token_slots).clone()
+        padded = eager_hidden(model, kv_caches, step, num_tokens=bucket, lora_token_slots=token_slots)
+        alone = eager_hidden(model, kv_caches, step, lora_token_slots=token_slots)
+        assert_replay_is_eager(replayed, padded, alone, f"{num_tokens} tokens with adapters in bucket {bucket}")
