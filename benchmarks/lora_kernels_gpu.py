@@ -9,6 +9,9 @@ Per projection and token count:
   card's L2 (as between two layers of a served model, where the other weights evict them);
 - `base_us`: F.linear of x by the bf16 weight [N, K], timed the same way over copies of the weight;
 - `overhead` = lora_us / base_us: what LoRA adds to the projection;
+- `base_rows_us`: `lora_add` with every token on slot -1 (the base model), what a step without adapter rows pays
+  under the CUDA graphs captured with LoRA (worker_svc/decode_graphs.py): the launches and the programs' early
+  exit, no adapter read;
 - `splits`: the shrink's K slices; `relative_error` ||y - ref|| / ||ref|| and `bit_equal` (fraction of y's
   elements equal to the reference's bits) against kernels/lora_ref.py on the same inputs (bound ERROR_BOUND).
 
@@ -61,6 +64,9 @@ def bench_projection(name: str, k_size: int, n_size: int, tokens_list: Sequence[
         y = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
         lora_s = seconds_per_call([lambda a=a, b=b: lora_add(y, x, a, b, slots, scalings) for a, b in adapter_sets])
         base_s = seconds_per_call([lambda w=w: F.linear(x, w) for w in weights])
+        no_slots = torch.full_like(slots, -1)
+        base_rows_s = seconds_per_call([lambda a=a, b=b: lora_add(y, x, a, b, no_slots, scalings)
+                                        for a, b in adapter_sets])
         lora_a, lora_b = adapter_sets[0]
         fresh = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
         got, expected = fresh.clone(), fresh.clone()  # y has had the timed calls' updates added
@@ -68,12 +74,13 @@ def bench_projection(name: str, k_size: int, n_size: int, tokens_list: Sequence[
         lora_ref.lora_add(expected, x, lora_a, lora_b, slots, scalings)
         row = {"projection": name, "k": k_size, "n": n_size, "tokens": num_tokens,
                "splits": shrink_splits(num_tokens, k_size), "lora_us": lora_s * 1e6, "base_us": base_s * 1e6,
+               "base_rows_us": base_rows_s * 1e6,
                "overhead": lora_s / base_s,
                "relative_error": ((got.float() - expected.float()).norm() / expected.float().norm()).item(),
                "bit_equal": (got == expected).float().mean().item()}
         row["ok"] = row["relative_error"] < ERROR_BOUND
         print(f"{name:8s} T={num_tokens:4d} splits={row['splits']:2d} lora {row['lora_us']:7.1f} us  "
-              f"base {row['base_us']:7.1f} us  (+{row['overhead']:5.1%})  err {row['relative_error']:.1e} "
+              f"base {row['base_us']:7.1f} us  (+{row['overhead']:5.1%})  slot -1 only {row['base_rows_us']:5.1f} us  err {row['relative_error']:.1e} "
               f"bit-equal {row['bit_equal']:.3f}", flush=True)
         results.append(row)
     return results

@@ -81,11 +81,12 @@ def sequences(kv_cache: torch.Tensor, metadata: AttentionMetadata, kv_scales: KV
               dtype: torch.dtype | None = None):
     """(start, end, key, value) of each sequence with new tokens: its rows [start, end) of the step's tokens,
     and its whole context's K and V `[L, Hkv, D]` read through its block table (an fp8 cache's dequantized to
-    `dtype`, the query's)."""
+    `dtype`, the query's). A sequence of context 0 is a CUDA-graph bucket's padding row (decode_graphs.py): skipped,
+    as the Triton kernels skip it, so its rows stay zeros."""
     starts = metadata.query_start_loc.tolist()
     for seq_index, seq_len in enumerate(metadata.seq_lens.tolist()):
         start, end = starts[seq_index], starts[seq_index + 1]
-        if end > start:
+        if end > start and seq_len > 0:
             yield start, end, *gather_context(kv_cache, metadata.block_tables[seq_index], seq_len, kv_scales,
                                               dtype)
 

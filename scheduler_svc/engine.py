@@ -130,6 +130,7 @@ class Engine:
             priority=priority,
             lora_name=validated.lora_name,
             lora_path=validated.lora_path,
+            lora_generation=validated.lora_generation,
         )
         if validated.resume is not None:
             root.output_token_ids = list(validated.resume.token_ids)

@@ -36,6 +36,10 @@ class LoraModule:
     name: str
     path: str
     base_model_name: str | None = None
+    # Which load of `name` this is: 0 for --lora-modules, then 1, 2, ... for each runtime load of the name
+    # (api/lora_registry.py). Part of the adapter's identity in the GPU slots, the workers' host copies and the
+    # prefix cache, so an adapter rewritten on disk and loaded again under the same name and path is another one.
+    generation: int = 0
 
     def to_flag(self) -> str:
         """How the entry is written on a child's command line (parsed back by `lora_module`)."""

@@ -3,7 +3,9 @@
 vLLM's /v1/load_lora_adapter, and the SDK) and requested concurrently with the base model each give PEFT's greedy
 output (one GPU slot, reloaded as the adapters take turns); /v1/models follows the loads and unloads; a refused
 load names the problem (400 / INVALID_ARGUMENT); unloading lets the request in flight finish and new ones get
-NOT_FOUND / 404. Without the flag a load is refused (the scheduler's registry, without a second server)."""
+NOT_FOUND / 404; an adapter unloaded, rewritten on disk and loaded again under the same name and path serves its new
+weights (a new load generation: its slot, the workers' host copy and its prefix-cache blocks are not the old
+ones'). Without the flag a load is refused (the scheduler's registry, without a second server)."""
 
 from __future__ import annotations
 
@@ -131,6 +133,40 @@ def test_unloading_lets_the_request_in_flight_finish_and_new_ones_are_not_found(
     status, _, body = http_json(f"{server.http_url}/v1/completions",
                                 {"model": "gone", "prompt": PROMPTS[0], "max_tokens": 2})
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_reloaded_after_its_files_changed_serves_the_new_weights(llama, server, tmp_path):
+    """Same name, same directory, other files: PEFT's output with the new weights, token for token, on the
+    prompt the old weights filled the prefix cache with (several full blocks)."""
+    model, adapters = llama
+    path = shutil.copytree(adapters["attn"], tmp_path / "reloaded")
+    prompt = list(range(3, 60))
+    with server.client() as client:
+        client.load_lora_adapter("reloaded", str(path))
+        old = [list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                    lora_name="reloaded").outputs[0].token_ids) for _ in range(2)]
+        assert old == [peft_greedy(model, adapters["attn"], prompt, MAX_TOKENS)] * 2
+        client.unload_lora_adapter("reloaded")
+        shutil.rmtree(path)
+        shutil.copytree(adapters["mlp"], path)
+        client.load_lora_adapter("reloaded", str(path))
+        new = list(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                   lora_name="reloaded").outputs[0].token_ids)
+        client.unload_lora_adapter("reloaded")
+    expected = peft_greedy(model, path, prompt, MAX_TOKENS)
+    assert expected != old[0], "the rewritten adapter must change the output"
+    assert new == expected
+
+
+def test_each_runtime_load_of_a_name_is_a_new_generation(llama):
+    _, adapters = llama
+    registry = LoraRegistry(enable_lora=True, max_lora_rank=8, allow_runtime_updating=True)
+    generations = []
+    for _ in range(3):
+        generations.append(registry.load("attn", str(adapters["attn"])).generation)
+        registry.unload("attn")
+    assert generations == [1, 2, 3]
+    assert registry.load("other", str(adapters["attn"])).generation == 1
 
 
 def test_runtime_loads_are_refused_without_the_flag(llama):

@@ -22,9 +22,10 @@ from tests.test_scheduler import EOS, make_request, step
 PROMPT = list(range(600, 618))  # 4 full blocks of 4, then 2 tokens
 
 
-def lora_request(request_id: str, lora_name: str | None, prompt=PROMPT, max_tokens=3) -> Request:
+def lora_request(request_id: str, lora_name: str | None, prompt=PROMPT, max_tokens=3, generation=0) -> Request:
     return Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, seed=3), (EOS,),
-                   lora_name=lora_name, lora_path="" if lora_name is None else f"/adapters/{lora_name}")
+                   lora_name=lora_name, lora_path="" if lora_name is None else f"/adapters/{lora_name}",
+                   lora_generation=generation)
 
 
 class SlotMirror:
@@ -165,7 +166,7 @@ def test_a_worker_loss_has_the_slots_loaded_again():
 
 def test_the_slot_lru_evicts_the_least_recently_used_adapter_no_running_request_uses():
     slots = LoraSlots(2)
-    a, b, c, d = (("a", "/a"), ("b", "/b"), ("c", "/c"), ("d", "/d"))
+    a, b, c, d = (("a", "/a", 0), ("b", "/b", 0), ("c", "/c", 0), ("d", "/d", 0))
     assert slots.assign(a, {a}) == (1, LoraLoadData(1, "a", "/a"))
     assert slots.assign(b, {a, b}) == (2, LoraLoadData(2, "b", "/b"))
     assert slots.assign(a, {a}) == (1, None)  # held: no load; a is now the most recently used
@@ -173,9 +174,29 @@ def test_the_slot_lru_evicts_the_least_recently_used_adapter_no_running_request_
     assert slots.assign(d, {a, d}) == (2, LoraLoadData(2, "d", "/d"))  # c is older, but a is in use: not a
     assert slots.slot_of(a) == 1 and slots.slot_of(c) is None
     with pytest.raises(RuntimeError, match="no LoRA slot"):  # same name, another directory: another adapter
-        slots.assign(("a", "/elsewhere"), {a, d})
+        slots.assign(("a", "/elsewhere", 0), {a, d})
+    with pytest.raises(RuntimeError, match="no LoRA slot"):  # same name and directory, loaded again: another
+        slots.assign(("a", "/a", 1), {a, d})
     slots.forget()
     assert slots.assign(a, {a}) == (1, LoraLoadData(1, "a", "/a"))
+    assert slots.assign(("a", "/a", 2), {("a", "/a", 2)}) == (2, LoraLoadData(2, "a", "/a", 2))
+
+
+def test_an_adapter_loaded_again_under_its_name_and_path_shares_no_blocks_and_is_loaded_into_a_slot_again():
+    """A reload is a new generation (api/lora_registry.py): its files may hold other weights, so neither the
+    prefix cache nor the slot of the earlier generation may serve it."""
+    scheduler, worker = make_lora_scheduler(max_loras=2)
+    assert first_step_computed(scheduler, worker, lora_request("a1", "a", generation=1)) == 0
+    assert first_step_computed(scheduler, worker, lora_request("a2", "a", generation=1)) == 16
+    scheduler.add_request(lora_request("a3", "a", generation=2))
+    output, _ = step(scheduler, worker)
+    assert [(load.name, load.path, load.generation) for load in output.lora_loads] == [("a", "/adapters/a", 2)]
+    assert output.new_requests[0].num_computed_tokens == 0  # nothing of generation 1's KV
+    run_to_completion(scheduler, worker)
+    keys = scheduler.block_manager.cached_blocks()
+    roots = [adapter_root_key("a", "/adapters/a", generation) for generation in (0, 1, 2)]
+    assert len(set(roots)) == 3 and roots[0] == adapter_root_key("a", "/adapters/a")
+    assert all(chain_block_key(root, PROMPT[:4]) in keys for root in roots[1:])
 
 
 def test_base_model_requests_ignore_max_loras():

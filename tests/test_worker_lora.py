@@ -18,6 +18,9 @@ from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
 from worker_svc.config import WorkerConfig
+from worker_svc.decode_graphs import DecodeGraphs
+from worker_svc.graph_dispatcher import DecodeGraphPath, GraphDispatcher
+from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.worker import Worker
 
 BLOCK = 4
@@ -89,6 +92,52 @@ def test_adapters_and_the_base_model_interleaved_in_one_batch_equal_peft(served)
     assert outputs == expected
     base_alone = [peft_greedy(model, None, PROMPTS[i], MAX_TOKENS) for i in range(1, 4)]
     assert all(outputs[f"r{i}"] != base_alone[i - 1] for i in range(1, 4)), "an adapter changed nothing"
+
+
+def test_decode_steps_through_the_graphs_static_buffers_with_adapter_rows_equal_peft(served):
+    """The CUDA-graph decode path with LoRA (decode_graphs.py `with_lora`), run on the CPU over its static buffers
+    (uncaptured: the same buffer filling and padding): five rows, three adapters and two of the base model, in
+    bucket 8 (three padding rows with slot -1), each greedy token for token PEFT's."""
+    model, adapters = served
+    worker = make_worker(model, adapters)
+    runner = worker.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache.layers, 8, PersistentBatch.max_blocks_per_seq(64, BLOCK),
+                          BLOCK, torch.device("cpu"), with_lora=True)
+    decode_path = CountingPath(DecodeGraphPath(graphs))
+    runner.graphs = GraphDispatcher(runner.model, runner.kv_cache.layers, BLOCK, torch.device("cpu"), (decode_path,))
+    names = [None, *adapters, None]
+    prompts = [*PROMPTS, PROMPTS[3]]
+    requests = [new(f"r{i}", prompts[i], slot=0 if names[i] is None else i, first_block=8 * i) for i in range(5)]
+    outputs = decode(worker, requests, loads(adapters))
+    assert decode_path.sizes == [8] * (MAX_TOKENS - 1)  # every step after the prefill replayed bucket 8
+    expected = {f"r{i}": peft_greedy(model, None if names[i] is None else adapters[names[i]], prompts[i], MAX_TOKENS)
+                for i in range(5)}
+    assert outputs == expected
+
+
+class CountingPath:
+    """A forward path that records the bucket of each step it runs."""
+
+    def __init__(self, path):
+        self._path, self.name, self.sizes = path, path.name, []
+
+    def bucket_for(self, inputs):
+        return self._path.bucket_for(inputs)
+
+    def run(self, inputs, size, previous_sampled):
+        self.sizes.append(size)
+        return self._path.run(inputs, size, previous_sampled)
+
+
+def test_graphs_captured_without_lora_take_no_step_with_adapter_tokens(served):
+    model, adapters = served
+    worker = make_worker(model, adapters)
+    runner = worker.runner
+    graphs = DecodeGraphs(runner.model, runner.kv_cache.layers, 8, PersistentBatch.max_blocks_per_seq(64, BLOCK),
+                          BLOCK, torch.device("cpu"))
+    rows = [worker.batch.add(new("b", PROMPTS[0][:1], 0, 0)), worker.batch.add(new("l", PROMPTS[2][:1], 2, 8))]
+    assert graphs.bucket_for(worker.batch.build_inputs(np.asarray(rows[:1]), np.asarray([1]))) == 1
+    assert graphs.bucket_for(worker.batch.build_inputs(np.asarray(rows), np.asarray([1, 1]))) is None
 
 
 def test_one_slot_reloaded_serves_each_adapter_exactly_and_reloads_from_host_memory(served, tmp_path):

@@ -8,6 +8,15 @@ captured graphs, and their static outputs. A step whose scheduled rows are all d
 fit a bucket copies its inputs into the buffers' first rows, pads the rest (slot -1, context 0, block 0,
 which the kernels skip) and replays the bucket's graph. Every grid, slice and scalar argument inside is a
 function of the bucket alone, as the Triton backend requires (kernels/triton_backend.py).
+
+Multi-LoRA (`with_lora`, the worker's --enable-lora): the graphs are captured with the adapters' delta in every
+served layer, reading each token's slot from one more static row that every step fills (the step's
+`lora_token_slots`, or -1 for all rows of a step without adapters and for the padding rows: the LoRA kernels
+skip slot -1). The adapters' stacked weights are the layers' own tensors, which slot loads overwrite in place
+(worker_svc/lora_adapters.py), so a replay reads whatever the slots hold now.
+
+On the CPU (tests) nothing is captured: `run` fills the same static buffers the same way and runs the forward
+over them eagerly, so the buffer handling, padding included, is exercised without a GPU.
 """
 
 from __future__ import annotations
@@ -30,8 +39,9 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, with_lora: bool = False):
         self._model = model
+        self.with_lora = with_lora
         self._kv_caches = kv_caches
         self._block_size = block_size
         self.buckets = bucket_sizes(max_num_seqs)
@@ -41,10 +51,12 @@ class DecodeGraphs:
         self._input_ids, self._positions, self._slot_mapping = self._longs[0], self._longs[1], self._longs[2]
         self._slot_mapping.fill_(-1)
         self._pending_indices, self._pending_sources = self._longs[3], self._longs[4]
+        self._lora_token_slots = self._longs[5]
+        self._lora_token_slots.fill_(-1)
         self._seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self._block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self._staging = [_HostStaging(size, max_blocks_per_seq) for _ in range(2)]
+        self._staging = [_HostStaging(size, max_blocks_per_seq, device.type == "cuda") for _ in range(2)]
         self._num_runs = 0
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
@@ -58,6 +70,7 @@ class DecodeGraphs:
             block_tables=self._block_tables[:size],
             block_size=self._block_size,
             num_decode_seqs=size,
+            lora_token_slots=self._lora_token_slots[:size] if self.with_lora else None,
         )
 
     @torch.inference_mode()
@@ -81,9 +94,12 @@ class DecodeGraphs:
         return self._model(self._input_ids[:size], self._positions[:size], self._kv_caches, self._metadata(size))
 
     def bucket_for(self, inputs: StepInputs) -> int | None:
-        """The bucket that runs this step, or None when it is not a pure decode step that fits."""
+        """The bucket that runs this step, or None when it is not a pure decode step that fits (or has adapter
+        tokens and the graphs were captured without LoRA)."""
         num_seqs = len(inputs.rows)
         if len(inputs.input_ids) != num_seqs or num_seqs > self.buckets[-1]:
+            return None
+        if inputs.lora_token_slots is not None and not self.with_lora:
             return None
         return next(size for size in self.buckets if size >= num_seqs)
 
@@ -101,6 +117,8 @@ class DecodeGraphs:
         longs[0:2, n:size] = 0
         longs[2, n:size] = -1  # padded rows write no K/V
         longs[3, :num_pending], longs[4, :num_pending] = inputs.pending_input_indices, inputs.pending_sources
+        longs[5, :n] = -1 if inputs.lora_token_slots is None else inputs.lora_token_slots
+        longs[5, n:size] = -1  # padded rows: no adapter delta
         seq_lens = staging.seq_lens_array
         seq_lens[:n], seq_lens[n:size] = inputs.seq_lens, 0  # context 0: the kernels skip padded rows
         width = inputs.block_tables.shape[1]
@@ -113,22 +131,27 @@ class DecodeGraphs:
         if num_pending:
             gather_pending_tokens(self._input_ids, self._pending_indices[:num_pending],
                                   self._pending_sources[:num_pending], previous_sampled)
-        self._graphs[size].replay()
+        graph = self._graphs.get(size)
+        if graph is None:  # not captured (the CPU): the same forward over the same buffers
+            return self._forward(size)[:n]
+        graph.replay()
         return self._outputs[size][:n]
 
 
-# Rows of the graphs' int64 input buffer: input ids, positions, slots, pending token indices and sources.
-_NUM_LONG_ROWS = 5
+# Rows of the graphs' int64 input buffer: input ids, positions, slots, pending token indices and sources, and
+# each token's LoRA adapter slot (-1: none).
+_NUM_LONG_ROWS = 6
 
 
 class _HostStaging:
     """Pinned host mirrors of the graphs' inputs for one step, and the event after their copies: refilled
     only once those copies ran (a pinned buffer handed to a non-blocking copy must not change before)."""
 
-    def __init__(self, size: int, max_blocks_per_seq: int):
-        self.longs = torch.zeros(_NUM_LONG_ROWS, size, dtype=torch.long, pin_memory=True)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=True)
-        self._tables = torch.zeros(size * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+    def __init__(self, size: int, max_blocks_per_seq: int, on_gpu: bool):
+        self._on_gpu = on_gpu  # on the CPU the copies are done when they return: no pinning, no event
+        self.longs = torch.zeros(_NUM_LONG_ROWS, size, dtype=torch.long, pin_memory=on_gpu)
+        self.seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=on_gpu)
+        self._tables = torch.zeros(size * max_blocks_per_seq, dtype=torch.int32, pin_memory=on_gpu)
         self.longs_array, self.seq_lens_array = self.longs.numpy(), self.seq_lens.numpy()
         self._tables_array = self._tables.numpy()
         self._copied: torch.cuda.Event | None = None
@@ -144,6 +167,8 @@ class _HostStaging:
             self._copied.synchronize()
 
     def mark_copied(self) -> None:
+        if not self._on_gpu:
+            return
         self._copied = torch.cuda.Event()
         self._copied.record()
 

@@ -7,6 +7,10 @@ the CPU or with --enforce-eager; no piecewise graphs where the model does not al
 not fit). A feature that adds a way (a drafter's own graphs, say) adds a `ForwardPath` to the tuple, not a
 branch in the worker's step.
 
+Multi-LoRA: with --enable-lora the graphs are captured with the adapters' delta (`with_lora`), reading each
+token's slot from their static buffers, so steps with adapter rows replay them too; graphs captured without it
+take no step with adapter tokens (their `bucket_for` says None), which then runs eagerly.
+
 Ownership: the model runner owns one dispatcher; the dispatcher owns the captured graphs and builds the
 attention metadata of the steps it runs eagerly or piecewise (the decode graphs fill their own static
 buffers).
@@ -14,6 +18,7 @@ buffers).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Protocol
 
@@ -48,21 +53,20 @@ class GraphDispatcher:
 
     @classmethod
     def captured(cls, model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 max_num_seqs: int, max_blocks_per_seq: int, world_size: int, rank: int) -> GraphDispatcher:
-        """Captures the decode graphs, then the piecewise graphs where the model allows and memory fits."""
-        decode = DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, block_size, device)
+                 max_num_seqs: int, max_blocks_per_seq: int, world_size: int, rank: int,
+                 with_lora: bool = False) -> GraphDispatcher:
+        """Captures the decode graphs, then the piecewise graphs where the model allows and memory fits (both
+        with the LoRA delta when `with_lora`: the model's layers hold adapter slots)."""
+        decode = DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, block_size, device, with_lora)
         decode.capture()
-        paths: tuple[ForwardPath, ...] = (_DecodeGraphPath(decode),)
-        mixed = _capture_mixed_graphs(model, kv_caches, block_size, device, world_size, rank)
+        paths: tuple[ForwardPath, ...] = (DecodeGraphPath(decode),)
+        mixed = _capture_mixed_graphs(model, kv_caches, block_size, device, world_size, rank, with_lora)
         if mixed is not None:
             paths += (_MixedGraphPath(mixed, block_size, device),)
         return cls(model, kv_caches, block_size, device, paths)
 
     def choose(self, inputs: StepInputs) -> tuple[ForwardPath, int]:
-        """The path that runs this step and the size it runs it at (the first path that takes it). A step with
-        LoRA adapter tokens runs eagerly: the graphs were captured without per-token adapter slots."""
-        if inputs.lora_token_slots is not None:
-            return self._eager, self._eager.bucket_for(inputs)
+        """The path that runs this step and the size it runs it at (the first path that takes it)."""
         for path in self.paths:
             size = path.bucket_for(inputs)
             if size is not None:
@@ -114,7 +118,7 @@ class _EagerPath:
         return self._model(input_ids, to_device(inputs.positions, device, torch.long), self._kv_caches, metadata)
 
 
-class _DecodeGraphPath:
+class DecodeGraphPath:
     name = "decode graph"
 
     def __init__(self, graphs: DecodeGraphs):
@@ -134,22 +138,27 @@ class _MixedGraphPath:
         self.graphs, self._block_size, self._device = graphs, block_size, device
 
     def bucket_for(self, inputs: StepInputs) -> int | None:
+        if inputs.lora_token_slots is not None and not self.graphs.with_lora:
+            return None
         return self.graphs.bucket_for(len(inputs.input_ids))
 
     def run(self, inputs: StepInputs, size: int, previous_sampled: torch.Tensor | None) -> torch.Tensor:
-        metadata = attention_metadata(inputs, self._block_size, self._device)
+        # The pieces read the adapter slots from their static buffer (filled by `run`), not the metadata.
+        metadata = attention_metadata(dataclasses.replace(inputs, lora_token_slots=None), self._block_size,
+                                      self._device)
         input_ids = _input_ids(inputs, self._device, previous_sampled)
-        return self.graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, size)
+        return self.graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, size,
+                               inputs.lora_token_slots)
 
 
 def _capture_mixed_graphs(model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
-                          world_size: int, rank: int) -> MixedGraphs | None:
+                          world_size: int, rank: int, with_lora: bool) -> MixedGraphs | None:
     """Piecewise graphs for steps with prefill where the model allows (mixed_graphs.py); None there, and where
     their memory pool does not fit beside the KV pool (then those steps run eagerly)."""
     attention = [module for module in model.modules() if isinstance(module, Attention)]
     if not attention or not supports_mixed_graphs(model, world_size, attention[0].backend):
         return None
-    graphs = MixedGraphs(model, kv_caches, attention, attention[0].backend, block_size, device)
+    graphs = MixedGraphs(model, kv_caches, attention, attention[0].backend, block_size, device, with_lora)
     torch.cuda.empty_cache()  # the memory profile's activations: the graphs' pool is allocated apart
     try:
         graphs.capture()

@@ -6,8 +6,19 @@ says so in the plan (`StepPlan.lora_loads`, applied before the step's forward pa
 host copies and writes the slots; the model's layers hold the stacked slots (`LayerLora`, layers/layer_lora.py),
 created at setup, zeros, for every served projection of every decoder layer (q|k|v, o, gate|up, down: an adapter
 loaded later may target any of them). Slot s (NewRequest.lora_slot s >= 1) is index s - 1 of the stacks; base
-tokens carry slot -1. A load is a copy on the step's own stream (ordered after the previous step's forward pass,
-which may still read the slot's old adapter); a side stream is not done yet.
+tokens carry slot -1. The CUDA graphs captured the stacks' storage (worker_svc/decode_graphs.py, mixed_graphs.py), so
+a load only ever copies into them in place, never re-allocates.
+
+Loads on a side stream (on a GPU): a load's copies (host -> slot) run on a stream of their own, which first waits
+for the work already queued on the step's stream (the previous step's forward pass may still read the slot's old
+adapter: the scheduler evicts only an adapter no running row uses, but a row aborted while that pass is in flight
+was using it), and an event after the copies marks the slot loaded. The step that first runs a token in the slot
+has its stream wait on that event (`wait_for_loads`), so the copies overlap the step stream's work until then
+instead of being queued in it. On the CPU the copies run at once and nothing waits.
+
+Host copies are keyed by (name, path, generation): the scheduler's registry counts every runtime load of a name,
+so an adapter unloaded, rewritten on disk and loaded again under the same name and path is read from its files
+again rather than served from the host copy of its earlier weights.
 
 A PEFT weights file names its tensors after the HF modules: `base_model.model.model.layers.3.self_attn.q_proj
 .lora_A.weight` ([r, in]) and `...lora_B.weight` ([out, r]). q/k/v and gate/up go to their part of our fused
@@ -31,6 +42,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -66,6 +78,9 @@ class LoraAdapterSlots:
         self._pin = device.type == "cuda"
         padded_rank = stack_rank(max_lora_rank)
         lora_add = lora_kernel(device, padded_rank)
+        # Whether CUDA graphs may capture the delta: the Triton kernel has no host sync; the torch reference (the
+        # CPU, or a padded rank above the kernel's largest) loops over the slots present, so those run eagerly.
+        self.capturable = lora_add is not lora_add_reference
         self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.layers: dict[str, LayerLora] = {}
         for name, layer in servable_layers(model).items():
@@ -77,7 +92,9 @@ class LoraAdapterSlots:
                     torch.zeros(max_loras, padded_rank, _input_columns(layer)[1], device=device, dtype=dtype),
                     torch.zeros(max_loras, rows, padded_rank, device=device, dtype=dtype)))
             layer.lora = self.layers[name] = LayerLora(tuple(parts), self.scalings, lora_add)
-        self._host: OrderedDict[tuple[str, str], HostAdapter] = OrderedDict()
+        self._host: OrderedDict[tuple[str, str, int], HostAdapter] = OrderedDict()
+        self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._loaded: dict[int, torch.cuda.Event] = {}  # slot index -> its last load's copies done (GPU only)
 
     def read(self, adapters: list[worker_pb2.LoraAdapterSetup]) -> None:
         """Reads the adapters of --lora-modules at setup (refusing one the model cannot serve) and keeps the
@@ -86,11 +103,37 @@ class LoraAdapterSlots:
             self._host_adapter(adapter.name, adapter.path)
 
     def load(self, loads: list[worker_pb2.LoraLoad]) -> None:
-        """Writes each adapter into its GPU slot (every layer's, zeros where it has no tensor)."""
+        """Writes each adapter into its GPU slot (every layer's, zeros where it has no tensor), on the load stream
+        after the step stream's queued work (module docstring); `wait_for_loads` orders a step after them."""
+        if not loads:
+            return
+        if self._load_stream is None:
+            self._write_slots(loads)
+            return
+        self._load_stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._load_stream):
+            self._write_slots(loads)
+            for load in loads:
+                event = torch.cuda.Event()
+                event.record(self._load_stream)
+                self._loaded[load.slot - 1] = event
+
+    def wait_for_loads(self, token_slots: np.ndarray) -> None:
+        """Orders the step stream's next work after the loads of the slots these tokens use (slot indexes, -1 for
+        base tokens) that no earlier step waited for. A wait on the device: the host goes on."""
+        if not self._loaded:
+            return
+        for index in np.unique(token_slots).tolist():
+            event = self._loaded.pop(index, None)
+            if event is not None:
+                torch.cuda.current_stream(self._device).wait_event(event)
+
+    def _write_slots(self, loads: list[worker_pb2.LoraLoad]) -> None:
+        """The copies of `load` on the current stream: in place into the stacks the graphs captured."""
         for load in loads:
-            adapter = self._host_adapter(load.name, load.path)
+            adapter = self._host_adapter(load.name, load.path, load.generation)
             index = load.slot - 1
-            self.scalings[index] = adapter.scaling
+            self.scalings[index].fill_(adapter.scaling)
             for name, layer_lora in self.layers.items():
                 for part_index, part in enumerate(layer_lora.parts):
                     part.lora_a[index].zero_()
@@ -102,10 +145,10 @@ class LoraAdapterSlots:
                     if lora_b is not None:
                         part.lora_b[index, :, : adapter.rank].copy_(lora_b, non_blocking=self._pin)
 
-    def _host_adapter(self, name: str, path: str) -> HostAdapter:
+    def _host_adapter(self, name: str, path: str, generation: int = 0) -> HostAdapter:
         """The adapter from the host LRU (moved to its end), else read from disk and cached (the least recently
-        used dropped beyond --max-cpu-loras)."""
-        key = (name, path)
+        used dropped beyond --max-cpu-loras). Another generation of the same name and path is read again."""
+        key = (name, path, generation)
         adapter = self._host.get(key)
         if adapter is not None:
             self._host.move_to_end(key)

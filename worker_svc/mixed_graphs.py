@@ -11,6 +11,10 @@ attention kernels over this step's metadata, reading the piece's query/key/value
 next piece reads (vLLM's piecewise CUDA graphs, built without torch.compile: the split points are the calls
 into the attention backend, which this module's `_SplitBackend` stands in for while capturing).
 
+Multi-LoRA (`with_lora`): the adapters' delta sits in the linear layers, so inside the pieces; they read each
+token's adapter slot from a static buffer `run` fills (-1 for base tokens and the bucket's padding, which the LoRA
+kernels skip), and the adapters' stacked weights, which slot loads overwrite in place.
+
 Not for models whose positions depend on the batch (longrope's table choice), mixtures of experts (their
 kernels size work by the routed tokens) or tensor parallel: those run eagerly (`supports_mixed_graphs`).
 """
@@ -113,8 +117,9 @@ class _Bucket:
 
 class MixedGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], attention_modules: list, backend, block_size: int,
-                 device: torch.device):
+                 device: torch.device, with_lora: bool = False):
         self._model = model
+        self.with_lora = with_lora
         self._kv_caches = kv_caches
         self._attention_modules = attention_modules  # whose `backend` is swapped while capturing
         self._backend = backend
@@ -123,6 +128,7 @@ class MixedGraphs:
         self.sizes = list(range(BUCKET, MAX_TOKENS + 1, BUCKET))
         self._input_ids = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
         self._positions = torch.zeros(MAX_TOKENS, dtype=torch.long, device=device)
+        self._lora_token_slots = torch.full((MAX_TOKENS,), -1, dtype=torch.long, device=device)
         self._buckets: dict[int, _Bucket] = {}
 
     def _dummy_metadata(self, size: int) -> AttentionMetadata:
@@ -135,6 +141,7 @@ class MixedGraphs:
             block_tables=torch.zeros(size, 1, dtype=torch.int32, device=device),
             block_size=self._block_size,
             num_decode_seqs=size,
+            lora_token_slots=self._lora_token_slots[:size] if self.with_lora else None,
         )
 
     @torch.inference_mode()
@@ -182,10 +189,10 @@ class MixedGraphs:
         return -(-num_tokens // BUCKET) * BUCKET
 
     def run(self, input_ids: torch.Tensor, positions: np.ndarray, metadata: AttentionMetadata,
-            slot_mapping: np.ndarray, size: int) -> torch.Tensor:
+            slot_mapping: np.ndarray, size: int, lora_token_slots: np.ndarray | None = None) -> torch.Tensor:
         """The hidden states of the step's tokens: `input_ids` on the device (pending tokens already taken),
-        `positions` and `slot_mapping` on the host, `metadata` this step's (its slot mapping unused: the padded
-        one is built here)."""
+        `positions`, `slot_mapping` and `lora_token_slots` (None: no adapter token) on the host, `metadata` this
+        step's (its slot mapping unused: the padded one is built here)."""
         num_tokens = input_ids.shape[0]
         self._input_ids[:num_tokens].copy_(input_ids)
         padded_positions = np.zeros(size, dtype=np.int64)
@@ -194,6 +201,11 @@ class MixedGraphs:
         padded_slots = np.full(size, -1, dtype=np.int64)
         padded_slots[:num_tokens] = slot_mapping
         slots = to_device(padded_slots, self._device, torch.long)
+        if self.with_lora:
+            padded_lora = np.full(size, -1, dtype=np.int64)
+            if lora_token_slots is not None:
+                padded_lora[:num_tokens] = lora_token_slots
+            self._lora_token_slots[:size].copy_(to_device(padded_lora, self._device, torch.long), non_blocking=True)
         bucket = self._buckets[size]
         backend = self._backend
         for index, piece in enumerate(bucket.pieces):

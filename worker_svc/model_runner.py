@@ -15,8 +15,9 @@ the layers `load_model` builds (and so into every path the dispatcher runs); a d
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
 dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
-lora_loads before the forward: lora_adapters.py; each step's slots reach the layers in the attention
-metadata). Tests that need faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
+lora_loads before the forward on a stream of their own: lora_adapters.py; each step's slots reach the layers in
+the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need
+faults wrap the runner (fault_injection.py); a serving runner has no fault hook.
 """
 
 from __future__ import annotations
@@ -170,8 +171,9 @@ class ModelRunner:
                     warm_up_kernels(self.draft.model, self.draft.kv_cache.layers, setup.block_size,
                                     max_blocks_per_seq, setup.max_num_seqs, device)
         if self.on_gpu and config.cuda_graphs:
+            with_lora = self.lora_slots is not None and self.lora_slots.capturable
             self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
-                                                   max_blocks_per_seq, config.world_size, config.rank)
+                                                   max_blocks_per_seq, config.world_size, config.rank, with_lora)
         else:
             self.graphs = GraphDispatcher(self.model, layers, setup.block_size, device)
         if self.on_gpu:
@@ -180,7 +182,8 @@ class ModelRunner:
         return self.kv_cache
 
     def load_loras(self, plan: worker_pb2.StepPlan) -> None:
-        """The plan's LoRA adapters into their GPU slots, on the step's stream, before its forward pass."""
+        """The plan's LoRA adapters into their GPU slots, on the load stream (lora_adapters.py), before its forward
+        pass."""
         if plan.lora_loads:
             if self.lora_slots is None:
                 raise ValueError(f"step {plan.step_id}: LoRA loads for a worker set up without LoRA slots")
@@ -198,6 +201,8 @@ class ModelRunner:
                 previous_sampled: torch.Tensor | None) -> StepOutput:
         """Queues a prepared step's forward pass (`previous_sampled`: the sampled ids of the step in flight,
         which this step's pending input tokens are taken from) and the sampling rows' logits."""
+        if self.lora_slots is not None and inputs.lora_token_slots is not None:
+            self.lora_slots.wait_for_loads(inputs.lora_token_slots)  # loaded on their own stream
         hidden = self.graphs.forward(inputs, previous_sampled)
         if self.draft is not None:
             self.draft.mirror(inputs, previous_sampled)

@@ -59,3 +59,42 @@ def generate_with_adapters(server, requests: list[tuple[str | None, list[int]]],
 
     with ThreadPoolExecutor(len(requests)) as pool:
         return list(pool.map(one, requests))
+
+
+def write_random_adapter(config: dict, out_dir: Path, rank: int, seed: int, a_scale: float = 1.0,
+                         b_scale: float = 0.3, dtype: torch.dtype = torch.float32) -> Path:
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors, PEFT's tensor names) of rank
+    `rank` on all seven projections of every layer of a Llama-family model of HF `config` (a config.json's dict,
+    or benchmarks/model_shapes.py's), written without PEFT or the model's weights: what the GPU tests and the LoRA
+    benchmark need (PEFT is not on every GPU image, and a benchmark model's weights are random anyway). A is
+    randn * a_scale / sqrt(in_features), B randn * b_scale, both in `dtype`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from service_runtime.lora_modules import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SERVED_TARGETS
+
+    hidden, intermediate = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size, kv_size = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    sizes = {"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
+             "o_proj": (q_size, hidden), "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate),
+             "down_proj": (intermediate, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in SERVED_TARGETS:
+            module = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{module}.{target}"
+            in_features, out_features = sizes[target]
+            lora_a = torch.randn(rank, in_features, generator=generator) * a_scale / in_features ** 0.5
+            tensors[f"{prefix}.lora_A.weight"] = lora_a.to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_features, rank, generator=generator)
+                                                  * b_scale).to(dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / ADAPTER_WEIGHTS)
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2.0 * rank, "target_modules": list(SERVED_TARGETS),
+                      "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
+    (out_dir / ADAPTER_CONFIG).write_text(json.dumps(adapter_config))
+    return out_dir

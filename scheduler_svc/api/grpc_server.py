@@ -176,7 +176,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except (InvalidRequestError, RequestLimitError) as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if adapter is not None:
-            validated = dataclasses.replace(validated, lora_name=adapter.name, lora_path=adapter.path)
+            validated = dataclasses.replace(validated, lora_name=adapter.name, lora_path=adapter.path,
+                                            lora_generation=adapter.generation)
         queue, seed = engine.submit(request_id, validated, request.priority)
         # A resumed stream's client already had the first message: the prompt is not echoed again.
         echo = request.return_prompt and validated.resume is None

@@ -4,8 +4,10 @@
 Who owns it: the gRPC servicer (`ServedModel.loras`), on the service's event loop; Generate reads it to map a
 request's `lora_name` to its adapter, ModelInfo (/v1/models) lists it. It holds names and directories only: which
 adapter sits in which GPU slot is the scheduler's (scheduler_svc/core/lora_slots.py), and a request keeps the
-adapter (name, path) it was admitted with, so unloading one lets the requests in flight finish while new ones get
-NOT_FOUND.
+adapter (name, path, generation) it was admitted with, so unloading one lets the requests in flight finish while
+new ones get NOT_FOUND. Each runtime load of a name gets the next generation (LoraModule.generation): the
+adapter's files may have changed since the last load under the same name and path, so the workers read them
+again and the prefix cache shares nothing with the earlier weights.
 
 Runtime updates only with --allow-runtime-lora-updating (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): an adapter is
 read before it is accepted, with the refusals of the start (service_runtime/lora_modules.py), plus its weights
@@ -40,6 +42,7 @@ class LoraRegistry:
         self._max_lora_rank = max_lora_rank
         self._allow_runtime_updating = allow_runtime_updating
         self._modules: dict[str, LoraModule] = {module.name: module for module in modules}
+        self._generations: dict[str, int] = {}  # runtime loads of each name so far (never reset by an unload)
 
     @property
     def modules(self) -> tuple[LoraModule, ...]:
@@ -76,7 +79,8 @@ class LoraRegistry:
             read_adapter_tensor_names(module, config.rank, self._projection_shapes)
         except (ValueError, OSError) as error:
             raise LoraRefused(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        self._modules[lora_name] = module
+        generation = self._generations[lora_name] = self._generations.get(lora_name, 0) + 1
+        module = self._modules[lora_name] = LoraModule(lora_name, lora_path, generation=generation)
         return module
 
     def unload(self, lora_name: str) -> None:

@@ -40,8 +40,10 @@ def chain_block_key(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockK
     return digest.digest()
 
 
-def adapter_root_key(lora_name: str, lora_path: str) -> BlockKey:
-    """The parent key of a LoRA adapter's first block: a digest of its name and directory, in a domain of its
-    own (no token block hashes to it)."""
-    return hashlib.blake2b(f"{lora_name}\0{lora_path}".encode(), digest_size=_DIGEST_SIZE,
+def adapter_root_key(lora_name: str, lora_path: str, lora_generation: int = 0) -> BlockKey:
+    """The parent key of a LoRA adapter's first block: a digest of its name, directory and load generation (a
+    reload may bring other weights), in a domain of its own (no token block hashes to it). Generation 0 (the
+    adapters of --lora-modules) keeps the digest of name and directory alone."""
+    identity = f"{lora_name}\0{lora_path}" + (f"\0{lora_generation}" if lora_generation else "")
+    return hashlib.blake2b(identity.encode(), digest_size=_DIGEST_SIZE,
                            person=b"pagedserve-lora").digest()

@@ -334,7 +334,7 @@ class BlockManager:
             if keys:
                 parent = keys[-1]
             else:  # an adapter's chain starts from its own root: no block is shared with another adapter's
-                parent = None if request.lora_name is None else adapter_root_key(request.lora_name, request.lora_path)
+                parent = None if request.lora_name is None else adapter_root_key(*request.lora_key)
             for offset in range(0, len(tokens), size):
                 parent = chain_block_key(parent, tokens[offset : offset + size])
                 keys.append(parent)

@@ -5,8 +5,9 @@ slot may be overwritten. The workers hold exactly --max-loras slots and load wha
 into them before the step's forward pass; they never choose.
 
 Slots are numbered 1..max_loras, as NewRequest.lora_slot counts them (0: the base model). An adapter is keyed by
-(name, path), so that an adapter unloaded and loaded again under the same name from another directory is never
-taken for the one still sitting in a slot. A request is given its slot when it gets a worker row (admitted, or
+(name, path, generation), so that an adapter unloaded and loaded again under the same name (from another
+directory, or from the same one after its files changed: each load is a new generation) is never taken for the
+one still sitting in a slot. A request is given its slot when it gets a worker row (admitted, or
 resumed after a preemption): its adapter's slot if it has one, else a free slot, else the least recently used
 slot whose adapter no running request uses (LRU). The planner admits a request only while the running requests
 hold at most max_loras distinct adapters with it (step_planner.py), so such a slot always exists; a running
@@ -20,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
-LoraKey = tuple[str, str]  # (adapter name, adapter directory)
+LoraKey = tuple[str, str, int]  # (adapter name, adapter directory, load generation: Request.lora_key)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class LoraLoadData:
     slot: int
     name: str
     path: str
+    generation: int = 0
 
 
 class LoraSlots:
@@ -56,7 +58,7 @@ class LoraSlots:
                                    "(the planner admits at most --max-loras distinct adapters)")
             free = self._slots.pop(victim)
         self._slots[key] = free
-        return free, LoraLoadData(free, key[0], key[1])
+        return free, LoraLoadData(free, *key)
 
     def slot_of(self, key: LoraKey) -> int | None:
         """The adapter's slot, or None while it sits in none."""

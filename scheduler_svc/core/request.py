@@ -103,16 +103,22 @@ class Request:
     # older tokens is never used.
     proposed_draft_token_ids: tuple[int, ...] = ()
     proposed_after: int = -1
-    # Multi-LoRA: the adapter the request runs with (its name and directory; None: the base model), part of its
+    # Multi-LoRA: the adapter the request runs with (name, directory, generation; None: the base model), part of its
     # prefix-cache keys (block_manager.py); forked children, preemptions and worker recovery keep it. Its GPU
     # slot (lora_slots.py; 0: none) is given by the planner whenever the request gets a worker row: fixed while
     # it runs, possibly another after a preemption.
     lora_name: str | None = None
     lora_path: str = ""
+    lora_generation: int = 0  # which load of the name (api/lora_registry.py): a reload is another adapter
     lora_slot: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+
+    @property
+    def lora_key(self) -> tuple[str, str, int]:
+        """The adapter's identity (name, directory, generation) in the GPU slots and the prefix cache."""
+        return self.lora_name or "", self.lora_path, self.lora_generation
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -308,9 +308,8 @@ class StepPlanner:
         """Whether the running requests would hold at most max_loras distinct adapters with `request` too."""
         if request.lora_name is None:
             return True
-        adapter = (request.lora_name, request.lora_path)
-        running = {(r.lora_name, r.lora_path) for r in self._state.running if r.lora_name is not None}
-        return adapter in running or len(running) < self._limits.max_loras
+        running = {r.lora_key for r in self._state.running if r.lora_name is not None}
+        return request.lora_key in running or len(running) < self._limits.max_loras
 
     def _admit(self, request: Request, in_progress: _PlanInProgress) -> bool:
         assert request.num_computed_tokens == 0, "waiting requests hold no K/V"
@@ -451,8 +450,8 @@ class StepPlanner:
     def _assign_lora_slot(self, request: Request, in_progress: _PlanInProgress) -> None:
         """The slot of the adapter of a request getting a worker row (lora_slots.py), and its load if the
         workers do not hold it yet: a free slot, else the LRU one no running request uses."""
-        in_use = {(r.lora_name, r.lora_path) for r in self._state.running if r.lora_name is not None}
-        request.lora_slot, load = self._state.lora_slots.assign((request.lora_name, request.lora_path), in_use)
+        in_use = {r.lora_key for r in self._state.running if r.lora_name is not None}
+        request.lora_slot, load = self._state.lora_slots.assign(request.lora_key, in_use)
         if load is not None:
             in_progress.lora_loads.append(load)
 

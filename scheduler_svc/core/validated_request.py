@@ -38,6 +38,7 @@ class ValidatedRequest:
     sampling_params: SamplingParams
     resume: ResumedOutput | None = None  # None: a new request
     # The LoRA adapter it runs with (GenerateRequest.lora_name, checked against the adapters served) and its
-    # directory; None and "": the base model.
+    # directory and load generation (api/lora_registry.py); None and "": the base model.
     lora_name: str | None = None
     lora_path: str = ""
+    lora_generation: int = 0

@@ -135,6 +135,7 @@ class BeamSearch(RequestGroup):
                 num_beam_candidates=self._num_candidates,
                 lora_name=source.lora_name,
                 lora_path=source.lora_path,
+                lora_generation=source.lora_generation,
             )
             # Forks come before the parent's own append: the child shares what the parent has computed.
             self._add(child, parent.member_id, num_shared_tokens=source.num_computed_tokens)

@@ -202,6 +202,7 @@ class ParallelSampling(RequestGroup):
                 priority=self.root.priority,
                 lora_name=self.root.lora_name,
                 lora_path=self.root.lora_path,
+                lora_generation=self.root.lora_generation,
             )
             self._children.append(child)
             self._streams[child.request_id] = OutputStream(child, self.context.tokenizer)

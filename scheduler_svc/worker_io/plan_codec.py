@@ -26,7 +26,7 @@ def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
         for src, dst in pairs:
             moves.add(src=src, dst=dst)
     for load in output.lora_loads:
-        plan.lora_loads.add(slot=load.slot, name=load.name, path=load.path)
+        plan.lora_loads.add(slot=load.slot, name=load.name, path=load.path, generation=load.generation)
     for new in output.new_requests:
         plan.new_requests.append(
             worker_pb2.NewRequest(

@@ -97,11 +97,13 @@ def build_step(context_lens: list[int], query_lens: list[int], pending: list[int
 
 
 def eager_hidden(model, kv_caches: list[torch.Tensor], step: Step, num_tokens: int | None = None,
-                 num_seqs: int | None = None, table_width: int | None = None) -> torch.Tensor:
+                 num_seqs: int | None = None, table_width: int | None = None,
+                 lora_token_slots: np.ndarray | None = None) -> torch.Tensor:
     """The eager forward over the step's tokens (pending ones filled in), as the worker runs it without graphs;
     with `num_tokens`, over that many tokens, the tail padding (token 0, position 0, slot -1); with `num_seqs`
     (decodes), that many sequences, the tail of no context (seq_len 0), as a decode graph's bucket; with
-    `table_width`, block tables that wide (the decode graphs' buffer). Returns every token's hidden states."""
+    `table_width`, block tables that wide (the decode graphs' buffer); with `lora_token_slots`, each token's LoRA
+    adapter slot (the padding's -1). Returns every token's hidden states."""
     inputs = step.inputs
     tokens = num_tokens or len(step.input_ids)
     seqs = num_seqs or len(inputs.seq_lens)
@@ -122,6 +124,7 @@ def eager_hidden(model, kv_caches: list[torch.Tensor], step: Step, num_tokens: i
         block_tables=torch.as_tensor(tables, dtype=torch.int32, device=DEVICE),
         block_size=BLOCK_SIZE,
         num_decode_seqs=seqs if num_seqs is not None else inputs.num_decode_seqs,
+        lora_token_slots=None if lora_token_slots is None else padded(lora_token_slots, tokens, -1),
     )
     with torch.inference_mode():
         return model(padded(step.input_ids, tokens, 0), padded(inputs.positions, tokens, 0), kv_caches, metadata)
