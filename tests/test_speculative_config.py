@@ -34,7 +34,9 @@ def test_ngram_takes_vllms_defaults_and_one_lookup_bound_sets_the_other():
 
 @pytest.mark.parametrize("text, message", [
     ('{"method": "eagle", "num_speculative_tokens": 3, "model": "x"}', "'eagle': needs heads"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "'eagle3': needs heads"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method eagle3 needs model"),
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}',
+     "unsupported key.s. draft_tensor_parallel_size for method eagle3"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "'mtp': needs heads"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft_model needs model"),
     ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
