@@ -67,3 +67,26 @@ def make_tiny_eagle3_head(tmp_dir, target_dir, seed: int = 0, draft_vocab_size: 
 
     save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, str(path / "model.safetensors"))
     return path
+
+
+def make_echo_eagle3_head(tmp_dir, target_dir) -> Path:
+    """A head that proposes, again and again, the token at its state's position: fc passes the target's state
+    entering layer 0 (the token's embedding) through, the layer adds nothing (o_proj and down_proj zero), and
+    lm_head is the target's embedding matrix. Beside a repeater target (tiny_models.make_repeater_model: greedy
+    output repeats the last token) its proposals come true, so drafts are kept through the processes."""
+    from safetensors.torch import load_file, save_file
+
+    source = make_tiny_eagle3_head(tmp_dir, target_dir, seed=0, aux_layer_ids=[0, 1, 2])
+    path = Path(tmp_dir) / f"{source.name}-echo"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text((source / "config.json").read_text())
+    weights = load_file(source / "model.safetensors")
+    hidden = weights["fc.weight"].shape[0]
+    weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], dim=1)
+    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        weights[name] = torch.zeros_like(weights[name])
+    weights["norm.weight"] = torch.ones(hidden)
+    target = load_file(Path(target_dir) / "model.safetensors")
+    weights["lm_head.weight"] = target["model.embed_tokens.weight"].clone()
+    save_file(weights, str(path / "model.safetensors"))
+    return path

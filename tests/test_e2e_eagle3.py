@@ -1,0 +1,60 @@
+"""EAGLE-3 heads through the real processes (`pagedserve serve --speculative-config '{"method": "eagle3", ...}'`):
+concurrent greedy requests with prefix-cache hits and preemption give exactly the tokens of a server without
+speculation, with a head whose proposals come true (most drafts kept) and with a random head (nearly none kept);
+and `serve` refuses, in one line before any process starts, what it does not serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedserve.testing.tiny_eagle3 import make_echo_eagle3_head, make_tiny_eagle3_head
+from pagedserve.testing.tiny_models import make_repeater_model, make_tiny_model
+from tests.test_e2e_speculative import _prompts, _run, _tokens
+from tests.test_model_refusals import _serve
+
+
+def _eagle3_flag(head, k=3) -> list[str]:
+    return ["--speculative-config", json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": k})]
+
+
+@pytest.fixture(scope="module")
+def repeater(tmp_path_factory):
+    return make_repeater_model(tmp_path_factory.mktemp("repeater"), "qwen2", seed=4)
+
+
+def test_an_eagle3_head_gives_the_tokens_of_no_speculation(repeater, tmp_path):
+    """The echo head beside the repeater keeps most drafts (swap preemption); a random head with a reduced draft
+    vocabulary beside a random Llama keeps almost none (recompute preemption); both exact, with prefix hits."""
+    prompts = _prompts(5, seed=3)
+    plain, _, _ = _run(repeater, tmp_path / "plain", prompts, "--preemption-mode", "swap", temperature=0.0)
+    echo = make_echo_eagle3_head(tmp_path / "heads", repeater)
+    drafted, stats, _ = _run(repeater, tmp_path / "echo", prompts, "--preemption-mode", "swap", *_eagle3_flag(echo),
+                             temperature=0.0)
+    assert _tokens(drafted) == _tokens(plain)
+    assert stats.spec_decode_num_draft_tokens > 60, stats
+    assert stats.spec_decode_num_accepted_tokens >= 0.8 * stats.spec_decode_num_draft_tokens, stats
+    assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0, stats
+
+    target = make_tiny_model(tmp_path / "target", "llama", seed=6)
+    head = make_tiny_eagle3_head(tmp_path / "heads", target, seed=2, draft_vocab_size=256)
+    plain, _, _ = _run(target, tmp_path / "plain-llama", prompts, temperature=0.0)
+    drafted, stats, _ = _run(target, tmp_path / "random", prompts, "--preemption-mode", "recompute",
+                             *_eagle3_flag(head, k=2), temperature=0.0)
+    assert _tokens(drafted) == _tokens(plain)
+    assert stats.spec_decode_num_draft_tokens > 60 and stats.num_preemptions > 0, stats
+    assert stats.prefix_cache_hit_tokens > 0, stats
+
+
+def test_serve_refuses_an_eagle3_head_it_cannot_serve_naming_why(repeater, tmp_path):
+    head = make_tiny_eagle3_head(tmp_path, repeater)
+    gemma = make_tiny_model(tmp_path, "gemma", seed=1)
+    for model, args, words in (
+            (repeater, (*_eagle3_flag(head), "-tp", "2"), "--tensor-parallel-size 1 only"),
+            (gemma, _eagle3_flag(head), "needs a Llama-family target"),
+            (repeater, _eagle3_flag(repeater), "not an EAGLE-3 Llama head")):
+        result = _serve(model, *args, timeout=90)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        assert words in last and "gRPC listening" not in result.stderr, result.stderr
