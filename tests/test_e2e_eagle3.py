@@ -26,7 +26,7 @@ def repeater(tmp_path_factory):
 
 def test_an_eagle3_head_gives_the_tokens_of_no_speculation(repeater, tmp_path):
     """The echo head beside the repeater keeps most drafts (swap preemption); a random head with a reduced draft
-    vocabulary beside a random Llama keeps almost none (recompute preemption); both exact, with prefix hits."""
+    vocabulary (d2t) keeps few (recompute preemption); both exact, with prefix hits."""
     prompts = _prompts(5, seed=3)
     plain, _, _ = _run(repeater, tmp_path / "plain", prompts, "--preemption-mode", "swap", temperature=0.0)
     echo = make_echo_eagle3_head(tmp_path / "heads", repeater)
@@ -37,14 +37,12 @@ def test_an_eagle3_head_gives_the_tokens_of_no_speculation(repeater, tmp_path):
     assert stats.spec_decode_num_accepted_tokens >= 0.8 * stats.spec_decode_num_draft_tokens, stats
     assert stats.prefix_cache_hit_tokens > 0 and stats.num_preemptions > 0, stats
 
-    target = make_tiny_model(tmp_path / "target", "llama", seed=6)
-    head = make_tiny_eagle3_head(tmp_path / "heads", target, seed=2, draft_vocab_size=256)
-    plain, _, _ = _run(target, tmp_path / "plain-llama", prompts, temperature=0.0)
-    drafted, stats, _ = _run(target, tmp_path / "random", prompts, "--preemption-mode", "recompute",
+    head = make_tiny_eagle3_head(tmp_path / "heads", repeater, seed=2, draft_vocab_size=256)
+    drafted, stats, _ = _run(repeater, tmp_path / "random", prompts, "--preemption-mode", "recompute",
                              *_eagle3_flag(head, k=2), temperature=0.0)
     assert _tokens(drafted) == _tokens(plain)
     assert stats.spec_decode_num_draft_tokens > 60 and stats.num_preemptions > 0, stats
-    assert stats.prefix_cache_hit_tokens > 0, stats
+    assert stats.spec_decode_num_accepted_tokens <= 0.2 * stats.spec_decode_num_draft_tokens, stats
 
 
 def test_serve_refuses_an_eagle3_head_it_cannot_serve_naming_why(repeater, tmp_path):
