@@ -153,8 +153,8 @@ class ModelRunner:
                                         setup.max_model_len)
             draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
             block_bytes += draft_block_bytes
-            profiled = self.draft if isinstance(self.draft, DraftModel) else None  # a head's pass is one layer
-            draft_pool = DraftPool(profiled and profiled.model, self.draft.model_config, draft_block_bytes,
+            profiled = self.draft.model if isinstance(self.draft, DraftModel) else None  # a head: one layer
+            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes,
                                    self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs)
                                    * draft_block_bytes)
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
