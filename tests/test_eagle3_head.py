@@ -38,18 +38,33 @@ def make_worker(target, head, k=K) -> Worker:
     return worker
 
 
-def new_request(tokens, num_scheduled) -> worker_pb2.NewRequest:
+def new_request(request_id, tokens, num_scheduled) -> worker_pb2.NewRequest:
+    first_block = 0 if request_id == "a" else 10
     return worker_pb2.NewRequest(
-        request_id="a", token_ids=tokens, block_ids=list(range(10)), num_computed_tokens=0,
-        num_scheduled_tokens=num_scheduled, num_prompt_tokens=len(tokens),
+        request_id=request_id, token_ids=tokens, block_ids=list(range(first_block, first_block + 10)),
+        num_computed_tokens=0, num_scheduled_tokens=num_scheduled, num_prompt_tokens=len(tokens),
         sampling=worker_pb2.WorkerSamplingParams(temperature=0.0, top_p=1.0, top_k=-1, seed=1, num_logprobs=-1,
                                                  num_prompt_logprobs=-1))
 
 
-def step(worker, new=(), scheduled=(), propose=K) -> worker_pb2.SampledTokens:
+def step(worker, new=(), scheduled=(), propose=K) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """Each sampling request's new tokens (kept drafts, then its token) and its proposals."""
     plan = worker_pb2.StepPlan(new_requests=list(new), scheduled_requests=list(scheduled),
                                has_draft_tokens=any(s.draft_token_ids for s in scheduled), propose_draft_tokens=propose)
-    return worker.execute(plan).sampled
+    sampled = worker.execute(plan).sampled
+    drafts = {s.request_id: list(s.draft_token_ids) for s in scheduled}
+    tokens, proposals, start = {}, {}, 0
+    for index, request_id in enumerate(sampled.request_ids):
+        kept = sampled.num_accepted_drafts[index] if sampled.num_accepted_drafts else 0
+        tokens[request_id] = drafts.get(request_id, [])[:kept] + [sampled.token_ids[index]]
+        count = sampled.num_proposed_draft_tokens[index] if sampled.num_proposed_draft_tokens else 0
+        proposals[request_id], start = list(sampled.proposed_draft_token_ids[start : start + count]), start + count
+    return tokens, proposals
+
+
+def decode(request_id, drafts=()) -> worker_pb2.ScheduledRequest:
+    return worker_pb2.ScheduledRequest(request_id=request_id, num_scheduled_tokens=1 + len(drafts),
+                                       draft_token_ids=list(drafts))
 
 
 def rms(x, weight, eps):
@@ -129,24 +144,24 @@ def test_proposals_equal_the_reference_eagle3_math_on_the_targets_hidden_states(
     layers = options.get("aux_layer_ids") or [2, 5 // 2, 5 - 3]
     hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     worker = make_worker(target, head)
-    tokens = list(PROMPT)
-    # A prefill in two chunks: the first proposes nothing (no row sampled), the second does.
-    assert not step(worker, new=[new_request(tokens, 6)]).proposed_draft_token_ids
-    sampled = step(worker, scheduled=[worker_pb2.ScheduledRequest(request_id="a", num_scheduled_tokens=5)])
-    kept_some = False
+    known = {"a": list(PROMPT), "b": list(PROMPT[3:9])}
+    # "a" prefills in two chunks beside "b" (whose decodes run first in the step: single tokens first).
+    new, proposals = step(worker, new=[new_request("a", known["a"], 6), new_request("b", known["b"], 6)])
+    assert list(new) == ["b"]
+    known["b"] += new["b"]
+    assert proposals["b"] == reference_proposals(hf_model, head, layers, known["b"], K)
+    new, proposals = step(worker, new=(), scheduled=[worker_pb2.ScheduledRequest(request_id="a", num_scheduled_tokens=5),
+                                                     decode("b", proposals["b"])])
+    kept_some = rejected_some = False
     for _ in range(4):
-        tokens += list(sampled.token_ids)  # a plain step: one token
-        proposals = list(sampled.proposed_draft_token_ids)
-        assert proposals == reference_proposals(hf_model, head, layers, tokens, K)
-        # Verify a draft list whose first token is the target's own next token (kept) and the rest the head's.
-        truth = int(torch.argmax(hf_model(torch.tensor([tokens])).logits[0, -1]))
-        drafts = [truth] + proposals[1:]
-        sampled = step(worker, scheduled=[worker_pb2.ScheduledRequest(
-            request_id="a", num_scheduled_tokens=1 + K, draft_token_ids=drafts)])
-        kept = sampled.num_accepted_drafts[0]
-        kept_some |= kept > 0
-        tokens += drafts[:kept]
-        tokens += [sampled.token_ids[0]]
-        assert list(sampled.proposed_draft_token_ids) == reference_proposals(hf_model, head, layers, tokens, K)
-        sampled = step(worker, scheduled=[worker_pb2.ScheduledRequest(request_id="a", num_scheduled_tokens=1)])
-    assert kept_some
+        for request_id in new:
+            known[request_id] += new[request_id]
+            assert proposals[request_id] == reference_proposals(hf_model, head, layers, known[request_id], K)
+        # "a" verifies drafts whose first token is the target's own next one (kept) and then the head's; "b" the
+        # head's alone (a random head: mostly rejected).
+        truth = int(torch.argmax(hf_model(torch.tensor([known["a"]])).logits[0, -1]))
+        drafts = {"a": [truth] + proposals["a"][1:], "b": proposals["b"]}
+        new, proposals = step(worker, scheduled=[decode("a", drafts["a"]), decode("b", drafts["b"])])
+        kept_some |= len(new["a"]) > 1
+        rejected_some |= len(new["b"]) < 1 + K
+    assert kept_some and rejected_some

@@ -43,6 +43,11 @@ from worker_svc.tensor_parallel_fit import draft_refusal
 
 
 class DraftModel:
+    # The target's layers whose states the proposer reads (an EAGLE head's; eagle_head.py): none.
+    target_layers_read: tuple[int, ...] = ()
+    # Whether a step may be launched before the previous one's tokens are on the host (Worker.can_overlap).
+    allows_overlap = True
+
     def __init__(self, setup: worker_pb2.DraftModelSetup, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, attention_backend, layer_ops, tensor_parallel: TensorParallel,
                  max_model_len: int):
@@ -88,11 +93,6 @@ class DraftModel:
         self.kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
         self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
-
-    # The target's layers whose states the proposer reads (an EAGLE head's; eagle_head.py): none.
-    target_layers_read: tuple[int, ...] = ()
-    # Whether a step may be launched before the previous one's tokens are on the host (Worker.can_overlap).
-    allows_overlap = True
 
     def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
                target_output: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Who owns it: `SchedulerConfig.speculative_config` (None: speculation off); the s
 planner (which proposes drafts) and the engine loop (which stops planning ahead while a small batch
 speculates). docs/speculative_decoding.md says what it serves.
 
-Two methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
+Three methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
 holds (ngram_proposer.py). `draft_model`: a smaller model of the target's tokenizer, which the workers load
 beside the target (`model`: its directory or hub id; WorkerSetup.draft_model), proposes each row's next tokens
 greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. `eagle3`:
