@@ -117,7 +117,8 @@ class ModelRunner:
         self.quantization = quantization_name(model.path, self.model_config)
         self.kv_cache_dtype_name = "auto" if config.kv_cache_dtype == "auto" else "fp8_e4m3"
         self.kv_cache: KVCache | None = None
-        # Speculative decoding with a draft model: loaded at setup, which names it (WorkerSetup.draft_model).
+        # Speculative decoding with a draft model or an EAGLE-3 head: loaded at setup, which names it
+        # (WorkerSetup.draft_model; its method says which).
         self.draft: DraftModel | EagleHead | None = None
         # Multi-LoRA: the adapters' GPU slots and host copies (lora_adapters.py), made at setup with --max-loras.
         self.lora_slots: LoraAdapterSlots | None = None
