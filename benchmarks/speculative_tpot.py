@@ -14,6 +14,11 @@ repeater** of the same shape family (acceptance about 1 at a small draft's cost:
 a **4-layer random** one (written as safetensors, since `--load-format dummy` applies to the target only;
 acceptance about 0: what a step costs when the draft is wrong).
 
+`--method eagle3` serves the repeater with two EAGLE-3 heads in the published layout
+(pagedserve/testing/tiny_eagle3.py): an **echo head** (it proposes the token it last saw, which the repeater then
+produces: acceptance about 1, the gain of a head that is always right) and a **random head** with a 32k draft
+vocabulary (acceptance about 0: what the head's passes and the target's wider output cost per step).
+
 Per (weights, k): TPOT of one greedy request on the idle engine (gaps between stream chunks divided by the tokens
 each chunk carries, so a chunk of several accepted tokens counts per token), the mean tokens per verification
 step (1 + accepted / drafts, from the spec_decode counters), and the ratio to speculation off. Issue 37's targets:
@@ -22,6 +27,7 @@ repeater with k = 4 on the 8B shape <= 0.45x off; random: cost per step <= 1.10x
     python -m benchmarks.speculative_tpot --shape llama-3.1-8b --out $OUT   # on a lent GPU machine
     python -m benchmarks.speculative_tpot --shape tiny --device cpu --out /tmp/spec   # the script's own check
     python -m benchmarks.speculative_tpot --method draft_model --shape tiny --device cpu --ks 2 4 --out /tmp/spec
+    python -m benchmarks.speculative_tpot --method eagle3 --shape tiny --device cpu --ks 2 4 --out /tmp/spec
 """
 
 from __future__ import annotations
@@ -73,11 +79,11 @@ async def _lone_tpot(target: str, max_tokens: int) -> float:
     return (stamps[-1] - stamps[0]) / max(1, sum(counts[1:]))
 
 
-def measure(model: str, k: int, options: dict, draft: str | None = None) -> dict:
-    """One engine: k draft tokens (0: speculation off), n-gram ones or `draft`'s (a draft model's directory);
-    TPOT (median of 3 lone requests) and acceptance."""
+def measure(model: str, k: int, options: dict, draft: str | None = None, method: str = "draft_model") -> dict:
+    """One engine: k draft tokens (0: speculation off), n-gram ones or `draft`'s (a draft model's or, `method`
+    eagle3, an EAGLE-3 head's directory); TPOT (median of 3 lone requests) and acceptance."""
     if k and draft is not None:
-        options = {**options, "speculative_config": {"method": "draft_model", "model": draft,
+        options = {**options, "speculative_config": {"method": method, "model": draft,
                                                      "num_speculative_tokens": k}}
     elif k:
         options = {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
@@ -102,7 +108,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-3.1-8b", help="a benchmarks/model_shapes.py shape, or 'tiny'")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3, 4, 5])
-    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    parser.add_argument("--method", default="ngram", choices=("ngram", "draft_model", "eagle3"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -129,6 +135,16 @@ def main() -> int:
     report = {"shape": args.shape, "device": args.device, "method": args.method, "runs": {}}
     if args.method == "ngram":
         kinds = (("repeater", repeater, options, None), ("random", random_model, random_options, None))
+    elif args.method == "eagle3":
+        import torch
+
+        from pagedserve.testing.tiny_eagle3 import make_echo_eagle3_head, make_tiny_eagle3_head
+
+        heads, layers = work / "heads", config.num_hidden_layers
+        kinds = (("eagle3 echo head", repeater, options, str(make_echo_eagle3_head(heads, repeater, torch.bfloat16))),
+                 ("eagle3 random head", repeater, options,
+                  str(make_tiny_eagle3_head(heads, repeater, seed=1, draft_vocab_size=min(32000, config.vocab_size),
+                                            aux_layer_ids=[0, layers // 2, layers - 1], dtype=torch.bfloat16))))
     else:
         fields = {**config.to_dict(), "num_hidden_layers": 4}
         if fields.get("layer_types"):  # per-layer attention kinds (Qwen2's): the first four layers'
@@ -145,12 +161,12 @@ def main() -> int:
     for weights, model, engine_options, draft in kinds:
         if off_run is None or draft is None:
             off_run = measure(model, 0, engine_options)
-        runs = [off_run, *(measure(model, k, engine_options, draft) for k in args.ks)]
+        runs = [off_run, *(measure(model, k, engine_options, draft, args.method) for k in args.ks)]
         off = runs[0]["tpot_ms"]
         runs = [{**run, "tpot_over_off": run["tpot_ms"] / off} for run in runs]
         report["runs"][weights] = runs
         print(weights, json.dumps(runs), flush=True)
-    name = f"speculative_tpot_{'' if args.method == 'ngram' else 'draft_model_'}{args.shape}.json"
+    name = f"speculative_tpot_{'' if args.method == 'ngram' else args.method + '_'}{args.shape}.json"
     (args.out / name).write_text(json.dumps(report, indent=2))
     return 0
 

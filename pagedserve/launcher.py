@@ -50,6 +50,7 @@ from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving, http_ok
 from scheduler_svc.config import (CPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_BATCHED_TOKENS, SchedulerConfig,
                                   lora_flags_refusal)
+from scheduler_svc.core.speculative_config import EAGLE3_METHOD
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.main import CRASH_EXIT_CODE as SCHEDULER_CRASH_EXIT_CODE
 from scheduler_svc.text.chat_template_source import chat_template_text
@@ -62,6 +63,7 @@ from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.config import WorkerConfig
 from worker_svc.model_config import ModelConfig, find_gguf_file
+from worker_svc.models.eagle3_config import eagle3_refusal
 from worker_svc.tensor_parallel_fit import draft_refusal, first_gpu_index, gpus_refusal, rank_device, shard_refusal
 
 _POLL_SECONDS = 0.2
@@ -373,8 +375,11 @@ def resolve_draft_model(args, model_path: str) -> None:
         try:
             draft = resolve_model(speculative.model)
             target = ModelConfig.from_path(model_path, args.quantization)
-            refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size,
-                                    args.max_model_len)
+            if speculative.method == EAGLE3_METHOD:
+                refusal = eagle3_refusal(draft.path, target, args.tensor_parallel_size)
+            else:
+                refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size,
+                                        args.max_model_len)
         except (ValueError, RuntimeError, OSError) as error:
             refusal = f"cannot serve the draft model {speculative.model}: {error}"
     if refusal is not None:

@@ -34,7 +34,9 @@ def test_ngram_takes_vllms_defaults_and_one_lookup_bound_sets_the_other():
 
 @pytest.mark.parametrize("text, message", [
     ('{"method": "eagle", "num_speculative_tokens": 3, "model": "x"}', "'eagle': needs heads"),
-    ('{"method": "eagle3", "num_speculative_tokens": 3}', "'eagle3': needs heads"),
+    ('{"method": "eagle3", "num_speculative_tokens": 3}', "method eagle3 needs model"),
+    ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}',
+     "unsupported key.s. draft_tensor_parallel_size for method eagle3"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "'mtp': needs heads"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "draft_model needs model"),
     ('{"method": "draft_model", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
@@ -68,6 +70,9 @@ def test_draft_model_takes_its_model_and_a_config_with_a_model_and_no_method_is_
     assert config.tensor_parallel_refusal(2) is None
     assert "draft_tensor_parallel_size 2" in config.tensor_parallel_refusal(1)
     assert speculative_config('{"model": "/d", "num_speculative_tokens": 2}').uses_draft_model
+    eagle3 = speculative_config('{"method": "eagle3", "model": "/h", "num_speculative_tokens": 3}')
+    assert (eagle3.method, eagle3.uses_draft_model, eagle3.model) == ("eagle3", True, "/h")
+    assert speculative_config(eagle3.to_json()) == eagle3  # the scheduler child's flag gives it back
     assert not speculative_config('{"method": "ngram", "num_speculative_tokens": 2}').uses_draft_model
 
 

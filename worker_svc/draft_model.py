@@ -51,6 +51,11 @@ from worker_svc.tensor_parallel_fit import draft_refusal
 
 
 class DraftModel:
+    # The target's layers whose states the proposer reads (an EAGLE head's; eagle_head.py): none.
+    target_layers_read: tuple[int, ...] = ()
+    # Whether a step may be launched before the previous one's tokens are on the host (Worker.can_overlap).
+    allows_overlap = True
+
     def __init__(self, setup: worker_pb2.DraftModelSetup, target_config: ModelConfig, dtype: torch.dtype,
                  device: torch.device, attention_backend, layer_ops, tensor_parallel: TensorParallel,
                  max_model_len: int):
@@ -99,9 +104,15 @@ class DraftModel:
         self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
 
-    def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None) -> None:
-        """Computes the step's tokens in the draft's pool, as the target just did in its own."""
+    def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
+               target_output: torch.Tensor) -> torch.Tensor:
+        """Computes the step's tokens in the draft's pool, as the target just did in its own; returns the target's
+        hidden states as they are."""
         self._graphs.forward(inputs, previous_sampled)
+        return target_output
+
+    def after_sampling(self, batch: PersistentBatch) -> None:
+        """Nothing: the draft's K/V of the step was written by `mirror`, with the target's forward pass."""
 
     def propose(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to `k` draft tokens to follow each row's known tokens (`rows`: rows whose newest token was sampled
@@ -115,7 +126,7 @@ class DraftModel:
             return counts, np.zeros(0, dtype=np.int64)
         num_passes = int(counts.max())
         first = num_tokens - 1  # each row's newest token: the first pass computes it
-        tables = self._block_tables(batch, rows, first + counts)
+        tables = proposal_block_tables(batch, rows, first + counts, self._num_blocks, self.scratch_blocks_per_row)
         proposals = torch.zeros((len(rows), num_passes), dtype=torch.long, device=self.device)
         sampled = batch.temperature[rows] >= GREEDY_TEMPERATURE
         probs = (torch.zeros((len(rows), num_passes, self.target_vocab_size), device=self.device)
@@ -161,16 +172,19 @@ class DraftModel:
         hidden = self.model(input_ids, to_device(positions, device, torch.long), self.kv_cache.layers, metadata)
         return self.model.compute_logits(hidden)[:, : self.target_vocab_size]
 
-    def _block_tables(self, batch: PersistentBatch, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Each row's blocks for its positions below `ends` (per row): its own while it has them (they cover its
-        computed tokens), then its scratch blocks; 0 past its last (never read)."""
-        block_size = self._block_size
-        used = -(-ends // block_size)
-        index = np.arange(int(used.max()))[None, :]
-        held = batch.num_blocks[rows][:, None]
-        past = index - held
-        if (past[index < used[:, None]] >= self.scratch_blocks_per_row).any():
-            raise ValueError("a proposal runs past its row's blocks and its scratch blocks")
-        scratch = self._num_blocks + rows[:, None] * self.scratch_blocks_per_row + past
-        own = batch.block_table[rows][:, : index.shape[1]]
-        return np.where(index < held, own, np.where(index < used[:, None], scratch, 0))
+
+def proposal_block_tables(batch: PersistentBatch, rows: np.ndarray, ends: np.ndarray, num_blocks: int,
+                          scratch_blocks_per_row: int) -> np.ndarray:
+    """Each row's blocks of a proposer's pool (the target's `num_blocks` ids, then `scratch_blocks_per_row` per
+    worker row) for its positions below `ends` (per row): its own while it has them (they cover its computed
+    tokens), then its scratch blocks; 0 past its last (never read)."""
+    block_size = batch.block_size
+    used = -(-ends // block_size)
+    index = np.arange(int(used.max()))[None, :]
+    held = batch.num_blocks[rows][:, None]
+    past = index - held
+    if (past[index < used[:, None]] >= scratch_blocks_per_row).any():
+        raise ValueError("a proposal runs past its row's blocks and its scratch blocks")
+    scratch = num_blocks + rows[:, None] * scratch_blocks_per_row + past
+    own = batch.block_table[rows][:, : index.shape[1]]
+    return np.where(index < held, own, np.where(index < used[:, None], scratch, 0))

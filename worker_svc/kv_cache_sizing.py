@@ -28,10 +28,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DraftPool:
-    """What a draft model adds to the sizing: its model (profiled), its bytes per block of the shared block ids,
-    and its scratch blocks' bytes."""
+    """What a draft model adds to the sizing: its model (profiled; None: not profiled, an EAGLE head's one
+    layer, whose pass is far below the target's), its bytes per block of the shared block ids, and its scratch
+    blocks' bytes."""
 
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     model_config: ModelConfig
     bytes_per_block: int
     scratch_bytes: int
@@ -63,7 +64,9 @@ def num_kv_blocks(
     profile_blocks = -(-num_tokens // block_size)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    profiled = [(model, model_config)] if draft is None else [(model, model_config), (draft.model, draft.model_config)]
+    profiled = [(model, model_config)]
+    if draft is not None and draft.model is not None:
+        profiled.append((draft.model, draft.model_config))
     for profiled_model, profiled_config in profiled:  # one after the other: the peak is the larger pass's
         _profile_forward(profiled_model, profiled_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks,
                          block_size, kv_dtype, device, tensor_parallel.kv_heads(profiled_config.num_key_value_heads))

@@ -13,7 +13,9 @@ prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_log
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
-dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); LoRA adapters as
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an EAGLE-3 head
+(eagle_head.py) in the same place, reading the target's layers' states that the forward pass then returns
+(`after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
 lora_loads before the forward on a stream of their own: lora_adapters.py; each step's slots reach the layers in
 the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need
@@ -38,6 +40,7 @@ from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.device_busy import DeviceBusyClock
 from worker_svc.draft_model import DraftModel
+from worker_svc.eagle_head import EAGLE3_METHOD, EagleHead
 from worker_svc.graph_dispatcher import GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
@@ -116,8 +119,9 @@ class ModelRunner:
         self.quantization = quantization_name(model.path, self.model_config)
         self.kv_cache_dtype_name = "auto" if config.kv_cache_dtype == "auto" else "fp8_e4m3"
         self.kv_cache: KVCache | None = None
-        # Speculative decoding with a draft model: loaded at setup, which names it (WorkerSetup.draft_model).
-        self.draft: DraftModel | None = None
+        # Speculative decoding with a draft model or an EAGLE-3 head: loaded at setup, which names it
+        # (WorkerSetup.draft_model; its method says which).
+        self.draft: DraftModel | EagleHead | None = None
         # Multi-LoRA: the adapters' GPU slots and host copies (lora_adapters.py), made at setup with --max-loras.
         self.lora_slots: LoraAdapterSlots | None = None
         self.graphs: GraphDispatcher | None = None
@@ -143,12 +147,17 @@ class ModelRunner:
                                                setup.max_cpu_loras or setup.max_loras, device, self.dtype)
             self.lora_slots.read(list(setup.lora_adapters))
         if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
-            self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
-                                    make_attention_backend(config), self.layer_ops, tensor_parallel,
-                                    setup.max_model_len)
+            if setup.draft_model.method == EAGLE3_METHOD:
+                self.draft = EagleHead(setup.draft_model, self.model, self.model_config, self.dtype, device,
+                                       make_attention_backend(config), self.layer_ops, tensor_parallel)
+            else:
+                self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
+                                        make_attention_backend(config), self.layer_ops, tensor_parallel,
+                                        setup.max_model_len)
             draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
             block_bytes += draft_block_bytes
-            draft_pool = DraftPool(self.draft.model, self.draft.model_config, draft_block_bytes,
+            profiled = self.draft.model if isinstance(self.draft, DraftModel) else None  # a head: one layer
+            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes,
                                    self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs)
                                    * draft_block_bytes)
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
@@ -167,9 +176,11 @@ class ModelRunner:
             warm_up_sampler(self.model_config.vocab_size, self.sampling_ops, device)
             if kernel_set(config) == "triton":
                 warm_up_kernels(self.model, layers, setup.block_size, max_blocks_per_seq, setup.max_num_seqs, device)
-                if self.draft is not None:
+                if isinstance(self.draft, DraftModel):
                     warm_up_kernels(self.draft.model, self.draft.kv_cache.layers, setup.block_size,
                                     max_blocks_per_seq, setup.max_num_seqs, device)
+        if self.draft is not None:  # after the profile and warm-ups, before the graphs capture the wider output
+            self.model.aux_hidden_layers = self.draft.target_layers_read
         if self.on_gpu and config.cuda_graphs:
             with_lora = self.lora_slots is not None and self.lora_slots.capturable
             self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
@@ -205,7 +216,7 @@ class ModelRunner:
             self.lora_slots.wait_for_loads(inputs.lora_token_slots)  # loaded on their own stream
         hidden = self.graphs.forward(inputs, previous_sampled)
         if self.draft is not None:
-            self.draft.mirror(inputs, previous_sampled)
+            hidden = self.draft.mirror(inputs, previous_sampled, hidden)
         logits = None
         if len(inputs.sample_rows):
             logits = self.model.compute_logits(hidden[to_device(inputs.logits_indices, self.device, torch.long)])
@@ -213,6 +224,16 @@ class ModelRunner:
         if (batch.num_prompt_logprobs[inputs.rows] >= 0).any():
             scored = prompt_logprobs(self.model.compute_logits, hidden, batch, inputs)
         return StepOutput(logits, scored)
+
+    def after_sampling(self, batch: PersistentBatch) -> None:
+        """Once a step's tokens are written into the rows: an EAGLE head's K/V of the step (eagle_head.py)."""
+        if self.draft is not None:
+            self.draft.after_sampling(batch)
+
+    @property
+    def allows_overlap(self) -> bool:
+        """Whether a step may launch before the previous one's tokens reach the host (not with an EAGLE head)."""
+        return self.draft is None or self.draft.allows_overlap
 
     def propose_drafts(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The draft model's up to `k` greedy tokens after each of `rows`' known tokens (rows that sampled their

@@ -241,9 +241,10 @@ class Worker:
                                                                num_accepted))
             timer.mark("wait_for_gpu")
             step.result.sampled.CopyFrom(step.sampled_tokens(sampled, num_accepted, kept_logprobs))
-            if step.propose_draft_tokens:
-                self._propose_drafts(step)
-                timer.mark("propose")
+        self.runner.after_sampling(self.batch)  # an EAGLE head's K/V of the step: it needs the tokens
+        if step.pending is not None and step.propose_draft_tokens:
+            self._propose_drafts(step)
+            timer.mark("propose")
         timer.mark("result")
         return step.result
 
@@ -274,7 +275,7 @@ class Worker:
         batch = self.batch
         if plan.has_draft_tokens or batch.num_rows_with_drafts:  # the latter: the step in flight's, until verified
             return False
-        if plan.propose_draft_tokens or self._proposing_in_flight:
+        if plan.propose_draft_tokens or self._proposing_in_flight or not self.runner.allows_overlap:
             return False
         for scheduled in plan.scheduled_requests:
             row = batch.row_of(scheduled.request_id)

@@ -4,10 +4,11 @@ Who owns it: `SchedulerConfig.speculative_config` (None: speculation off); the s
 planner (which proposes drafts) and the engine loop (which stops planning ahead while a small batch
 speculates). docs/speculative_decoding.md says what it serves.
 
-Two methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
+Three methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
 holds (ngram_proposer.py). `draft_model`: a smaller model of the target's tokenizer, which the workers load
 beside the target (`model`: its directory or hub id; WorkerSetup.draft_model), proposes each row's next tokens
-greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. Names,
+greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. `eagle3`:
+the same, with an EAGLE-3 head (`model`) that reads the target's hidden states (worker_svc/eagle_head.py). Names,
 meanings and defaults are vLLM's: with neither prompt_lookup bound given both are 5; with one given the other
 takes its value. `"[ngram]"` is vLLM's older spelling of the method and is accepted as well; a config with a
 `model` and no `method` is a draft model's, as vLLM infers for a model that is not an EAGLE/MTP head.
@@ -24,8 +25,12 @@ from scheduler_svc.core.json_flag import json_object_flag
 
 NGRAM_METHODS = ("ngram", "[ngram]")
 DRAFT_MODEL_METHOD = "draft_model"
+EAGLE3_METHOD = "eagle3"
+# The methods whose proposals the workers make (with the model `model` names), and their served names.
+WORKER_METHODS = (DRAFT_MODEL_METHOD, EAGLE3_METHOD)
+_SERVED = "ngram, draft_model, eagle3"
 # Methods vLLM serves that need heads or proposers we do not have (refused by name).
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+HEAD_METHODS = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults of the n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -37,6 +42,7 @@ DEFAULT_PROMPT_LOOKUP = 5
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 _DRAFT_MODEL_KEYS = ("method", "num_speculative_tokens", "model", "draft_tensor_parallel_size", "disable_by_batch_size")
+_EAGLE3_KEYS = ("method", "num_speculative_tokens", "model", "disable_by_batch_size")
 _INTEGER_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
                  "draft_tensor_parallel_size")
 
@@ -58,10 +64,11 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in ("ngram", DRAFT_MODEL_METHOD):
-            raise ValueError(f"method {self.method!r}: only ngram and draft_model are served")
+        if self.method not in ("ngram", *WORKER_METHODS):
+            raise ValueError(f"method {self.method!r}: only {_SERVED} are served")
         if self.uses_draft_model != (self.model is not None):
-            raise ValueError("a draft model's directory (model) goes with method draft_model, and only with it")
+            raise ValueError("a draft model's or head's directory (model) goes with method draft_model or eagle3, "
+                             "and only with them")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -71,8 +78,9 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """Whether the workers' draft model proposes the drafts (else the scheduler's n-gram proposer)."""
-        return self.method == DRAFT_MODEL_METHOD
+        """Whether the workers' draft model or EAGLE head proposes the drafts (else the scheduler's n-gram
+        proposer)."""
+        return self.method in WORKER_METHODS
 
     def tensor_parallel_refusal(self, tensor_parallel_size: int) -> str | None:
         """Why this config cannot go with the target's tensor-parallel size, or None."""
@@ -93,11 +101,11 @@ class SpeculativeConfig:
         if method is None and "model" in options:
             method = DRAFT_MODEL_METHOD  # vLLM's inference for a model that is no EAGLE/MTP head
         if method is None:
-            raise ValueError("method is required (served: ngram, draft_model)")
-        if method not in (*NGRAM_METHODS, DRAFT_MODEL_METHOD):
+            raise ValueError(f"method is required (served: {_SERVED})")
+        if method not in (*NGRAM_METHODS, *WORKER_METHODS):
             kind = "needs heads or a proposer not served yet" if method in HEAD_METHODS else "unknown"
-            raise ValueError(f"method {method!r}: {kind} (served: ngram, draft_model)")
-        keys = _DRAFT_MODEL_KEYS if method == DRAFT_MODEL_METHOD else _KEYS
+            raise ValueError(f"method {method!r}: {kind} (served: {_SERVED})")
+        keys = _keys_of(method)
         unknown = sorted(set(options) - set(keys))
         if unknown:
             raise ValueError(f"unsupported key(s) {', '.join(unknown)} for method {method} "
@@ -110,12 +118,12 @@ class SpeculativeConfig:
                 raise ValueError(f"{key} must be an integer")
         disable = options.get("disable_by_batch_size")
         disable = DEFAULT_DISABLE_BY_BATCH_SIZE if disable is None else disable
-        if method == DRAFT_MODEL_METHOD:
+        if method in WORKER_METHODS:
             model = options.get("model")
             if not isinstance(model, str) or not model:
-                raise ValueError("method draft_model needs model: the draft model's directory or hub id")
+                raise ValueError(f"method {method} needs model: the draft model's or head's directory or hub id")
             return cls(num_speculative_tokens=options["num_speculative_tokens"], disable_by_batch_size=disable,
-                       method=DRAFT_MODEL_METHOD, model=model,
+                       method=method, model=model,
                        draft_tensor_parallel_size=options.get("draft_tensor_parallel_size"))
         lookup_max, lookup_min = options.get("prompt_lookup_max"), options.get("prompt_lookup_min")
         if lookup_max is None and lookup_min is None:
@@ -127,8 +135,13 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         """The flag's value that gives this config back (a child's command line)."""
-        keys = _DRAFT_MODEL_KEYS if self.uses_draft_model else _KEYS
+        keys = _keys_of(self.method)
         return json.dumps({key: getattr(self, key) for key in keys if getattr(self, key) is not None})
+
+
+def _keys_of(method: str) -> tuple[str, ...]:
+    """The keys a method takes."""
+    return {DRAFT_MODEL_METHOD: _DRAFT_MODEL_KEYS, EAGLE3_METHOD: _EAGLE3_KEYS}.get(method, _KEYS)
 
 
 def speculative_config(text: str) -> SpeculativeConfig:

@@ -110,6 +110,9 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tensor_parallel)
         )
+        # An EAGLE-3 head reads the residual stream entering these layers (set at setup: eagle_head.py): `forward`
+        # then returns them (in layer order) after the final hidden states, [T, (1 + n) * hidden]. Empty: as ever.
+        self.aux_hidden_layers: tuple[int, ...] = ()
 
     def make_mlp(self, config: ModelConfig, ops: LayerOps, tp: TensorParallel, layer_index: int) -> nn.Module:
         """Layer `layer_index`'s MLP: the gated MLP here; a MoE family's sparse block where it has one."""
@@ -126,9 +129,13 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.model.embed_tokens(input_ids), None
         rotary = self.model.rotary_emb
         positions = rotary.rope_positions(positions, metadata)  # longrope's table choice; else the positions
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        aux_layers, aux = self.aux_hidden_layers, []
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if index in aux_layers:  # a layer named twice gives its state twice
+                aux += [hidden if residual is None else hidden + residual] * aux_layers.count(index)
             hidden, residual = layer(hidden, residual, positions, rotary, kv_cache, metadata)
-        return self.model.norm(hidden, residual)[0]
+        hidden = self.model.norm(hidden, residual)[0]
+        return torch.cat([hidden, *aux], dim=-1) if aux else hidden  # aux in layer order (vLLM's)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab] in fp32 of the hidden states [N, hidden] the caller selected.
