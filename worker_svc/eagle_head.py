@@ -84,6 +84,9 @@ class EagleHead:
         self.device = device
         self.tensor_parallel = tensor_parallel
         self.kv_cache: KVCache | None = None
+        # Proposals are the head's argmax: point masses, verified by sample-and-match (no draft distribution q
+        # for the rejection rule, unlike a sampling draft model: draft_model.py `proposed`).
+        self.proposed = None
         self._block_size = self._num_blocks = self.scratch_blocks_per_row = 0
         # The step whose head K/V waits for its tokens (`mirror` -> `after_sampling`): its inputs, target states.
         self._pending: tuple[StepInputs, torch.Tensor] | None = None
