@@ -12,7 +12,8 @@ Data parallel (`--data-parallel-size N`, `-dp N`): N engines, each a scheduler w
 internal ports, behind one front process on the public gRPC address that routes each request to one engine
 (engine_replicas.py says the layout and why; docs/scale_out.md). Each engine is supervised as the one engine
 is alone: its worker and scheduler crashes are recovered within it, with restart budgets of its own; an
-engine that gives up, or the front, stops the stack.
+engine that gives up is stopped while another serves (the front re-routes its requests); the last engine
+giving up, or the front exiting, stops the stack.
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
@@ -170,8 +171,9 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
     LOAD_REFUSED_EXIT_CODE, its reason in its one line above) is not: it would refuse again. A scheduler that
     crashed is restarted with fresh workers, up to --max-scheduler-restarts times per engine, where
     `restart_engine` can; the gateway, the front and SDK clients resume their streams on it
-    (client/stream_resume.py). Anything else that exits (a scheduler that gave up, the front, the gateway)
-    stops the whole stack: with several engines too, an engine gone for good stops them all."""
+    (client/stream_resume.py). With several engines, an engine gone for good (its scheduler exited and is not
+    restarted, or its workers' restarts are used up) is stopped and the others serve on; the front re-routes
+    its requests. Anything else that exits (the last engine, the front, the gateway) stops the whole stack."""
     restarts_left = {replica.index: args.max_worker_restarts if restart_workers is not None else 0
                      for replica in replicas}
     scheduler_restarts_left = {replica.index: args.max_scheduler_restarts if restart_engine is not None else 0
@@ -213,6 +215,14 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
             ready, ready_deadline = False, time.monotonic() + args.ready_timeout
             continue
         broken = [replica for replica in replicas if any(replica.owns(name) for name in exited)]
+        gone = [replica for replica in broken if replica.scheduler in exited
+                or restarts_left[replica.index] == 0 or restart_workers is None]
+        if exited and ready and gone and len(gone) < len(replicas) and all(
+                any(replica.owns(name) for replica in broken) for name in exited):
+            for replica in gone:
+                _retire_engine(replica, children, exited)
+            replicas = [replica for replica in replicas if replica not in gone]
+            continue
         if (exited and all(is_worker(name) for name in exited)
                 and all(restarts_left[replica.index] > 0 for replica in broken)):
             for replica in broken:
@@ -238,6 +248,18 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 print("pagedserve: not ready in time", file=sys.stderr, flush=True)
                 return 1
         time.sleep(_POLL_SECONDS)
+
+
+def _retire_engine(replica: EngineReplica, children: dict[str, subprocess.Popen], exited: list[str]) -> None:
+    """An engine gone for good while others serve (-dp > 1): its processes stopped and forgotten; the front
+    finds it lost and sends its requests that had no output yet to the others (engine_link.py)."""
+    first = next(name for name in exited if replica.owns(name))
+    print(f"pagedserve: the {first} exited with code {children[first].returncode}; engine {replica.index} is gone, "
+          "the other engines serve on", file=sys.stderr, flush=True)
+    own = {name: child for name, child in children.items() if replica.owns(name)}
+    _stop_all(own, 10.0)
+    for name in own:
+        del children[name]
 
 
 def _crashed(returncode: int) -> bool:

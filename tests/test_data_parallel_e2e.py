@@ -2,7 +2,8 @@
 on the CPU): concurrent requests get the greedy tokens of a single engine (transformers' here), different
 prefixes spread over both engines while requests sharing a long prefix all go to one, whose prefix cache serves
 them; a client's cancel reaches the engine; a killed worker of one engine is replaced and its streams finish
-token-exact while the front keeps serving; `-dp 2` starts one front and `-dp 1` none. The router's policies
+token-exact while the front keeps serving; a whole engine killed for good has its queued requests sent again
+to the other engine, and its started stream resumed there; `-dp 2` starts one front and `-dp 1` none. The router's policies
 alone, and the front before stand-in schedulers: tests/test_data_parallel_router.py."""
 
 from __future__ import annotations
@@ -134,6 +135,48 @@ def test_a_killed_worker_of_one_engine_is_replaced_while_the_front_keeps_serving
     assert "NOT_SERVING" not in health.statuses, health.statuses
     log = server.log()
     assert "the engine 0 worker rank 0 exited" in log and "restarting the workers" in log
+
+
+def _engine_pids(server, engine: int) -> list[int]:
+    """Engine `engine`'s scheduler and worker: both name its private worker socket."""
+    return [pid for pid, command in zip(server.children, _command_lines(server.children))
+            if f"workers-{engine}.sock" in command]
+
+
+def test_a_killed_engines_queued_requests_finish_on_the_other_engine_and_its_started_one_resumes(model, tmp_path):
+    """A whole engine (scheduler and worker) killed for good while one request streams on it and four wait
+    behind it (--max-num-seqs 1): the four are sent again by the front and the streaming one is resumed by the
+    SDK, all on the other engine with a single engine's greedy tokens; the front never stops serving."""
+    with running_server(tmp_path, "--model", str(model), "-dp", "2", "--max-model-len", "512", "--max-num-seqs", "1",
+                        "--max-scheduler-restarts", "0") as server:
+        rng = random.Random(9)
+        prefix = [rng.randrange(512) for _ in range(32)]  # one first block: all go to one engine (prefix policy)
+        prompts = [prefix + [rng.randrange(512) for _ in range(rng.randrange(1, 10))] for _ in range(5)]
+        health = HealthWatch(server.target)
+        started = StreamWatch(server.target, prompts[0], max_tokens=RECOVERY_TOKENS, temperature=0.0,
+                              ignore_eos=True)
+        assert started.first_chunk.wait(120) and started.error is None
+        home = [entry.stats.num_running for entry in _engines(server)].index(1)
+        queued = [StreamWatch(server.target, prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+                  for prompt in prompts[1:]]
+        deadline = time.monotonic() + 60
+        while _engines(server)[home].stats.num_waiting < 4:
+            assert time.monotonic() < deadline, "the four requests did not queue behind the first"
+            time.sleep(0.05)
+        assert not any(stream.chunks for stream in queued)
+        for pid in _engine_pids(server, home):
+            os.kill(pid, signal.SIGKILL)
+        for stream in [started, *queued]:
+            stream.join(timeout=180)
+        health.close()
+        assert [stream.error for stream in [started, *queued]] == [None] * 5, server.log()[-3000:]
+        for prompt, stream, max_tokens in zip(prompts, [started, *queued], [RECOVERY_TOKENS] + [MAX_TOKENS] * 4):
+            tokens = [token for chunk in stream.chunks for token in chunk.token_ids]
+            assert tokens == hf_greedy(model, prompt, max_tokens)
+        (survivor,) = _engines(server)
+        assert survivor.engine == 1 - home and survivor.stats.num_finished_stop + survivor.stats.num_finished_length >= 5
+        assert "NOT_SERVING" not in health.statuses, health.statuses
+        assert f"engine {home} is gone, the other engines serve on" in server.log()
 
 
 def test_dp1_keeps_todays_layout_with_no_front(model, tmp_path):

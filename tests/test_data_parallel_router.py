@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from client import Client, InvalidRequestError
+from client import Client, InvalidRequestError, ServerUnavailableError
 from client.types import ModelInfo, ServerStats
 from gateway.metrics import render_metrics
 from gateway.vllm_metrics import ServedModel
@@ -291,6 +291,51 @@ def test_an_engine_that_stops_serving_gets_no_request_and_none_serving_makes_the
             generate_pb2.GenerateRequest(text="hello").SerializeToString())
         list(call)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_request_whose_engine_is_gone_before_its_first_output_is_sent_again_to_a_live_engine(engines, front):
+    target = front("round-robin")
+    engines[0].generation.unreachable = True  # its health still says SERVING: the front learns from the call
+    with Client(target, max_retries=0) as client:
+        results = [client.generate("hello") for _ in range(4)]
+    assert [result.text for result in results] == ["Hello world"] * 4
+    tried_first = len(engines[0].generation.requests)
+    assert tried_first >= 1, "round-robin sent the first request to engine 0, which failed it"
+    assert len(engines[1].generation.requests) == 4
+    assert all(request.text == "hello" for request in engines[1].generation.requests)  # the same request, again
+
+
+def test_a_stream_whose_engine_is_lost_after_its_first_output_fails_naming_the_engine(engines, front):
+    target = front("round-robin")
+    with Client(target, max_retries=0, resume_timeout=0) as client:
+        with pytest.raises(ServerUnavailableError, match=r"engine \d \(127\.0\.0\.1:\d+\) was lost after this "
+                                                         r"stream's first output"):
+            list(client.generate_stream("dies after a chunk"))
+    assert sum(len(engine.generation.requests) for engine in engines) == 1  # started: never sent again
+
+
+def test_an_engine_silent_past_the_grace_is_lost_and_its_calls_are_cancelled():
+    import asyncio
+
+    from scheduler_svc.data_parallel.engine_link import ENGINE_LOST_GRACE_S, EngineLink
+
+    import socket
+
+    hung = socket.create_server(("127.0.0.1", 0))  # a host that takes connections and never answers
+
+    async def scenario():
+        link = EngineLink(0, f"127.0.0.1:{hung.getsockname()[1]}", None)
+        engine_call = link.generate(b"", (), 30.0)
+        assert not await link.poll_health(now=100.0) and not link.lost  # silent, within the grace
+        await link.poll_health(now=100.0 + ENGINE_LOST_GRACE_S / 2)
+        assert not link.lost and not engine_call.lost
+        await link.poll_health(now=100.5 + ENGINE_LOST_GRACE_S)
+        assert link.lost and engine_call.lost and engine_call.call.cancelled()
+        link.done(engine_call)
+        await link.channel.close()
+
+    with hung:
+        asyncio.run(scenario())
 
 
 def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
