@@ -13,7 +13,8 @@ internal ports, behind one front process on the public gRPC address that routes 
 (engine_replicas.py says the layout and why; docs/scale_out.md). Each engine is supervised as the one engine
 is alone: its worker and scheduler crashes are recovered within it, with restart budgets of its own; an
 engine that gives up is stopped while another serves (the front re-routes its requests); the last engine
-giving up, or the front exiting, stops the stack.
+giving up, or the front exiting, stops the stack. With Ray, each engine's ranks are one placement group of
+their own (ray_executor.py).
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
@@ -97,17 +98,20 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_scheduler_restarts < 0:
         raise SystemExit("pagedserve: --max-scheduler-restarts must be >= 0")
     model_argv = [] if args.model is None else ["--model", args.model]
-    ray_group = None
+    ray_groups = None
     if args.distributed_executor_backend == "ray":
-        from pagedserve.ray_executor import RayWorkerGroup
+        from pagedserve.ray_executor import ray_worker_groups
 
-        ray_group = RayWorkerGroup(args.tensor_parallel_size, use_gpus=args.device.startswith("cuda"))
-    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_group):
-        if ray_group is None:
+        ray_groups = ray_worker_groups(args.data_parallel_size, args.tensor_parallel_size,
+                                       use_gpus=args.device.startswith("cuda"))
+    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_groups):
+        # With Ray, ranks on other hosts reach their scheduler over TCP, and rank 0's host for the rendezvous.
+        ray_host = None if ray_groups is None else ray_groups[0].head_address()
+        if ray_groups is None:
             address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
-        else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
-            address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
-        replicas = engine_replicas(args, private_dir, address)
+        else:
+            address = args.worker_address or f"tcp://{ray_host}:{free_port('')}"
+        replicas = engine_replicas(args, private_dir, address, ray_host)
         # The worker link's shared secret: the one given, else a fresh one per start, in the children's
         # environment only. Set but empty: the link stays open (as under compose without one).
         given = os.environ.get(WORKER_SECRET_ENV)
@@ -125,15 +129,17 @@ def serve(args: argparse.Namespace) -> int:
             argvs = worker_rank_argvs(args, model_argv, replica.worker_address, init_method, replica.device,
                                       injects_fault=replica.index == 0)
             for rank, argv in enumerate(argvs):
-                children[replica.worker(rank)] = (_start("worker", argv, child_environment(link_secret))
-                                                  if ray_group is None else ray_group.start(rank, argv, link_secret))
+                children[replica.worker(rank)] = (
+                    _start("worker", argv, child_environment(link_secret)) if ray_groups is None
+                    else ray_groups[replica.index].start(rank, argv, link_secret))
 
         def fresh_rendezvous() -> str | None:
             return f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
 
-        for replica in replicas:  # with Ray (-dp 1 only), rank 0's host holds a tensor-parallel rendezvous
-            ray_rendezvous = ray_group is not None and args.tensor_parallel_size > 1
-            start_engine(replica, ray_group.rendezvous_address() if ray_rendezvous else fresh_rendezvous())
+        for replica in replicas:  # with Ray, each engine's rank 0 host holds its tensor-parallel rendezvous
+            ray_rendezvous = ray_groups is not None and args.tensor_parallel_size > 1
+            start_engine(replica, ray_groups[replica.index].rendezvous_address() if ray_rendezvous
+                         else fresh_rendezvous())
 
         def restart_workers(replica: EngineReplica) -> None:
             """Worker crash recovery: the engine's whole rank set again (a new rendezvous for tensor parallel)."""
@@ -157,8 +163,8 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(signum, lambda s, f: stop_requested.append(s))
         try:
             return _supervise(args, model.name, children, stop_requested, replicas,
-                              restart_workers if ray_group is None else None,
-                              restart_engine if ray_group is None else None)
+                              restart_workers if ray_groups is None else None,
+                              restart_engine if ray_groups is None else None)
         finally:
             _stop_all(children, args.shutdown_timeout)
 
@@ -269,13 +275,15 @@ def _crashed(returncode: int) -> bool:
 
 
 @contextlib.contextmanager
-def _shut_down_after(ray_group):
-    """Gives the Ray placement group (and a local Ray instance this launcher started) back on the way out."""
+def _shut_down_after(ray_groups):
+    """Gives the Ray placement groups (and a local Ray instance this launcher started) back on the way out."""
     try:
         yield
     finally:
-        if ray_group is not None:
-            ray_group.shutdown()
+        if ray_groups is not None:
+            from pagedserve.ray_executor import shut_down_ray
+
+            shut_down_ray(ray_groups)
 
 
 def _local_address(host: str, port: int) -> str:

@@ -3,8 +3,9 @@ on the CPU): concurrent requests get the greedy tokens of a single engine (trans
 prefixes spread over both engines while requests sharing a long prefix all go to one, whose prefix cache serves
 them; a client's cancel reaches the engine; a killed worker of one engine is replaced and its streams finish
 token-exact while the front keeps serving; a whole engine killed for good has its queued requests sent again
-to the other engine, and its started stream resumed there; `-dp 2` starts one front and `-dp 1` none. The router's policies
-alone, and the front before stand-in schedulers: tests/test_data_parallel_router.py."""
+to the other engine, and its started stream resumed there; `bench serve`'s multi-turn dataset keeps each
+conversation on one engine; `-dp 2` starts one front and `-dp 1` none. The router's policies alone, and the
+front before stand-in schedulers: tests/test_data_parallel_router.py."""
 
 from __future__ import annotations
 
@@ -136,6 +137,28 @@ def test_a_killed_worker_of_one_engine_is_replaced_while_the_front_keeps_serving
     assert "NOT_SERVING" not in health.statuses, health.statuses
     log = server.log()
     assert "the engine 0 worker rank 0 exited" in log and "restarting the workers" in log
+
+
+def test_the_ray_backend_places_each_engine_in_its_own_placement_group_with_the_tokens_of_mp(server, model,
+                                                                                            tmp_path):
+    """`-dp 2 --distributed-executor-backend ray`: a private local Ray instance, one placement group per engine,
+    each engine's worker a Ray actor reaching its own scheduler over TCP; the same greedy tokens as the local
+    processes' -dp 2, requests spread over both engines, and nothing of the stack or of Ray left once it stops
+    (running_server checks every process it started is gone)."""
+    import re
+
+    rng = random.Random(12)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 40))] for _ in range(6)]
+    with running_server(tmp_path, "--model", str(model), "-dp", "2", "--max-model-len", "512",
+                        "--distributed-executor-backend", "ray", ready_timeout=240) as on_ray:
+        results = _generate_all(on_ray, prompts)
+        routed = [entry.routed_requests for entry in _engines(on_ray)]
+    log = on_ray.log()
+    assert [list(r.token_ids) for r in results] == [list(r.token_ids) for r in _generate_all(server, prompts)]
+    assert min(routed) >= 1 and sum(routed) == 6, routed
+    assert "Started a local Ray instance" in log
+    addresses = re.findall(r"waiting for 1 worker\(s\) on (tcp://\S+)", log)
+    assert len(set(addresses)) == 2, addresses  # one TCP address per engine
 
 
 @pytest.fixture(scope="module")

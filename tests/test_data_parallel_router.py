@@ -339,7 +339,7 @@ def test_an_engine_silent_past_the_grace_is_lost_and_its_calls_are_cancelled():
 
 
 def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
-    """Ray, a shared worker address, runtime LoRA loads (the front does not fan them out) and TLS (the front
+    """A shared worker address, runtime LoRA loads (the front does not fan them out) and TLS (the front
     reaches the engines by loopback IP) are refused with -dp > 1, in one line naming the flag; -dp 1 takes all."""
     import argparse
 
@@ -352,7 +352,7 @@ def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
         return data_parallel_refusal(argparse.Namespace(**{**vars(args), **changes}), None)
 
     assert refusal() is None
-    assert "--distributed-executor-backend" in refusal(distributed_executor_backend="ray")
+    assert refusal(distributed_executor_backend="ray") is None  # a placement group per engine
     assert "--worker-address" in refusal(worker_address="tcp://127.0.0.1:5")
     assert "--allow-runtime-lora-updating" in refusal(allow_runtime_lora_updating=True)
     assert "--tls-cert-file" in refusal(tls_cert_file="/etc/cert.pem")
@@ -372,3 +372,7 @@ def test_engine_ports_are_distinct_and_never_the_public_port(monkeypatch):
     args = argparse.Namespace(data_parallel_size=2, tensor_parallel_size=1, device="cpu", grpc_port=50051,
                               grpc_host="0.0.0.0")
     assert [replica.port for replica in replicas.engine_replicas(args, "/tmp/x", "ipc:///tmp/w")] == [40000, 40001]
+    offered = iter([40000, 40001, 41000, 41001])
+    monkeypatch.setattr(replicas, "free_port", lambda host="127.0.0.1": next(offered))
+    on_ray = replicas.engine_replicas(args, "/tmp/x", "tcp://10.0.0.5:9", ray_host="10.0.0.5")
+    assert [replica.worker_address for replica in on_ray] == ["tcp://10.0.0.5:41000", "tcp://10.0.0.5:41001"]
