@@ -314,28 +314,29 @@ def test_a_stream_whose_engine_is_lost_after_its_first_output_fails_naming_the_e
     assert sum(len(engine.generation.requests) for engine in engines) == 1  # started: never sent again
 
 
-def test_an_engine_silent_past_the_grace_is_lost_and_its_calls_are_cancelled():
+def test_an_engine_unreachable_past_the_grace_is_lost_and_a_slow_one_is_not():
     import asyncio
+    import socket
 
     from scheduler_svc.data_parallel.engine_link import ENGINE_LOST_GRACE_S, EngineLink
 
-    import socket
+    async def scenario(port: int) -> None:
+        gone = EngineLink(0, f"127.0.0.1:{free_port()}", None)  # nothing listens there: UNAVAILABLE
+        engine_call = gone.generate(b"", (), 30.0)
+        assert not await gone.poll_health(now=100.0) and not gone.lost  # unreachable, within the grace
+        await gone.poll_health(now=100.0 + ENGINE_LOST_GRACE_S / 2)
+        assert not gone.lost and not engine_call.lost
+        await gone.poll_health(now=100.5 + ENGINE_LOST_GRACE_S)
+        assert gone.lost and engine_call.lost  # its calls are marked lost (and cancelled)
+        gone.done(engine_call)
+        slow = EngineLink(1, f"127.0.0.1:{port}", None)  # takes the connection, never answers: checks time out
+        assert not await slow.poll_health(now=100.0)
+        assert not await slow.poll_health(now=101.0 + ENGINE_LOST_GRACE_S) and not slow.lost
+        for link in (gone, slow):
+            await link.channel.close()
 
-    hung = socket.create_server(("127.0.0.1", 0))  # a host that takes connections and never answers
-
-    async def scenario():
-        link = EngineLink(0, f"127.0.0.1:{hung.getsockname()[1]}", None)
-        engine_call = link.generate(b"", (), 30.0)
-        assert not await link.poll_health(now=100.0) and not link.lost  # silent, within the grace
-        await link.poll_health(now=100.0 + ENGINE_LOST_GRACE_S / 2)
-        assert not link.lost and not engine_call.lost
-        await link.poll_health(now=100.5 + ENGINE_LOST_GRACE_S)
-        assert link.lost and engine_call.lost and engine_call.call.cancelled()
-        link.done(engine_call)
-        await link.channel.close()
-
-    with hung:
-        asyncio.run(scenario())
+    with socket.create_server(("127.0.0.1", 0)) as hung:
+        asyncio.run(scenario(hung.getsockname()[1]))
 
 
 def test_data_parallel_refuses_what_one_front_cannot_serve_yet():

@@ -8,10 +8,12 @@ declared lost, it can cancel them at once (marking each `lost`), and the handler
 When an engine is lost (docs/scale_out.md, "Failures"):
 - a Generate call on it ends UNAVAILABLE (its scheduler process exited: the socket closes), and the handler
   marks the link not serving until the next poll says otherwise (`mark_unreachable`);
-- or its health check gets no answer at all (the channel UNAVAILABLE, or no reply within the check's timeout:
-  a hung or partitioned host) for longer than ENGINE_LOST_GRACE_S: the link is `lost`, every call in flight on
-  it is cancelled. Why a grace: a scheduler restarting answers NOT_SERVING (it is reachable, so not lost), and
-  one slow health reply on a busy host must not cancel streams; a few seconds with no answer at all does.
+- or its health check finds the channel UNAVAILABLE (nothing accepts the connection: the process is gone, or
+  its host) at every poll for longer than ENGINE_LOST_GRACE_S: the link is `lost`, every call in flight on it
+  is cancelled. Why a grace: a scheduler restarting answers NOT_SERVING (reachable, so not lost), and a
+  connection that drops once and comes back must not cancel streams. A check that times out (a busy or hung
+  scheduler that still holds its connection) is not counted: the engine gets no new request while it does not
+  answer, but its streams are left to finish.
 A lost engine gets no new request until its health says SERVING again (a restarted scheduler).
 """
 
@@ -41,7 +43,7 @@ class EngineCall:
 
 class EngineLink:
     """One engine's channel, raw-bytes callables of its methods, whether its health said SERVING at the last
-    poll, since when it has not answered (None while it does) and the front's calls in flight on it."""
+    poll, since when its channel has been UNAVAILABLE (None while not) and the front's calls in flight on it."""
 
     def __init__(self, index: int, target: str, credentials: grpc.ChannelCredentials | None) -> None:
         self.index = index
@@ -78,15 +80,18 @@ class EngineLink:
     async def poll_health(self, now: float | None = None) -> bool:
         try:
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=HEALTH_TIMEOUT_S)
-        except grpc.RpcError:
+        except grpc.RpcError as error:
             self.serving = False
-            self._no_answer(time.monotonic() if now is None else now)
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self._unreachable_at(time.monotonic() if now is None else now)
+            else:  # no reply in time: reachable but slow or hung; its streams are left to finish
+                self.silent_since = None
             return False
         self.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
         self.silent_since, self.lost = None, False
         return self.serving
 
-    def _no_answer(self, now: float) -> None:
+    def _unreachable_at(self, now: float) -> None:
         if self.silent_since is None:
             self.silent_since = now
         if not self.lost and now - self.silent_since > ENGINE_LOST_GRACE_S:

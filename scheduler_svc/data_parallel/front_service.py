@@ -17,8 +17,8 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
 - GetStats: every serving engine's, summed, and each beside the sums with the router's counts (engine_stats.py).
 - Health: NOT_SERVING until every engine has served once (start-up, so that a ready server routes over all of
   them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
-  not serve (its scheduler restarting, or lost) gets no new request. On SIGTERM: NOT_SERVING, new calls UNAVAILABLE,
-  streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
+  not serve (its scheduler restarting, or lost) gets no new request. On SIGTERM: NOT_SERVING, new calls
+  UNAVAILABLE, streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
 """
 
 from __future__ import annotations
