@@ -1,5 +1,6 @@
 """`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
-`gateway`, `front` (the data-parallel front, docs/scale_out.md), `health` (a readiness probe for container health checks) and `bench` (benchmarks, pagedserve/bench/).
+`gateway`, `front` (the data-parallel front, docs/scale_out.md), `health` (a readiness probe for container
+health checks) and `bench` (benchmarks, pagedserve/bench/).
 
 `serve` reads like `vllm serve`: `pagedserve serve [MODEL]`, `--host`/`--port` the OpenAI HTTP server's
 (default 127.0.0.1:8000; vLLM binds every interface, we bind loopback unless told), `--grpc-host`/`--grpc-port`
