@@ -1,11 +1,12 @@
 """`pagedserve` command line: `serve` (scheduler + worker + HTTP gateway processes), `scheduler`, `worker`,
-`gateway`, `health` (a readiness probe for container health checks) and `bench` (benchmarks, pagedserve/bench/).
+`gateway`, `front` (the data-parallel front, docs/scale_out.md), `health` (a readiness probe for container
+health checks) and `bench` (benchmarks, pagedserve/bench/).
 
 `serve` reads like `vllm serve`: `pagedserve serve [MODEL]`, `--host`/`--port` the OpenAI HTTP server's
 (default 127.0.0.1:8000; vLLM binds every interface, we bind loopback unless told), `--grpc-host`/`--grpc-port`
 the gRPC API's (127.0.0.1:50051). The vLLM flags it does not support are refused by name (vllm_flags.py).
 
-`scheduler`, `worker` and `gateway` are each service's own entry point (`scheduler_svc/main.py`, ...: the
+`scheduler`, `worker`, `gateway` and `front` are each service's own entry point (`scheduler_svc/main.py`, ...: the
 same flags as `python -m scheduler_svc`); `serve` parses the flags of all three (its table: serve_flags.py)
 and forwards each child its share (launcher.py), the same command lines docker compose uses.
 """
@@ -20,10 +21,11 @@ from gateway.config import output_parsing_error
 from pagedserve.bench.cli import add_bench_commands, run_bench
 from pagedserve.serve_flags import SERVE_HELP, add_serve_arguments
 from scheduler_svc import main as scheduler_main
+from scheduler_svc.data_parallel import main as front_main
 from service_runtime.service_process import add_exit_with_parent_argument, start_service_process
 from worker_svc import main as worker_main
 
-SERVICES = {"scheduler": scheduler_main, "worker": worker_main, "gateway": gateway_main}
+SERVICES = {"scheduler": scheduler_main, "worker": worker_main, "gateway": gateway_main, "front": front_main}
 
 
 def build_parser() -> argparse.ArgumentParser:

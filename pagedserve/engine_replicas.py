@@ -11,9 +11,10 @@ one client of one address. Why separate engines rather than one scheduler over s
 engine's prefix cache, queue and recovery stay exactly what they are alone; the front only picks one.
 
 Layout: engine i's scheduler on 127.0.0.1 at a free port of its own (internal: only the front reaches it),
-its workers on their own ipc socket, its M = --tensor-parallel-size ranks on GPUs i*M .. i*M+M-1 counted from
---device's (or all on the CPU). With N = 1 nothing changes: the one scheduler binds the public address, the
-children keep their names, and no front starts.
+its workers on their own ipc socket (with Ray: a TCP port of its own, and a placement group of its own), its
+M = --tensor-parallel-size ranks on GPUs i*M .. i*M+M-1 counted from --device's (or all on the CPU). With
+N = 1 nothing changes: the one scheduler binds the public address, the children keep their names, and no
+front starts.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ class EngineReplica:
         return f"{self.host}:{self.port}"
 
 
-def engine_replicas(args: argparse.Namespace, private_dir: str, worker_address: str) -> list[EngineReplica]:
+def engine_replicas(args: argparse.Namespace, private_dir: str, worker_address: str,
+                    ray_host: str | None = None) -> list[EngineReplica]:
     """The engines to start. `worker_address`: the one engine's (serve's --worker-address, a Ray head's, or the
-    private socket); several engines each get a private socket of their own."""
+    private socket); several engines each get a private socket of their own, or with Ray (`ray_host`: this
+    host as the cluster reaches it) a TCP port of their own on every interface."""
     size = args.data_parallel_size
     if size == 1:
         return [EngineReplica(0, args.grpc_host, args.grpc_port, worker_address, args.device, "")]
@@ -71,7 +74,12 @@ def engine_replicas(args: argparse.Namespace, private_dir: str, worker_address: 
         port = free_port()
         if port != args.grpc_port and port not in ports:
             ports.append(port)
-    return [EngineReplica(index, "127.0.0.1", ports[index], f"ipc://{private_dir}{os.sep}workers-{index}.sock",
+    def engine_worker_address(index: int) -> str:
+        if ray_host is None:
+            return f"ipc://{private_dir}{os.sep}workers-{index}.sock"
+        return f"tcp://{ray_host}:{free_port('')}"
+
+    return [EngineReplica(index, "127.0.0.1", ports[index], engine_worker_address(index),
                           rank_device(args.device, index * per_engine), f"engine {index} ")
             for index in range(size)]
 
@@ -91,8 +99,6 @@ def data_parallel_refusal(args: argparse.Namespace, visible_gpus: int | None) ->
         return "--data-parallel-size must be >= 1"
     if size == 1:
         return None
-    if args.distributed_executor_backend == "ray":
-        return "--data-parallel-size > 1 runs local processes only (--distributed-executor-backend mp)"
     if args.worker_address is not None:
         return "--worker-address cannot go with --data-parallel-size > 1 (each engine has a private socket)"
     if args.allow_runtime_lora_updating:

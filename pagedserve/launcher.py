@@ -12,7 +12,9 @@ Data parallel (`--data-parallel-size N`, `-dp N`): N engines, each a scheduler w
 internal ports, behind one front process on the public gRPC address that routes each request to one engine
 (engine_replicas.py says the layout and why; docs/scale_out.md). Each engine is supervised as the one engine
 is alone: its worker and scheduler crashes are recovered within it, with restart budgets of its own; an
-engine that gives up, or the front, stops the stack.
+engine that gives up is stopped while another serves (the front re-routes its requests); the last engine
+giving up, or the front exiting, stops the stack. With Ray, each engine's ranks are one placement group of
+their own (ray_executor.py).
 
 The model is resolved once here (a hub download happens once) and both children get the local path. The
 launcher waits for the scheduler's health to turn SERVING, forwards SIGTERM/SIGINT to the scheduler (which
@@ -98,17 +100,20 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_scheduler_restarts < 0:
         raise SystemExit("pagedserve: --max-scheduler-restarts must be >= 0")
     model_argv = [] if args.model is None else ["--model", args.model]
-    ray_group = None
+    ray_groups = None
     if args.distributed_executor_backend == "ray":
-        from pagedserve.ray_executor import RayWorkerGroup
+        from pagedserve.ray_executor import ray_worker_groups
 
-        ray_group = RayWorkerGroup(args.tensor_parallel_size, use_gpus=args.device.startswith("cuda"))
-    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_group):
-        if ray_group is None:
+        ray_groups = ray_worker_groups(args.data_parallel_size, args.tensor_parallel_size,
+                                       use_gpus=args.device.startswith("cuda"))
+    with tempfile.TemporaryDirectory(prefix="pagedserve-") as private_dir, _shut_down_after(ray_groups):
+        # With Ray, ranks on other hosts reach their scheduler over TCP, and rank 0's host for the rendezvous.
+        ray_host = None if ray_groups is None else ray_groups[0].head_address()
+        if ray_groups is None:
             address = args.worker_address or f"ipc://{os.path.join(private_dir, 'workers.sock')}"
-        else:  # ranks on other hosts reach the scheduler over TCP, and rank 0's host for the rendezvous
-            address = args.worker_address or f"tcp://{ray_group.head_address()}:{free_port('')}"
-        replicas = engine_replicas(args, private_dir, address)
+        else:
+            address = args.worker_address or f"tcp://{ray_host}:{free_port('')}"
+        replicas = engine_replicas(args, private_dir, address, ray_host)
         # The worker link's shared secret: the one given, else a fresh one per start, in the children's
         # environment only. Set but empty: the link stays open (as under compose without one).
         given = os.environ.get(WORKER_SECRET_ENV)
@@ -126,15 +131,17 @@ def serve(args: argparse.Namespace) -> int:
             argvs = worker_rank_argvs(args, model_argv, replica.worker_address, init_method, replica.device,
                                       injects_fault=replica.index == 0)
             for rank, argv in enumerate(argvs):
-                children[replica.worker(rank)] = (_start("worker", argv, child_environment(link_secret))
-                                                  if ray_group is None else ray_group.start(rank, argv, link_secret))
+                children[replica.worker(rank)] = (
+                    _start("worker", argv, child_environment(link_secret)) if ray_groups is None
+                    else ray_groups[replica.index].start(rank, argv, link_secret))
 
         def fresh_rendezvous() -> str | None:
             return f"tcp://127.0.0.1:{free_port()}" if args.tensor_parallel_size > 1 else None
 
-        for replica in replicas:  # with Ray (-dp 1 only), rank 0's host holds a tensor-parallel rendezvous
-            ray_rendezvous = ray_group is not None and args.tensor_parallel_size > 1
-            start_engine(replica, ray_group.rendezvous_address() if ray_rendezvous else fresh_rendezvous())
+        for replica in replicas:  # with Ray, each engine's rank 0 host holds its tensor-parallel rendezvous
+            ray_rendezvous = ray_groups is not None and args.tensor_parallel_size > 1
+            start_engine(replica, ray_groups[replica.index].rendezvous_address() if ray_rendezvous
+                         else fresh_rendezvous())
 
         def restart_workers(replica: EngineReplica) -> None:
             """Worker crash recovery: the engine's whole rank set again (a new rendezvous for tensor parallel)."""
@@ -158,8 +165,8 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(signum, lambda s, f: stop_requested.append(s))
         try:
             return _supervise(args, model.name, children, stop_requested, replicas,
-                              restart_workers if ray_group is None else None,
-                              restart_engine if ray_group is None else None)
+                              restart_workers if ray_groups is None else None,
+                              restart_engine if ray_groups is None else None)
         finally:
             _stop_all(children, args.shutdown_timeout)
 
@@ -172,8 +179,9 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
     LOAD_REFUSED_EXIT_CODE, its reason in its one line above) is not: it would refuse again. A scheduler that
     crashed is restarted with fresh workers, up to --max-scheduler-restarts times per engine, where
     `restart_engine` can; the gateway, the front and SDK clients resume their streams on it
-    (client/stream_resume.py). Anything else that exits (a scheduler that gave up, the front, the gateway)
-    stops the whole stack: with several engines too, an engine gone for good stops them all."""
+    (client/stream_resume.py). With several engines, an engine gone for good (its scheduler exited and is not
+    restarted, or its workers' restarts are used up) is stopped and the others serve on; the front re-routes
+    its requests. Anything else that exits (the last engine, the front, the gateway) stops the whole stack."""
     restarts_left = {replica.index: args.max_worker_restarts if restart_workers is not None else 0
                      for replica in replicas}
     scheduler_restarts_left = {replica.index: args.max_scheduler_restarts if restart_engine is not None else 0
@@ -215,6 +223,14 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
             ready, ready_deadline = False, time.monotonic() + args.ready_timeout
             continue
         broken = [replica for replica in replicas if any(replica.owns(name) for name in exited)]
+        gone = [replica for replica in broken if replica.scheduler in exited
+                or restarts_left[replica.index] == 0 or restart_workers is None]
+        if exited and ready and gone and len(gone) < len(replicas) and all(
+                any(replica.owns(name) for replica in broken) for name in exited):
+            for replica in gone:
+                _retire_engine(replica, children, exited)
+            replicas = [replica for replica in replicas if replica not in gone]
+            continue
         if (exited and all(is_worker(name) for name in exited)
                 and all(restarts_left[replica.index] > 0 for replica in broken)):
             for replica in broken:
@@ -242,6 +258,18 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
         time.sleep(_POLL_SECONDS)
 
 
+def _retire_engine(replica: EngineReplica, children: dict[str, subprocess.Popen], exited: list[str]) -> None:
+    """An engine gone for good while others serve (-dp > 1): its processes stopped and forgotten; the front
+    finds it lost and sends its requests that had no output yet to the others (engine_link.py)."""
+    first = next(name for name in exited if replica.owns(name))
+    print(f"pagedserve: the {first} exited with code {children[first].returncode}; engine {replica.index} is gone, "
+          "the other engines serve on", file=sys.stderr, flush=True)
+    own = {name: child for name, child in children.items() if replica.owns(name)}
+    _stop_all(own, 10.0)
+    for name in own:
+        del children[name]
+
+
 def _crashed(returncode: int) -> bool:
     """Whether a scheduler's exit was a crash (a signal, an unhandled exception), which a restart undoes, not
     its own decision to stop after losing its workers for good (exit 1)."""
@@ -249,13 +277,15 @@ def _crashed(returncode: int) -> bool:
 
 
 @contextlib.contextmanager
-def _shut_down_after(ray_group):
-    """Gives the Ray placement group (and a local Ray instance this launcher started) back on the way out."""
+def _shut_down_after(ray_groups):
+    """Gives the Ray placement groups (and a local Ray instance this launcher started) back on the way out."""
     try:
         yield
     finally:
-        if ray_group is not None:
-            ray_group.shutdown()
+        if ray_groups is not None:
+            from pagedserve.ray_executor import shut_down_ray
+
+            shut_down_ray(ray_groups)
 
 
 def _local_address(host: str, port: int) -> str:

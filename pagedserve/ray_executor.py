@@ -13,9 +13,9 @@ The cluster: `ray.init()` joins the cluster named by RAY_ADDRESS, or one started
 runs; its host must be reachable from every worker host on the scheduler's ZeroMQ port, and rank 0's host
 from every other rank on the rendezvous port (docs/tensor_parallel.md).
 
-Ownership: the launcher owns one `RayWorkerGroup`; each `RayRankProcess` is the launcher's handle on one
-rank, with the subset of `subprocess.Popen` the launcher's supervision uses (poll, send_signal, wait, kill,
-returncode).
+Ownership: the launcher owns one `RayWorkerGroup` per engine (`-dp N`: N placement groups, each engine's
+ranks in one); each `RayRankProcess` is the launcher's handle on one rank, with the subset of
+`subprocess.Popen` the launcher's supervision uses (poll, send_signal, wait, kill, returncode).
 """
 
 from __future__ import annotations
@@ -141,10 +141,26 @@ class RayWorkerGroup:
         self._ray.get(self._actors[rank].start.remote(argv, environment))
         return RayRankProcess(self._actors[rank])
 
-    def shutdown(self) -> None:
+    def release(self) -> None:
+        """Its actors (and so its workers) and its placement group, given back; the Ray connection stays."""
         from ray.util.placement_group import remove_placement_group
 
         for actor in self._actors:
             self._ray.kill(actor)
         remove_placement_group(self._placement)
-        self._ray.shutdown()
+
+
+def ray_worker_groups(num_engines: int, world_size: int, use_gpus: bool) -> list[RayWorkerGroup]:
+    """One placement group per engine (data parallel), each of `world_size` bundles: an engine's ranks are
+    placed together (PACK: one host when it has room), and engines are placed independently, so a cluster
+    with one engine's worth of GPUs per node gets one engine per node."""
+    return [RayWorkerGroup(world_size, use_gpus) for _ in range(num_engines)]
+
+
+def shut_down_ray(groups: list[RayWorkerGroup]) -> None:
+    """Every group given back, then the Ray connection closed (a local instance this process started stops)."""
+    import ray
+
+    for group in groups:
+        group.release()
+    ray.shutdown()

@@ -47,9 +47,12 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         self.gate = threading.Event()
         self.script: list[str] | None = None
         self.script_ends_by_length = False  # the script's last piece finishes with "length" (max_tokens)
+        self.unreachable = False  # every Generate fails UNAVAILABLE at once, as a call to an exited process does
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        if self.unreachable:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         request_id = request.request_id or "fake-1"
         if request.text == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0, got -0.5")

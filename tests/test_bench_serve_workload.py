@@ -114,3 +114,79 @@ def test_goodput_pairs_parse_and_bad_ones_name_the_flag():
     for bad in ("ttft", "itl:5", "tpot:fast", "e2el:-1"):
         with pytest.raises(ValueError, match="--goodput"):
             parse_goodput([bad])
+
+
+# ---- multi-turn ----------------------------------------------------------------------------------------------
+
+def multi_turn_workload(*flags: str) -> argparse.Namespace:
+    from pagedserve.bench.multi_turn import add_multi_turn_arguments
+
+    parser = argparse.ArgumentParser()
+    add_multi_turn_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(list(flags))
+
+
+def test_multi_turn_conversations_have_their_own_prefix_and_turns_of_the_asked_lengths():
+    from pagedserve.bench.multi_turn import sample_conversations
+
+    args = multi_turn_workload("--multi-turn-num-conversations", "3", "--multi-turn-num-turns", "4",
+                               "--multi-turn-prefix-len", "40", "--multi-turn-input-len", "7")
+    conversations = sample_conversations(args, TEXT)
+    assert len(conversations) == 3 and len({c.prefix for c in conversations}) == 3
+    assert all(len(c.prefix) == 40 and [len(u) for u in c.user_turns] == [7] * 4 for c in conversations)
+    assert conversations == sample_conversations(args, TEXT)  # one --seed, one workload
+    with pytest.raises(ValueError, match="text tokenizer"):
+        sample_conversations(args, IDS_ONLY)
+    with pytest.raises(ValueError, match="--multi-turn-num-turns must be at least 1"):
+        sample_conversations(multi_turn_workload("--multi-turn-num-turns", "0"), TEXT)
+
+
+def test_each_turn_appends_the_answer_and_a_new_message_and_waits_for_the_previous_answer():
+    import asyncio
+
+    from pagedserve.bench.multi_turn import TURN_SEPARATOR, Conversation, send_conversations
+    from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
+
+    conversations = [Conversation(f"P{i}", ("u1", "u2", "u3"), 2, 2, 5) for i in range(4)]
+    sent: list[str] = []
+    active = {"now": 0, "most": 0}
+
+    async def backend(request: RequestInput) -> RequestOutcome:
+        active["now"] += 1
+        active["most"] = max(active["most"], active["now"])
+        sent.append(request.prompt)
+        await asyncio.sleep(0.01)
+        active["now"] -= 1
+        outcome = RequestOutcome(prompt_len=request.prompt_len, success=True, output_tokens=1)
+        outcome.generated_text = f"<a{len(request.prompt)}>"
+        return outcome
+
+    template = RequestInput("m", "", 0, 5, False, {})
+    outcomes, _ = asyncio.run(send_conversations(backend, conversations, template, 2, [0.0] * 4))
+    assert len(outcomes) == 12 and all(o.success for o in outcomes)
+    assert active["most"] == 2  # --max-active-conversations
+    first = "P0" + TURN_SEPARATOR + "u1"
+    second = first + f"<a{len(first)}>" + TURN_SEPARATOR + "u2"
+    third = second + f"<a{len(second)}>" + TURN_SEPARATOR + "u3"
+    assert [first, second, third] == [prompt for prompt in sent if prompt.startswith("P0")]
+    assert sent.index(second) > sent.index(first) and sent.index(third) > sent.index(second)
+    assert [o.prompt_len for o in outcomes[:3]] == [4, 7, 10]  # the history's tokens: prompt + answer + message
+
+
+def test_the_servers_prefill_is_its_prompt_tokens_minus_its_cached_tokens_per_engine():
+    from pagedserve.bench.multi_turn import PrefillCounters, metrics_prefill_counters, prefill_record
+
+    page = "\n".join(['# TYPE vllm:prompt_tokens counter',
+                      'vllm:prompt_tokens_total{engine="0",model_name="m"} 100.0',
+                      'vllm:prompt_tokens_total{engine="1",model_name="m"} 300.0',
+                      '# TYPE vllm:prefix_cache_hits counter',
+                      'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 32.0',
+                      'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 64.0', ""])
+    after = metrics_prefill_counters(page)
+    assert after == {"0": PrefillCounters(100, 32), "1": PrefillCounters(300, 64)}
+    record = prefill_record({"0": PrefillCounters(40, 0), "1": PrefillCounters(0, 0)}, after)
+    assert (record["prompt_tokens"], record["cached_tokens"], record["computed_prefill_tokens"]) == (360, 96, 264)
+    assert record["per_engine"]["0"] == {"prompt_tokens": 60, "cached_tokens": 32, "computed_prefill_tokens": 28}
+    lone = metrics_prefill_counters('vllm:prompt_tokens_total{model_name="m"} 5.0\n')
+    assert lone == {"all": PrefillCounters(5, 0)}

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from client import Client, InvalidRequestError
+from client import Client, InvalidRequestError, ServerUnavailableError
 from client.types import ModelInfo, ServerStats
 from gateway.metrics import render_metrics
 from gateway.vllm_metrics import ServedModel
@@ -293,8 +293,54 @@ def test_an_engine_that_stops_serving_gets_no_request_and_none_serving_makes_the
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_request_whose_engine_is_gone_before_its_first_output_is_sent_again_to_a_live_engine(engines, front):
+    target = front("round-robin")
+    engines[0].generation.unreachable = True  # its health still says SERVING: the front learns from the call
+    with Client(target, max_retries=0) as client:
+        results = [client.generate("hello") for _ in range(4)]
+    assert [result.text for result in results] == ["Hello world"] * 4
+    tried_first = len(engines[0].generation.requests)
+    assert tried_first >= 1, "round-robin sent the first request to engine 0, which failed it"
+    assert len(engines[1].generation.requests) == 4
+    assert all(request.text == "hello" for request in engines[1].generation.requests)  # the same request, again
+
+
+def test_a_stream_whose_engine_is_lost_after_its_first_output_fails_naming_the_engine(engines, front):
+    target = front("round-robin")
+    with Client(target, max_retries=0, resume_timeout=0) as client:
+        with pytest.raises(ServerUnavailableError, match=r"engine \d \(127\.0\.0\.1:\d+\) was lost after this "
+                                                         r"stream's first output"):
+            list(client.generate_stream("dies after a chunk"))
+    assert sum(len(engine.generation.requests) for engine in engines) == 1  # started: never sent again
+
+
+def test_an_engine_unreachable_past_the_grace_is_lost_and_a_slow_one_is_not():
+    import asyncio
+    import socket
+
+    from scheduler_svc.data_parallel.engine_link import ENGINE_LOST_GRACE_S, EngineLink
+
+    async def scenario(port: int) -> None:
+        gone = EngineLink(0, f"127.0.0.1:{free_port()}", None)  # nothing listens there: UNAVAILABLE
+        engine_call = gone.generate(b"", (), 30.0)
+        assert not await gone.poll_health(now=100.0) and not gone.lost  # unreachable, within the grace
+        await gone.poll_health(now=100.0 + ENGINE_LOST_GRACE_S / 2)
+        assert not gone.lost and not engine_call.lost
+        await gone.poll_health(now=100.5 + ENGINE_LOST_GRACE_S)
+        assert gone.lost and engine_call.lost  # its calls are marked lost (and cancelled)
+        gone.done(engine_call)
+        slow = EngineLink(1, f"127.0.0.1:{port}", None)  # takes the connection, never answers: checks time out
+        assert not await slow.poll_health(now=100.0)
+        assert not await slow.poll_health(now=101.0 + ENGINE_LOST_GRACE_S) and not slow.lost
+        for link in (gone, slow):
+            await link.channel.close()
+
+    with socket.create_server(("127.0.0.1", 0)) as hung:
+        asyncio.run(scenario(hung.getsockname()[1]))
+
+
 def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
-    """Ray, a shared worker address, runtime LoRA loads (the front does not fan them out) and TLS (the front
+    """A shared worker address, runtime LoRA loads (the front does not fan them out) and TLS (the front
     reaches the engines by loopback IP) are refused with -dp > 1, in one line naming the flag; -dp 1 takes all."""
     import argparse
 
@@ -307,7 +353,7 @@ def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
         return data_parallel_refusal(argparse.Namespace(**{**vars(args), **changes}), None)
 
     assert refusal() is None
-    assert "--distributed-executor-backend" in refusal(distributed_executor_backend="ray")
+    assert refusal(distributed_executor_backend="ray") is None  # a placement group per engine
     assert "--worker-address" in refusal(worker_address="tcp://127.0.0.1:5")
     assert "--allow-runtime-lora-updating" in refusal(allow_runtime_lora_updating=True)
     assert "--tls-cert-file" in refusal(tls_cert_file="/etc/cert.pem")
@@ -327,3 +373,7 @@ def test_engine_ports_are_distinct_and_never_the_public_port(monkeypatch):
     args = argparse.Namespace(data_parallel_size=2, tensor_parallel_size=1, device="cpu", grpc_port=50051,
                               grpc_host="0.0.0.0")
     assert [replica.port for replica in replicas.engine_replicas(args, "/tmp/x", "ipc:///tmp/w")] == [40000, 40001]
+    offered = iter([40000, 40001, 41000, 41001])
+    monkeypatch.setattr(replicas, "free_port", lambda host="127.0.0.1": next(offered))
+    on_ray = replicas.engine_replicas(args, "/tmp/x", "tcp://10.0.0.5:9", ray_host="10.0.0.5")
+    assert [replica.worker_address for replica in on_ray] == ["tcp://10.0.0.5:41000", "tcp://10.0.0.5:41001"]

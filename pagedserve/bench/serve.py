@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -34,7 +35,10 @@ from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, 
 from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
 from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS, GrpcBackend, OpenAIStreamingBackend
 from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
-from pagedserve.bench.serve_datasets import add_dataset_arguments, sample_requests
+from pagedserve.bench.multi_turn import (Conversation, PrefillCounters, add_multi_turn_arguments, grpc_prefill_counters,
+                                         metrics_prefill_counters, prefill_record, sample_conversations,
+                                         send_conversations)
+from pagedserve.bench.serve_datasets import SampleRequest, add_dataset_arguments, sample_requests
 from pagedserve.bench.serve_metrics import PERCENTILE_METRICS, calculate_metrics, parse_goodput
 from pagedserve.bench.serve_summary import RunSettings, result_record, summary_lines
 
@@ -61,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "model's if transformers finds it locally, else the server's /tokenize)")
     parser.add_argument("--trust-remote-code", action="store_true", help="for transformers' AutoTokenizer")
     add_dataset_arguments(parser)
+    add_multi_turn_arguments(parser)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second (a Poisson process with --burstiness 1); inf: all at once")
     parser.add_argument("--burstiness", type=float, default=1.0,
@@ -134,11 +139,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 2
+    conversations = None
     try:
         model, tokens = _model_and_tokens(args, target)
         if target.backend == "openai-chat" and tokens.tokenizer is None:
             raise ValueError(f"openai-chat sends text, and {tokens.source}: use --backend openai")
-        requests = sample_requests(args, tokens)
+        if args.dataset_name == "multi-turn":
+            conversations = sample_conversations(args, tokens)
+            requests = [SampleRequest(user, c.user_len, c.output_len) for c in conversations for user in c.user_turns]
+        else:
+            requests = sample_requests(args, tokens)
     except (ValueError, OSError, JsonHttpError, RuntimeError, PagedServeError) as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
@@ -153,10 +163,11 @@ def run(args: argparse.Namespace) -> int:
     request_model = args.served_model_name or model
     inputs = [RequestInput(request_model, r.prompt, r.prompt_len, r.expected_output_len, args.ignore_eos, sampling)
               for r in requests]
-    offsets = send_offsets(len(inputs), args.request_rate, args.burstiness, np.random.default_rng(args.seed))
+    starts = len(inputs) if conversations is None else len(conversations)  # multi-turn: conversations start
+    offsets = send_offsets(starts, args.request_rate, args.burstiness, np.random.default_rng(args.seed))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        outcomes, duration = asyncio.run(_benchmark(args, target, inputs, offsets))
+        outcomes, duration, prefill = asyncio.run(_benchmark(args, target, inputs, offsets, conversations))
     except RuntimeError as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
@@ -170,7 +181,13 @@ def run(args: argparse.Namespace) -> int:
     if args.save_result or args.result_dir or args.result_filename:
         path = _result_path(args, target.backend, model, date)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result_record(metrics, settings, duration, date, outcomes)))
+        record = result_record(metrics, settings, duration, date, outcomes)
+        if conversations is not None:
+            record["multi_turn"] = {name: getattr(args, f"multi_turn_{name}") for name in
+                                    ("num_conversations", "num_turns", "prefix_len", "input_len", "output_len")}
+            record["multi_turn"]["max_active_conversations"] = args.max_active_conversations
+            record["server_prefill"] = prefill
+        path.write_text(json.dumps(record))
         print(f"Result written to {path}")
     return 0
 
@@ -215,8 +232,11 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput],
-                     offsets: list[float]) -> tuple[list[RequestOutcome], float]:
+async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offsets: list[float],
+                     conversations: list[Conversation] | None) -> tuple[list[RequestOutcome], float, dict | None]:
+    """The test request, the warm-ups and the measured run: `inputs` at `offsets`, or the `conversations`
+    (their first turns' user messages alone are the test and warm-up prompts: no conversation's prefix gets
+    cached before it starts). With conversations, also the server's prefill counts over the run."""
     if target.backend == "grpc":
         backend = GrpcBackend(AsyncClient(target.base_url, api_key=target.api_key, max_retries=0))
     else:
@@ -238,7 +258,13 @@ async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput],
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {args.max_concurrency}")
-        return await _send_all(backend, inputs, offsets, args.max_concurrency, args.disable_tqdm)
+        if conversations is None:
+            return (*await _send_all(backend, inputs, offsets, args.max_concurrency, args.disable_tqdm), None)
+        print(f"Conversations: {len(conversations)}, at most {args.max_active_conversations or 'all'} at once")
+        before = await asyncio.to_thread(_prefill_counters, target)
+        outcomes, duration = await send_conversations(backend, conversations, inputs[0],
+                                                      args.max_active_conversations, offsets)
+        return outcomes, duration, prefill_record(before, await asyncio.to_thread(_prefill_counters, target))
     finally:
         await backend.close()
 
@@ -266,6 +292,16 @@ async def _send_all(backend, inputs, offsets, max_concurrency, disable_tqdm):
     duration = time.perf_counter() - start
     progress.close()
     return list(outcomes), duration
+
+
+def _prefill_counters(target: ServeTarget) -> dict[str, PrefillCounters]:
+    """The server's prompt and prefix-cache counters per engine: GetStats over gRPC, else its /metrics."""
+    if target.backend == "grpc":
+        with Client(target.base_url, api_key=target.api_key) as client:
+            return grpc_prefill_counters(client)
+    with urllib.request.urlopen(urllib.request.Request(target.base_url + "/metrics", headers=_headers(target.api_key)),
+                                timeout=30) as response:
+        return metrics_prefill_counters(response.read().decode())
 
 
 def _result_path(args, backend: str, model: str, date: str) -> Path:

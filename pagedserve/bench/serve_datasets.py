@@ -29,7 +29,7 @@ SHAREGPT_MEAN_INPUT_LEN = 161.31
 SHAREGPT_MEAN_OUTPUT_LEN = 337.99
 SHAREGPT_LOG_SIGMA = 1.0
 MIN_LEN, MAX_INPUT_LEN, MAX_TOTAL_LEN = 4, 1024, 2048
-DATASET_NAMES = ("random", "sharegpt", "sharegpt-like", "prefix_repetition", "prefix-repetition")
+DATASET_NAMES = ("random", "sharegpt", "sharegpt-like", "prefix_repetition", "prefix-repetition", "multi-turn")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ def add_dataset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", default="random", choices=DATASET_NAMES,
                         help="random: random prompts of --random-input-len; sharegpt-like: ShareGPT's lengths "
                              "(built in, or --dataset-path FILE); sharegpt: --dataset-path FILE; "
-                             "prefix_repetition: shared prefixes with random suffixes")
+                             "prefix_repetition: shared prefixes with random suffixes; multi-turn: conversations "
+                             "whose turns grow one history (multi_turn.py, the --multi-turn-* flags)")
     parser.add_argument("--dataset-path", default=None, help="a local ShareGPT JSON file (ShareGPT_V3 format)")
     parser.add_argument("--num-prompts", type=int, default=1000, help="number of requests")
     parser.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens (random dataset)")

@@ -8,14 +8,17 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
 
 - Generate: routed to one engine; its initial metadata (`pagedserve-accepted`), messages and final status
   are relayed as they come. A client that goes away, or whose deadline passes, cancels the front's handler,
-  which cancels the engine's call: the engine aborts the request and frees its blocks.
+  which cancels the engine's call: the engine aborts the request and frees its blocks. The handler holds the
+  request's bytes until the stream ends: an engine lost before the first message (engine_link.py says when)
+  gets the request sent again to a serving engine it has not tried; lost after it, the client gets UNAVAILABLE
+  naming the engine, and the SDK resumes the stream on a serving engine.
 - Abort: sent to every serving engine (the front keeps no id -> engine table); aborted when any aborted.
 - ModelInfo, Tokenize, Detokenize: the first serving engine (every engine serves the same model and flags).
 - GetStats: every serving engine's, summed, and each beside the sums with the router's counts (engine_stats.py).
 - Health: NOT_SERVING until every engine has served once (start-up, so that a ready server routes over all of
   them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
-  not serve (its scheduler restarting) gets no new request. On SIGTERM: NOT_SERVING, new calls UNAVAILABLE,
-  streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
+  not serve (its scheduler restarting, or lost) gets no new request. On SIGTERM: NOT_SERVING, new calls
+  UNAVAILABLE, streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from protos.pagedserve.v1 import generate_pb2
 from scheduler_svc.api.grpc_server import SERVICE_NAME
 from scheduler_svc.api.prompt_encoding import OFF_LOOP_PROMPT_CHARS, prompt_chars
 from scheduler_svc.data_parallel.config import FrontConfig
+from scheduler_svc.data_parallel.engine_link import ENGINE_LOST_GRACE_S, FORWARDED_UNARY, EngineLink
 from scheduler_svc.data_parallel.engine_stats import front_stats
 from scheduler_svc.data_parallel.prefix_key import prefix_key
 from scheduler_svc.data_parallel.router import Router
@@ -43,32 +47,7 @@ from service_runtime.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 HEALTH_POLL_SECONDS = 0.25
-_HEALTH_TIMEOUT_S = 1.0
-_CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1))
-_FORWARDED_UNARY = ("ModelInfo", "Tokenize", "Detokenize")
-
-
-class EngineLink:
-    """One engine as the front reaches it: a channel to its scheduler, raw-bytes callables of its methods, and
-    whether its health said SERVING at the last poll."""
-
-    def __init__(self, target: str, credentials: grpc.ChannelCredentials | None) -> None:
-        self.target = target
-        self.channel = (grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS) if credentials is None
-                        else grpc.aio.secure_channel(target, credentials, options=_CHANNEL_OPTIONS))
-        self.generate = self.channel.unary_stream(f"/{SERVICE_NAME}/Generate")
-        self.unary = {name: self.channel.unary_unary(f"/{SERVICE_NAME}/{name}")
-                      for name in (*_FORWARDED_UNARY, "Abort", "GetStats")}
-        self._health = health_pb2_grpc.HealthStub(self.channel)
-        self.serving = False
-
-    async def poll_health(self) -> bool:
-        try:
-            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=_HEALTH_TIMEOUT_S)
-            self.serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            self.serving = False
-        return self.serving
+RESEND_WAIT_S = ENGINE_LOST_GRACE_S  # how long a request to resend waits for a serving engine it has not tried
 
 
 class DataParallelFront:
@@ -114,23 +93,61 @@ class DataParallelFront:
         return None
 
     async def Generate(self, request: bytes, context: grpc.aio.ServicerContext):
+        """Relays one engine's stream. An engine lost before the stream's first message (its call ends
+        UNAVAILABLE, or the link declares it lost) gets the same request bytes sent again to a serving engine
+        it has not tried; lost after it, the client gets UNAVAILABLE naming the engine (the SDK resumes the
+        stream from what it received, client/stream_resume.py)."""
         if (refusal := self._refusal()) is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
         key = await self._prefix_key(request) if self.router.policy == "prefix" else None
-        candidates = self.serving_engines() or list(range(len(self.engines)))
-        engine = self.router.route(key, candidates)
-        call = self.engines[engine].generate(request, metadata=self._metadata, timeout=context.time_remaining())
-        try:
-            headers = await call.initial_metadata()
-            if headers:
-                await context.send_initial_metadata(tuple(headers))
-            async for message in call:
-                yield message
-        except grpc.aio.AioRpcError as error:
-            await context.abort(error.code(), error.details() or "")
-        finally:
-            call.cancel()  # a no-op once the engine's call ended; else the engine aborts the request
-            self.router.release(engine)
+        tried: list[EngineLink] = []
+        headers_sent = False
+        while True:
+            engine = await self._engine_for(key, tried)
+            if engine is None:
+                lost = ", ".join(link.name for link in tried)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"no serving engine took the request ({lost} lost "
+                                                                 "before its first output)")
+            tried.append(engine)
+            engine_call = engine.generate(request, self._metadata, context.time_remaining())
+            relayed = 0
+            try:
+                headers = await engine_call.call.initial_metadata()
+                if headers and not headers_sent:
+                    await context.send_initial_metadata(tuple(headers))
+                    headers_sent = True
+                async for message in engine_call.call:
+                    relayed += 1
+                    yield message
+                return
+            except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
+                unavailable = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+                if not (engine_call.lost or unavailable):
+                    if isinstance(error, asyncio.CancelledError):  # the client went away
+                        raise
+                    await context.abort(error.code(), error.details() or "")
+                engine.mark_unreachable()
+                if relayed:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{engine.name} was lost after this stream's "
+                                                                     f"first output ({relayed} messages)")
+                logger.warning("%s lost before a request's first output; sending it again", engine.name)
+            finally:
+                engine.done(engine_call)
+                self.router.release(engine.index)
+
+    async def _engine_for(self, key: bytes | None, tried: list[EngineLink]) -> EngineLink | None:
+        """The engine for a request (routed, and counted in flight there): the first try among the serving
+        engines (all of them while none is); a resend among the serving ones not tried yet, waiting up to
+        RESEND_WAIT_S for one, else None."""
+        if not tried:
+            candidates = self.serving_engines() or list(range(len(self.engines)))
+            return self.engines[self.router.route(key, candidates)]
+        deadline = asyncio.get_running_loop().time() + RESEND_WAIT_S
+        while not (candidates := [index for index in self.serving_engines() if self.engines[index] not in tried]):
+            if asyncio.get_running_loop().time() > deadline:
+                return None
+            await asyncio.sleep(HEALTH_POLL_SECONDS / 2)
+        return self.engines[self.router.route(key, candidates)]
 
     async def _prefix_key(self, request: bytes) -> bytes | None:
         try:
@@ -186,7 +203,7 @@ def add_front_service(front: DataParallelFront, server: grpc.aio.Server) -> None
     handlers = {"Generate": grpc.unary_stream_rpc_method_handler(front.Generate),
                 "Abort": grpc.unary_unary_rpc_method_handler(front.Abort),
                 "GetStats": grpc.unary_unary_rpc_method_handler(front.GetStats)}
-    for name in _FORWARDED_UNARY:
+    for name in FORWARDED_UNARY:
         async def forward(request, context, name=name):
             return await front.forward_unary(name, request, context)
         handlers[name] = grpc.unary_unary_rpc_method_handler(forward)
@@ -203,7 +220,7 @@ async def run_front(config: FrontConfig) -> int:
     if config.tls_cert_file:
         with open(config.tls_cert_file, "rb") as cert:
             credentials = grpc.ssl_channel_credentials(root_certificates=cert.read())
-    engines = [EngineLink(target, credentials) for target in config.engine_targets]
+    engines = [EngineLink(index, target, credentials) for index, target in enumerate(config.engine_targets)]
     metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else ()
     front = DataParallelFront(engines, Router(config.router_policy, len(engines), config.router_load_bound),
                               tokenizer, metadata)
