@@ -9,7 +9,8 @@
 # w8a16 (compressed-tensors W8A16, per channel) | w8a8 (compressed-tensors INT8 W8A8, per-channel weights,
 # per-token activations). The integer settings write the format's quantization_config
 # into the shape's config.json (random integer weights: --load-format dummy). Default: bf16 and the FP8
-# settings. JSON lands in $OUT as w1_<shape>_<setting>.json (W1 and the lone-request TPOT).
+# settings. JSON lands in $OUT as w1_<shape>_<setting>.json (W1 and the lone-request TPOT). $W1_EXTRA: more flags
+# for offline_throughput.py (e.g. "--num-requests 16" when only the lone-request TPOT is wanted).
 set -euo pipefail
 source scripts/device_env.sh
 shape=$1
@@ -41,7 +42,7 @@ for setting in "${settings[@]}"; do
     w8a8) qc="$w8a8" floor="--floor-linear-bytes 1 --floor-matmul int8" ;;
     *) echo "unknown setting $setting" >&2; exit 2 ;;
   esac
-  # shellcheck disable=SC2086  # $floor is several flags
+  # shellcheck disable=SC2086  # $floor and $W1_EXTRA are several flags
   python3 benchmarks/offline_throughput.py --shape "$shape" --skip-hf --engine-flags="$flags" --tag "$setting" \
-    --quantization-config "$qc" $floor
+    --quantization-config "$qc" $floor ${W1_EXTRA:-}
 done
