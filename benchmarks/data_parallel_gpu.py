@@ -62,6 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script (tiny shapes)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2], help="data-parallel sizes to measure")
     args = parser.parse_args()
     result_dir = Path(args.result_dir)
     result_dir.mkdir(parents=True, exist_ok=True)
@@ -75,12 +76,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as work:
         model_dir = write_config_dir(args.shape, Path(work) / args.shape)
         write_id_word_tokenizer(model_dir, SHAPES[args.shape]["vocab_size"])
-        for size in (1, 2):
+        for size in args.sizes:
             summary["runs"][f"dp{size}"] = measure(model_dir, Path(work), result_dir, args, size)
             print(f"dp{size}", json.dumps(summary["runs"][f"dp{size}"]), flush=True)
     runs = summary["runs"]
-    summary["dp2_over_dp1_request_throughput"] = (runs["dp2"]["peak"]["request_throughput"]
-                                                  / runs["dp1"]["peak"]["request_throughput"])
+    if "dp1" in runs and "dp2" in runs:
+        summary["dp2_over_dp1_request_throughput"] = (runs["dp2"]["peak"]["request_throughput"]
+                                                      / runs["dp1"]["peak"]["request_throughput"])
     (result_dir / f"data_parallel_{args.shape}.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     return 0

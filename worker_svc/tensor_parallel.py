@@ -106,13 +106,13 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
     """Joins the engine's process group (NCCL on CUDA, gloo on the CPU) at `init_method` (a tcp://host:port
     every rank reaches); world_size 1 joins nothing. On CUDA, with `custom_all_reduce`, all-reduces of `dtype`
     up to a few MiB go through symmetric memory (worker_svc/symmetric_all_reduce.py says why)."""
+    if device.type == "cuda":  # alone too: a -dp engine's rank on cuda:1 captures graphs on its own device's stream
+        torch.cuda.set_device(device)
     if world_size == 1:
         return SINGLE_RANK
     if init_method is None:
         raise ValueError("tensor parallel needs --distributed-init-method (tcp://HOST:PORT reachable by every rank)")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     # A rank that never comes (a worker not started) fails the others after this long, not torch's 30 minutes.
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=_JOIN_TIMEOUT_S))
