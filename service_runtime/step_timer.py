@@ -57,6 +57,10 @@ class StepTimer:
         """Charges `seconds` measured elsewhere to `phase` (a part of another phase: the clock is not moved)."""
         self._totals[phase] = self._totals.get(phase, 0.0) + seconds
 
+    def totals(self) -> tuple[int, dict[str, float]]:
+        """(steps so far, seconds per phase so far): a benchmark diffs two of these to time a window of steps."""
+        return self._steps, dict(self._totals)
+
     def summary(self) -> str:
         steps = max(self._steps, 1)
         phases = " ".join(f"{phase}={1e3 * total / steps:.3f}ms" for phase, total in self._totals.items())
