@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from protos.pagedserve.v1 import worker_pb2
+from pagedserve.testing.instant_worker_link import InstantWorkerLink
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
@@ -39,51 +39,6 @@ from service_runtime.model_source import resolve_model
 PHASES = ("schedule", "encode", "update", "publish")
 # Never produced by the sampled ids below, so every request runs to max_tokens, yet checked every step.
 STOP_STRINGS = ("<<end of answer>>",)
-
-
-class InstantWorkerLink:
-    """The engine's WorkerLink with the worker's answer computed on the spot from the encoded plan.
-
-    It keeps what a worker keeps per row (prompt length, computed tokens), samples a token for each row whose
-    computed tokens reached its prompt's end, and watches for the steady window (`on_plan`)."""
-
-    last_result_wait_s = 0.0
-
-    def __init__(self, token_pool: list[int], on_plan) -> None:
-        self._token_pool = token_pool
-        self._on_plan = on_plan
-        self._rng = random.Random(0)
-        self._rows: dict[str, list[int]] = {}  # request id -> [num_prompt_tokens, num_computed_tokens]
-        self._results: dict[int, worker_pb2.StepResult] = {}
-
-    async def send_plan(self, message: worker_pb2.SchedulerToWorker) -> None:
-        plan = message.plan
-        self._on_plan(plan)
-        rows = self._rows
-        for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
-            rows.pop(request_id, None)
-        sampled_ids = []
-        for new in plan.new_requests:
-            row = rows[new.request_id] = [new.num_prompt_tokens, new.num_computed_tokens + new.num_scheduled_tokens]
-            if row[1] >= row[0]:
-                sampled_ids.append(new.request_id)
-        for entry in plan.scheduled_requests:
-            row = rows[entry.request_id]
-            row[1] += entry.num_scheduled_tokens
-            if row[1] >= row[0]:
-                sampled_ids.append(entry.request_id)
-        result = worker_pb2.StepResult(step_id=plan.step_id)
-        result.sampled.request_ids.extend(sampled_ids)
-        result.sampled.token_ids.extend(self._rng.choices(self._token_pool, k=len(sampled_ids)))
-        result.sampled.logprobs.extend([-1.0] * len(sampled_ids))
-        self._results[plan.step_id] = result
-
-    async def send_cancels(self, request_ids) -> None:
-        for request_id in request_ids:
-            self._rows.pop(request_id, None)
-
-    async def receive_result(self, step_id: int) -> worker_pb2.StepResult:
-        return self._results.pop(step_id)
 
 
 class SteadyWindow:
@@ -137,8 +92,9 @@ async def one_run(tokenizer, token_pool, args) -> dict[str, float]:
         max_steps_in_flight=2,
     )
     window = SteadyWindow(args.requests)
-    engine = Engine(scheduler, InstantWorkerLink(token_pool, window.on_plan), tokenizer,
-                    eos_token_ids=(2,), seed=0)
+    sampler = random.Random(0)
+    link = InstantWorkerLink(lambda request_id, position: sampler.choice(token_pool), window.on_plan)
+    engine = Engine(scheduler, link, tokenizer, eos_token_ids=(2,), seed=0)
     window.engine = engine
     rng = random.Random(1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=STOP_STRINGS)

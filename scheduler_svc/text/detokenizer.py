@@ -64,15 +64,20 @@ class IncrementalDetokenizer:
         """All text emitted so far (the concatenation of every delta returned)."""
         return self._output_text
 
-    def step(self, new_token_ids: Sequence[int]) -> str:
-        """Append sampled tokens; return the text they complete (may be "" while a character is incomplete)."""
+    def step(self, new_token_ids: Sequence[int], text_ends: list[int] | None = None) -> str:
+        """Append sampled tokens; return the text they complete (may be "" while a character is incomplete).
+        `text_ends`: appended with the length of `output_text` after each token (which token completed what)."""
         deltas = []
+        num_chars = len(self._output_text)
         for token_id in new_token_ids:  # one at a time, so a complete character is never held behind a partial one
             self._window.append(token_id)
             text = self._decode(self._window)
             # Nothing new (e.g. a skipped special token), or possibly half a character: wait for more tokens.
             if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHARACTER):
                 deltas.append(self._emit(text))
+                num_chars += len(deltas[-1])
+            if text_ends is not None:
+                text_ends.append(num_chars)
         delta = "".join(deltas)
         self._output_text += delta
         return delta
