@@ -69,15 +69,23 @@ class IncrementalDetokenizer:
         `text_ends`: appended with the length of `output_text` after each token (which token completed what)."""
         deltas = []
         num_chars = len(self._output_text)
+        # `_emit` inlined, names bound once: this loop runs for every token of every stream (the scheduler's
+        # publishing at hundreds of streams is mostly this loop).
+        decode, window, prefix_text = self._decode, self._window, self._prefix_text
         for token_id in new_token_ids:  # one at a time, so a complete character is never held behind a partial one
-            self._window.append(token_id)
-            text = self._decode(self._window)
+            window.append(token_id)
+            text = decode(window)
             # Nothing new (e.g. a skipped special token), or possibly half a character: wait for more tokens.
-            if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHARACTER):
-                deltas.append(self._emit(text))
-                num_chars += len(deltas[-1])
+            if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHARACTER):
+                delta = text[len(prefix_text) :]
+                deltas.append(delta)
+                num_chars += len(delta)
+                del window[: self._read_offset]
+                self._read_offset = len(window)
+                prefix_text = decode(window)
             if text_ends is not None:
                 text_ends.append(num_chars)
+        self._prefix_text = prefix_text
         delta = "".join(deltas)
         self._output_text += delta
         return delta
@@ -104,8 +112,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        if not self._space_special_ids or not self._space_special_ids.intersection(ids):
-            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        if not self._space_special_ids or self._space_special_ids.isdisjoint(ids):
+            return self._tokenizer.decode(ids, self._skip_special_tokens)
         segments: list[str] = []
         run: list[int] = []
         for token_id in ids:
