@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import random
@@ -28,6 +29,7 @@ import sys
 import time
 
 from pagedserve.testing.instant_worker_link import InstantWorkerLink
+from scheduler_svc.config import SchedulerConfig
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.sampling_params import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
@@ -40,6 +42,8 @@ from service_runtime.model_source import resolve_model
 from service_runtime.step_timer import StepTimer
 
 PHASES = ("schedule", "encode", "update", "publish")
+# The service's defaults for what shapes the loop (--max-steps-in-flight, --stream-messages-per-step).
+SERVING_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SchedulerConfig)}
 # Never produced by the sampled ids below, so every request runs to max_tokens, yet checked every step.
 STOP_STRINGS = ("<<end of answer>>",)
 
@@ -92,12 +96,13 @@ async def one_run(tokenizer, token_pool, args) -> dict[str, float]:
     scheduler = Scheduler(
         SchedulerLimits(args.requests, args.max_num_batched_tokens, max_model_len),
         BlockManager(block_size=block_size, num_gpu_blocks=args.requests * blocks_per_request + 64, num_cpu_blocks=0),
-        max_steps_in_flight=2,
+        max_steps_in_flight=SERVING_DEFAULTS["max_steps_in_flight"],
     )
     window = SteadyWindow(args.requests)
     sampler = random.Random(0)
     link = InstantWorkerLink(lambda request_id, position: sampler.choice(token_pool), window.on_plan)
-    engine = Engine(scheduler, link, tokenizer, eos_token_ids=(2,), seed=0)
+    engine = Engine(scheduler, link, tokenizer, eos_token_ids=(2,), seed=0,
+                    max_messages_per_step=args.stream_messages_per_step)
     if args.clock == "cpu":  # the loop thread's CPU time: what the phases cost, not how long others held the core
         engine.step_timer = StepTimer("scheduler", clock=time.thread_time)
     window.engine = engine
@@ -138,6 +143,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--stream-messages-per-step", type=int, default=SERVING_DEFAULTS["stream_messages_per_step"],
+                        help="as the service's flag (stream pacing: each stream is flushed every k-th step)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="time the phases by the loop thread's CPU time (default: robust on a busy machine) "
                              "or by wall time, as the serving engine's timers do")
@@ -154,7 +161,8 @@ def main() -> None:
         "clock": args.clock,
         "what": f"scheduler host time per steady decode step, {args.requests} running requests, "
                 f"{args.prompt_len}-token prompts, {args.max_tokens} outputs, embedded model's tokenizer, "
-                "stop strings checked, instant stand-in worker",
+                f"stop strings checked, instant stand-in worker, {args.stream_messages_per_step} stream messages "
+                "per step",
         "phases_ms_median": {phase: round(median[phase], 4) for phase in PHASES if phase in median},
         "sum_of_phases_ms_median": round(statistics.median(sum(run.get(p, 0.0) for p in PHASES) for run in runs), 4),
         "all_timers_ms_median": {key: round(value, 4) for key, value in median.items()},
