@@ -72,7 +72,22 @@ class IncrementalDetokenizer:
         # `_emit` inlined, names bound once: this loop runs for every token of every stream (the scheduler's
         # publishing at hundreds of streams is mostly this loop).
         decode, window, prefix_text = self._decode, self._window, self._prefix_text
+        appended_text = None if self._space_special_ids else self._tokenizer.appended_text
         for token_id in new_token_ids:  # one at a time, so a complete character is never held behind a partial one
+            if (appended_text is not None and self._read_offset == len(window)
+                    and not prefix_text.endswith(_REPLACEMENT_CHARACTER)
+                    and (delta := appended_text(token_id)) is not None):
+                # Nothing unread, and the text ends in a complete character: the token's text is what decoding
+                # the window with it adds (tokenizer.py: appended_text), and its own decode the next context.
+                window.clear()
+                window.append(token_id)
+                self._read_offset = 1
+                prefix_text = delta
+                deltas.append(delta)
+                num_chars += len(delta)
+                if text_ends is not None:
+                    text_ends.append(num_chars)
+                continue
             window.append(token_id)
             text = decode(window)
             # Nothing new (e.g. a skipped special token), or possibly half a character: wait for more tokens.
