@@ -348,8 +348,8 @@ class Engine:
             self._forget(group)
 
     async def _idle(self, has_work: bool) -> None:
-        for group in self._groups.values():  # nothing runs: nothing held back for pacing may wait longer
-            group.queue.flush()
+        for group in list(self._groups.values()):  # nothing runs: nothing held back for pacing may wait longer
+            self._publish_held(group)
         self._wake.clear()
         if self._inbox:
             return
@@ -411,9 +411,16 @@ class Engine:
         staggered share each step (stream_pacing.py)."""
         self._num_published += 1
         k, turn = streams_to_flush(len(self._groups), self._num_published, self._max_messages_per_step)
-        for index, group in enumerate(self._groups.values()):
-            if index % k == turn:
-                group.queue.flush()
+        groups = list(self._groups.values())
+        for index in range(turn, len(groups), k):
+            self._publish_held(groups[index])
+
+    def _publish_held(self, group: RequestGroup) -> None:
+        """Lets a group publish what it held back (request_group.py: SingleSequence), then flushes its queue."""
+        request = group.publish()
+        if request is not None and group.finished:  # a stop string found now ended it
+            self._forget(group, request.finish_reason or FinishReason.STOP)
+        group.queue.flush()
 
     def _forget(self, group: RequestGroup, finish_reason: FinishReason = FinishReason.ABORT) -> None:
         if self._groups.get(group.request_id) is group:

@@ -13,8 +13,10 @@ class StepTimer:
     """Also per kind of step when the owner says which (`kind`): the worker's decode-only steps and steps with
     prefill cost very different host time, and a mean over both says little about either."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, clock=time.perf_counter):
+        """`clock`: wall time; a benchmark on a busy machine may pass time.thread_time (the loop's CPU time)."""
         self.name = name
+        self._clock = clock
         self._totals: dict[str, float] = {}
         self._steps = 0
         self._last = 0.0
@@ -27,13 +29,13 @@ class StepTimer:
         self._steps += 1
         self._kind = None
         self._before_kind = {}
-        self._last = time.perf_counter()
+        self._last = self._clock()
 
     def resume(self, kind: str | None = None) -> None:
         """Restarts the clock without counting a new step (a step's phases split across the loop); `kind`:
         the step's, whose phases follow."""
         self._kind = kind
-        self._last = time.perf_counter()
+        self._last = self._clock()
 
     def set_kind(self, kind: str) -> None:
         """The current step's kind, once known: its phases so far and from now on count under it too."""
@@ -46,7 +48,7 @@ class StepTimer:
 
     def mark(self, phase: str) -> None:
         """Charges the time since the previous mark (or the step's start) to `phase`."""
-        now = time.perf_counter()
+        now = self._clock()
         elapsed = now - self._last
         self._totals[phase] = self._totals.get(phase, 0.0) + elapsed
         totals = self._before_kind if self._kind is None else self._by_kind.setdefault(self._kind, {})
@@ -56,6 +58,10 @@ class StepTimer:
     def add(self, phase: str, seconds: float) -> None:
         """Charges `seconds` measured elsewhere to `phase` (a part of another phase: the clock is not moved)."""
         self._totals[phase] = self._totals.get(phase, 0.0) + seconds
+
+    def totals(self) -> tuple[int, dict[str, float]]:
+        """(steps so far, seconds per phase so far): a benchmark diffs two of these to time a window of steps."""
+        return self._steps, dict(self._totals)
 
     def summary(self) -> str:
         steps = max(self._steps, 1)

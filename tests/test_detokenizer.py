@@ -148,3 +148,48 @@ def test_sentencepiece_random_texts_any_chunking_equal_decode(sentencepiece_toke
     ids = sentencepiece_tokenizer.encode(" ".join(words))
     deltas = stream(IncrementalDetokenizer(sentencepiece_tokenizer, []), ids, chunks)
     assert "".join(deltas) == sentencepiece_tokenizer.decode(ids)
+
+
+# ---- the byte-level shortcut (tokenizer.py: appended_text) ----
+
+
+class _WithoutShortcut:
+    """The tokenizer with `appended_text` answering None: the detokenizer decodes every window."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.all_special_ids = tokenizer.all_special_ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self._tokenizer.decode(ids, skip_special_tokens)
+
+    def appended_text(self, token_id):
+        return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), skip_special_tokens=st.booleans())
+def test_the_byte_level_shortcut_gives_the_deltas_of_decoding_every_window(tokenizer, data, skip_special_tokens):
+    token_id = st.one_of(st.integers(0, 16), st.integers(100, 400), st.integers(0, tokenizer.vocab_size - 1))
+    ids = data.draw(st.lists(token_id, max_size=40))
+    prompt = data.draw(st.lists(st.integers(0, tokenizer.vocab_size - 1), max_size=8))  # may end mid-character
+    chunks = data.draw(st.lists(st.integers(1, 5), max_size=40))
+    with_shortcut = stream(IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens), ids, chunks)
+    without = stream(IncrementalDetokenizer(_WithoutShortcut(tokenizer), prompt, skip_special_tokens), ids, chunks)
+    assert with_shortcut == without
+
+
+def test_ordinary_tokens_stream_without_decoding_windows(tokenizer, sentencepiece_tokenizer):
+    ids = tokenizer.encode(" The capital of France is Paris, of course.")
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Question:"))
+    decoded = []
+    original = tokenizer.decode
+    tokenizer.decode = lambda window, skip=True: decoded.append(list(window)) or original(window, skip)
+    try:
+        deltas = [detokenizer.step([token_id]) for token_id in ids]
+    finally:
+        del tokenizer.decode
+    assert "".join(deltas) == tokenizer.decode(ids) and not decoded
+    assert tokenizer.appended_text(ids[0]) == tokenizer.decode([ids[0]])
+    assert tokenizer.appended_text(tokenizer.eos_token_ids[0]) is None  # an added token: its text may differ
+    assert all(sentencepiece_tokenizer.appended_text(i) is None for i in range(20))  # not byte-level

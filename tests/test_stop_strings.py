@@ -90,3 +90,14 @@ def test_streamed_text_equals_final_text_whatever_the_chunking(text, stops, data
     chunks = [text[start:end] for start, end in zip([0, *cuts], [*cuts, len(text)])]
     deltas, final = stream_with_stops(StopStringMatcher(stops), chunks)
     assert "".join(deltas) == final == first_stop_cut(text, stops)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="ab#\n😀", max_size=20),
+    stops=st.lists(st.text(alphabet="ab#\n😀", min_size=1, max_size=5), min_size=1, max_size=3).map(tuple),
+)
+def test_safe_length_holds_back_exactly_the_longest_suffix_that_begins_a_stop_string(text, stops):
+    longest_held = max((length for stop in stops for length in range(1, min(len(stop) - 1, len(text)) + 1)
+                        if text.endswith(stop[:length])), default=0)
+    assert StopStringMatcher(stops).safe_length(text) == len(text) - longest_held

@@ -66,13 +66,23 @@ class RequestGroup(ABC):
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
         """A member computed tokens this step (it may have finished)."""
 
+    def publish(self) -> Request | None:
+        """Streams what `on_step` held back, if anything (only `SingleSequence` holds any); the engine calls it
+        when it flushes the group's queue. Returns the member that published (it may have finished)."""
+        return None
+
     def on_prompt_logprobs(self, member_id: str, chunk: PromptLogprobChunk) -> None:
         """A member computed prompt tokens this step (maybe a chunk that does not reach its end)."""
         if member_id == self.root.request_id:
             self._prompt_logprobs.add(chunk)
 
     def abort(self, notify: bool) -> None:
-        """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence."""
+        """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence, after
+        the tokens computed before the abort."""
+        if notify:
+            self.publish()
+            if self.finished:  # what it held back ended it (a stop string): nothing is left to abort
+                return
         for member in list(self.members):
             self.context.scheduler.abort_request(member)
             self._drop(member)
@@ -111,9 +121,21 @@ _ABORTED = OutputDelta(text="", token_ids=(), finish_reason=FinishReason.ABORT)
 
 
 class SingleSequence(RequestGroup):
+    """Publishes lazily under load: a step's tokens are only noted (`on_step`), and detokenized, checked for
+    stop strings and queued when the engine flushes this stream's queue (`publish`), which stream pacing
+    (stream_pacing.py) does every k-th step with hundreds of streams: the client sees the same messages at the
+    same moments, and the engine's loop does the per-stream work once per flush instead of once per step
+    (at 256 streams the per-step publishing was the largest part of the scheduler's host time). The first
+    token and the last are published at once. The cost: a stop string is found up to k - 1 steps later, so
+    its request computes up to k - 1 tokens more, which are dropped (`_drop_after_stop`)."""
+
     def __init__(self, request_id: str, root: Request, context: GroupContext, resume: ResumedOutput | None = None):
         super().__init__(request_id, root, context)
         self._resume = resume  # a stream resumed after a scheduler loss: root starts with its received output
+        self._unpublished: Request | None = None  # the root, while it has tokens `publish` has not streamed
+        # Per step noted but not published: its outcome and how many tokens the root appended in it.
+        self._noted: list[tuple[StepOutcome, int]] = []
+        self._num_noted = 0  # output tokens noted (or published)
 
     def start(self) -> None:
         self._stream = OutputStream(self.root, self.context.tokenizer)
@@ -123,22 +145,42 @@ class SingleSequence(RequestGroup):
             self._stream.skip_sent(self.root, self._resume.num_sent_chars)
             self._cumulative_logprob = self._resume.cumulative_logprob
             self._sent_first = True
+        self._num_noted = len(self.root.output_token_ids)
         self._add(self.root)
 
     def on_step(self, request: Request, outcome: StepOutcome) -> None:
-        delta = _advance(self._stream, request, self.context.scheduler, outcome)
-        for logprob in delta.logprobs:  # one by one, as without speculative decoding
+        num_new = len(request.output_token_ids) - self._num_noted
+        self._num_noted += num_new
+        if num_new:
+            self._noted.append((outcome, num_new))
+        self._unpublished = request
+        if not self._sent_first or request.finish_reason is not None:
+            self.publish()
+
+    def publish(self) -> Request | None:
+        request, self._unpublished = self._unpublished, None
+        if request is None or self.finished:
+            return None
+        delta, stopped_by_string = self._stream.advance(request)
+        if stopped_by_string:
+            _drop_after_stop(request, self.context.scheduler, self._stream.num_sent_tokens)
+        logprobs, ranked = _noted_logprobs(request.request_id, self._noted, len(delta.token_ids))
+        self._noted.clear()
+        for logprob in logprobs:  # one by one, as without speculative decoding
             self._cumulative_logprob += logprob
+        delta.logprobs = tuple(logprobs)
+        delta.token_logprobs = tuple(ranked)
         if delta.token_ids and not self._sent_first:
             self._sent_first = True
-            delta = dataclasses.replace(delta, prompt_logprobs=self._prompt_logprobs.tokens)
+            delta.prompt_logprobs = self._prompt_logprobs.tokens
         if delta.finish_reason is not None:
-            delta = dataclasses.replace(delta, cumulative_logprob=self._cumulative_logprob)
+            delta.cumulative_logprob = self._cumulative_logprob
         if delta.text or delta.token_ids or delta.finish_reason is not None:
             self.queue.put_nowait(delta)
         if delta.finish_reason is not None:
             self._drop(request.request_id)
             self._end()
+        return request
 
 
 class ParallelSampling(RequestGroup):
@@ -247,6 +289,36 @@ def _advance(stream: OutputStream, request: Request, scheduler: Scheduler, outco
         if ranked is not None:
             delta.token_logprobs = (ranked,)
     return delta
+
+
+def _noted_logprobs(request_id: str, noted: list[tuple[StepOutcome, int]], num_tokens: int) -> tuple[list, list]:
+    """The logprobs and ranked logprobs of a request's first `num_tokens` noted tokens, from the outcomes of
+    the steps that appended them (`noted`: outcome, tokens appended), as `_advance` attaches one step's; a
+    token whose step has none is left out."""
+    logprobs, ranked = [], []
+    for outcome, num_new in noted:
+        if num_tokens <= 0:
+            break
+        num_taken = min(num_new, num_tokens)
+        num_tokens -= num_taken
+        logprob = outcome.logprobs.get(request_id)
+        if logprob is not None:
+            drafts = outcome.accepted_draft_logprobs.get(request_id)
+            step_logprobs = (logprob,) if drafts is None else (*drafts, logprob)
+            if num_new <= len(step_logprobs):
+                logprobs.extend(step_logprobs[:num_taken])
+        if num_new == 1:  # rows returning logprobs (rank and alternatives) have no drafts
+            token_logprob = outcome.token_logprobs.get(request_id)
+            if token_logprob is not None:
+                ranked.append(token_logprob)
+    return logprobs, ranked
+
+
+def _drop_after_stop(request: Request, scheduler: Scheduler, num_output_tokens: int) -> None:
+    """A stop string ended `request` at its first `num_output_tokens` outputs: it finishes (STOP wins over a
+    length or stop token that ended it later), and the tokens it computed after them are no output."""
+    scheduler.finish_request(request.request_id, FinishReason.STOP)
+    del request.output_token_ids[num_output_tokens:]
 
 
 def _whole_logprobs(token_logprobs: list, request: Request) -> tuple:

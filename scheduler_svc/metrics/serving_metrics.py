@@ -125,20 +125,26 @@ class ServingMetrics:
         candidates); `owners` maps each to the client request (group) it belongs to."""
         now = self._clock()
         tokens_per_request: dict[str, int] = {}
+        num_tokens = 0
+        owner_of = owners.get  # names bound once: this runs for every token of every step
         for member_id in member_ids:
-            self._num_generation_tokens += 1
-            owner = owners.get(member_id)
+            num_tokens += 1
+            owner = owner_of(member_id)
             if owner is not None:
-                tokens_per_request[owner.request_id] = tokens_per_request.get(owner.request_id, 0) + 1
+                request_id = owner.request_id
+                tokens_per_request[request_id] = tokens_per_request.get(request_id, 0) + 1
+        self._num_generation_tokens += num_tokens
+        in_flight = self._in_flight
+        inter_token_latency = self._histograms["inter_token_latency"]
         for request_id, num_tokens in tokens_per_request.items():
-            timeline = self._in_flight.get(request_id)
+            timeline = in_flight.get(request_id)
             if timeline is None:
                 continue
             if timeline.first_token is None:
                 timeline.first_token = now
                 self._histograms["time_to_first_token"].observe(now - timeline.admitted)
             else:
-                self._histograms["inter_token_latency"].observe(now - timeline.last_token)
+                inter_token_latency.observe(now - timeline.last_token)
             timeline.last_token = now
             timeline.num_token_steps += 1
             timeline.num_generation_tokens += num_tokens

@@ -64,15 +64,43 @@ class IncrementalDetokenizer:
         """All text emitted so far (the concatenation of every delta returned)."""
         return self._output_text
 
-    def step(self, new_token_ids: Sequence[int]) -> str:
-        """Append sampled tokens; return the text they complete (may be "" while a character is incomplete)."""
+    def step(self, new_token_ids: Sequence[int], text_ends: list[int] | None = None) -> str:
+        """Append sampled tokens; return the text they complete (may be "" while a character is incomplete).
+        `text_ends`: appended with the length of `output_text` after each token (which token completed what)."""
         deltas = []
+        num_chars = len(self._output_text)
+        # `_emit` inlined, names bound once: this loop runs for every token of every stream (the scheduler's
+        # publishing at hundreds of streams is mostly this loop).
+        decode, window, prefix_text = self._decode, self._window, self._prefix_text
+        appended_text = None if self._space_special_ids else self._tokenizer.appended_text
         for token_id in new_token_ids:  # one at a time, so a complete character is never held behind a partial one
-            self._window.append(token_id)
-            text = self._decode(self._window)
+            if (appended_text is not None and self._read_offset == len(window)
+                    and not prefix_text.endswith(_REPLACEMENT_CHARACTER)
+                    and (delta := appended_text(token_id)) is not None):
+                # Nothing unread, and the text ends in a complete character: the token's text is what decoding
+                # the window with it adds (tokenizer.py: appended_text), and its own decode the next context.
+                window.clear()
+                window.append(token_id)
+                self._read_offset = 1
+                prefix_text = delta
+                deltas.append(delta)
+                num_chars += len(delta)
+                if text_ends is not None:
+                    text_ends.append(num_chars)
+                continue
+            window.append(token_id)
+            text = decode(window)
             # Nothing new (e.g. a skipped special token), or possibly half a character: wait for more tokens.
-            if len(text) > len(self._prefix_text) and not text.endswith(_REPLACEMENT_CHARACTER):
-                deltas.append(self._emit(text))
+            if len(text) > len(prefix_text) and not text.endswith(_REPLACEMENT_CHARACTER):
+                delta = text[len(prefix_text) :]
+                deltas.append(delta)
+                num_chars += len(delta)
+                del window[: self._read_offset]
+                self._read_offset = len(window)
+                prefix_text = decode(window)
+            if text_ends is not None:
+                text_ends.append(num_chars)
+        self._prefix_text = prefix_text
         delta = "".join(deltas)
         self._output_text += delta
         return delta
@@ -99,8 +127,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        if not self._space_special_ids or not self._space_special_ids.intersection(ids):
-            return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        if not self._space_special_ids or self._space_special_ids.isdisjoint(ids):
+            return self._tokenizer.decode(ids, self._skip_special_tokens)
         segments: list[str] = []
         run: list[int] = []
         for token_id in ids:

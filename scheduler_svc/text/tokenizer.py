@@ -22,6 +22,7 @@ templates are compiled in `chat_template.py`; both loaders build a `TokenizerSpe
 from __future__ import annotations
 
 import functools
+import json
 
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,37 @@ class Tokenizer:
                 self._single_token_texts[key] = text
             return text
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def appended_text(self, token_id: int) -> str | None:
+        """The text `token_id` adds to any text ending in a complete character, or None if that depends on its
+        neighbours (the incremental detokenizer's shortcut: detokenizer.py).
+
+        Only a byte-level decoder (GPT-2 style: the tokens' bytes joined, then read as UTF-8) has such tokens:
+        those not added to the vocabulary whose bytes are complete UTF-8 on their own (most of them). A
+        SentencePiece decoder drops the first token's leading space, a byte-fallback one joins byte tokens:
+        None for every token there."""
+        texts = self._appended_texts
+        if texts is None:
+            return None
+        text = texts.get(token_id)
+        if text is None:
+            text = False
+            if 0 <= token_id < self._num_token_strings and token_id not in self._added_token_ids:
+                decoded = self._backend.decode([token_id], skip_special_tokens=False)
+                if decoded and "\ufffd" not in decoded:
+                    text = decoded
+            texts[token_id] = text
+        return text or None
+
+    @functools.cached_property
+    def _appended_texts(self) -> dict[int, str | bool] | None:
+        """appended_text's answers by id (False: none), or None when the decoder is not byte-level."""
+        decoder = json.loads(self._backend.to_str()).get("decoder") or {}
+        return {} if decoder.get("type") == "ByteLevel" else None
+
+    @functools.cached_property
+    def _added_token_ids(self) -> frozenset[int]:
+        return frozenset(self._backend.get_added_tokens_decoder())
 
     @functools.cached_property
     def max_token_chars(self) -> int:

@@ -1,0 +1,57 @@
+"""A stand-in for the scheduler's `WorkerLink` that answers every plan at once, for driving the real engine loop
+without workers: the scheduler host-time benchmark and the engine's publishing tests.
+
+It reads the encoded plans as a worker does (new rows, scheduled rows, computed counts, finished and preempted
+ids, cancels) and samples one token for each row whose computed tokens reached its prompt's end, with
+`sample(request_id, position)`, so the answer is a pure function of the plans: two runs that schedule the same
+requests get the same tokens whatever the engine publishes when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from protos.pagedserve.v1 import worker_pb2
+
+
+class InstantWorkerLink:
+    last_result_wait_s = 0.0  # as WorkerLink's: nothing is ever waited for
+
+    def __init__(self, sample: Callable[[str, int], int], on_plan: Callable[[worker_pb2.StepPlan], None] | None = None):
+        self._sample = sample
+        self._on_plan = on_plan
+        self._rows: dict[str, list[int]] = {}  # request id -> [num_prompt_tokens, num_computed_tokens]
+        self._results: dict[int, worker_pb2.StepResult] = {}
+
+    async def send_plan(self, message: worker_pb2.SchedulerToWorker) -> None:
+        plan = message.plan
+        if self._on_plan is not None:
+            self._on_plan(plan)
+        rows = self._rows
+        for request_id in (*plan.finished_request_ids, *plan.preempted_request_ids):
+            rows.pop(request_id, None)
+        sampled_ids, token_ids = [], []
+        for new in plan.new_requests:
+            rows[new.request_id] = [new.num_prompt_tokens, new.num_computed_tokens]
+        for request_id, num_scheduled in (*((new.request_id, new.num_scheduled_tokens) for new in plan.new_requests),
+                                          *((entry.request_id, entry.num_scheduled_tokens)
+                                            for entry in plan.scheduled_requests)):
+            row = rows[request_id]
+            row[1] += num_scheduled
+            if row[1] >= row[0]:
+                sampled_ids.append(request_id)
+                token_ids.append(self._sample(request_id, row[1]))
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.sampled.request_ids.extend(sampled_ids)
+        result.sampled.token_ids.extend(token_ids)
+        result.sampled.logprobs.extend([-1.0] * len(sampled_ids))
+        self._results[plan.step_id] = result
+
+    async def send_cancels(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._rows.pop(request_id, None)
+
+    async def receive_result(self, step_id: int) -> worker_pb2.StepResult:
+        await asyncio.sleep(0)  # as a real wait does, lets the streams' readers (gRPC handlers) run meanwhile
+        return self._results.pop(step_id)
