@@ -8,8 +8,8 @@ Per part, that was 7 shrink/expand pairs per decoder layer (448 launches per ste
 
 Why tokens sorted by slot: with a (token tiles x slots) grid, 256 tokens on 8 adapters put about two tokens of
 each slot in every 16-row tile, so every program ran (and read its slot's A and B) for two useful rows, and at a
-decode batch most programs exited. Here the step's tokens are ordered by slot once (`sort_tokens_by_slot`, on the
-device, stable, base tokens last; every layer of the step reuses it) and the grid is (sorted token tiles, K slices)
+decode batch most programs exited. Here the step's tokens are ordered by slot once (kernels/lora_ref.LoraTokens, on
+the device, stable, base tokens last; every layer of the step reuses it) and the grid is (sorted token tiles, K slices)
 for the shrink, (sorted token tiles, column tiles) for the expand: a tile holds the tokens of one slot, or of the
 few slots whose runs meet in it, and a program runs one `tl.dot` per slot present (Punica's SGMV / vLLM's tokens
 sorted by LoRA, written our own way: no segment table, the slots present are read from the tile's sorted slots).
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_ref import check_fused_lora_shapes, check_lora_shapes
+from kernels.lora_ref import LoraTokens, check_fused_lora_shapes, check_lora_shapes
 from kernels.triton_numerics import dot_precision, needs_upcast
 
 MIN_RANK, MAX_RANK = 16, 128
@@ -54,7 +54,6 @@ EXPAND_BLOCK_N = 64
 SPLIT_K_COLUMNS = 512  # the least K a shrink slice covers
 MAX_SPLITS = 16
 SPLIT_MAX_TOKENS = BLOCK_M  # one token tile (decode); beyond it the shrink reads K whole
-BASE_KEY = 1 << 30  # sort key of a base token (slot -1): after every slot
 
 
 def shrink_splits(num_tokens: int, k_size: int) -> int:
@@ -62,14 +61,6 @@ def shrink_splits(num_tokens: int, k_size: int) -> int:
     if num_tokens > SPLIT_MAX_TOKENS:
         return 1
     return max(1, min(MAX_SPLITS, k_size // SPLIT_K_COLUMNS))
-
-
-def sort_tokens_by_slot(token_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_order, sorted_slots): the token rows ordered by slot, stable, base tokens (-1) last, and their slots
-    in that order (int32). On the device, no host sync: once per step, shared by every layer."""
-    keys = torch.where(token_slots < 0, BASE_KEY, token_slots.long())
-    _, order = torch.sort(keys, stable=True)
-    return order.to(torch.int32), token_slots[order].to(torch.int32)
 
 
 @triton.jit
@@ -174,10 +165,10 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
 
 
 def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   part_rows: tuple[int, ...], token_slots: torch.Tensor, scalings: torch.Tensor,
-                   token_order: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """kernels/lora_ref.lora_add_fused's call (its docstring states the operands). `token_order`: this step's
-    `sort_tokens_by_slot(token_slots)`, computed here when None. Here R must be a power of two in [16, 128]."""
+                   part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor) -> None:
+    """kernels/lora_ref.lora_add_fused's call (its docstring states the operands; `tokens` the step's slots and
+    their order by slot). Here R must be a power of two in [16, 128]."""
+    token_slots, order, sorted_slots = tokens.slots, tokens.order, tokens.sorted_slots
     check_fused_lora_shapes(y, x, lora_a, lora_b, part_rows, token_slots, scalings)
     num_tokens, k_size = x.shape
     num_slots, stacked_rank, _ = lora_a.shape
@@ -192,7 +183,6 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError("x, lora_a and lora_b need a unit last stride; token_slots and scalings contiguous")
     if num_tokens == 0 or num_slots == 0 or n_size == 0:
         return
-    order, sorted_slots = sort_tokens_by_slot(token_slots) if token_order is None else token_order
     starts = [sum(part_rows[:part]) for part in range(1, MAX_PARTS)]
     second_part, third_part = (start if part < len(part_rows) else n_size for part, start in enumerate(starts, 1))
     splits = shrink_splits(num_tokens, k_size)
@@ -215,6 +205,6 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              token_slots: torch.Tensor, scalings: torch.Tensor) -> None:
-    """kernels/lora_ref.lora_add's call: one part (`lora_add_fused` with P = 1)."""
+    """kernels/lora_ref.lora_add's call: one part (`lora_add_fused` with P = 1), the tokens sorted here."""
     check_lora_shapes(y, x, lora_a, lora_b, token_slots, scalings)
-    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), token_slots, scalings)
+    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), LoraTokens.of(token_slots), scalings)
