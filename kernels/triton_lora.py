@@ -27,9 +27,12 @@ load per program, no x, A, B, partials or y traffic.
   roundings, in its order.
 
 Why K slices: a decode step's few tokens give the shrink one program per token tile, which alone would read a
-4096-14336-wide A through one SM; cutting K into slices of at least SPLIT_K_COLUMNS spreads it. Partials are
-summed by the expand programs in a fixed order (bit-reproducible, no atomics, no third launch); every column tile
-re-reads its rows' partials, so slicing is used only up to SPLIT_MAX_TOKENS tokens.
+4096-14336-wide A through one SM (and 256 tokens sorted give only 16 tiles); cutting K into slices of at least
+SPLIT_K_COLUMNS, up to about SHRINK_PROGRAMS programs, spreads it. Partials are summed by the expand programs in
+a fixed order (bit-reproducible, no atomics, no third launch). Why an expand program covers several column
+blocks (`expand_columns`): each program sums its rows' partials once per slot, so at 256 tokens a gate|up
+output (28672 columns) in 64-column programs would re-read them 448 times per token tile; programs of wider
+column groups (about EXPAND_PROGRAMS of them) re-read them a few dozen times.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128 (`tl.dot` needs dimensions of at
 least 16); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
@@ -53,14 +56,23 @@ SHRINK_BLOCK_K = 64
 EXPAND_BLOCK_N = 64
 SPLIT_K_COLUMNS = 512  # the least K a shrink slice covers
 MAX_SPLITS = 16
-SPLIT_MAX_TOKENS = BLOCK_M  # one token tile (decode); beyond it the shrink reads K whole
+SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
+EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
 
 
 def shrink_splits(num_tokens: int, k_size: int) -> int:
-    """K slices of the shrink for `num_tokens` tokens of width `k_size` (a function of the shapes alone)."""
-    if num_tokens > SPLIT_MAX_TOKENS:
-        return 1
-    return max(1, min(MAX_SPLITS, k_size // SPLIT_K_COLUMNS))
+    """K slices of the shrink for `num_tokens` tokens of width `k_size` (a function of the shapes alone): enough
+    for about SHRINK_PROGRAMS programs, each slice at least SPLIT_K_COLUMNS wide."""
+    wanted = max(1, SHRINK_PROGRAMS // triton.cdiv(num_tokens, BLOCK_M))
+    return max(1, min(MAX_SPLITS, k_size // SPLIT_K_COLUMNS, wanted))
+
+
+def expand_columns(num_tokens: int, n_size: int) -> int:
+    """Output columns of one expand program (a multiple of EXPAND_BLOCK_N): about EXPAND_PROGRAMS programs, so
+    that a wide output at many tokens does not re-read each token's partials once per BLOCK_N columns."""
+    column_blocks = triton.cdiv(n_size, EXPAND_BLOCK_N)
+    blocks_per_program = max(1, triton.cdiv(column_blocks * triton.cdiv(num_tokens, BLOCK_M), EXPAND_PROGRAMS))
+    return blocks_per_program * EXPAND_BLOCK_N
 
 
 @triton.jit
@@ -119,26 +131,23 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
 
 @triton.jit
 def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalings_ptr, y_ptr, num_tokens, n_size,
-                        num_splits, second_part, third_part, stride_split, stride_partial, stride_b_slot,
-                        stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
+                        columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
+                        stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
-    positions i with s_i = sorted_slots[i] >= 0, h_i the sum of the shrink's K-slice partials and h_i[p] its R
-    entries of column c's part p(c) (0 below `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's)
-    dtype. One `tl.dot` per slot present: B^T is loaded as [stacked rank, BLOCK_N] with column c's R entries at
-    its part's rows and zeros elsewhere, so the other parts' h add exact zeros."""
+    positions i with s_i = sorted_slots[i] >= 0 and the program's `columns_per_program` columns c (grid axis 1),
+    h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
+    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. Per slot present, h is summed once
+    and one `tl.dot` per BLOCK_N columns runs against B^T loaded as [stacked rank, BLOCK_N] with column c's R
+    entries at its part's rows and zeros elsewhere, so the other parts' h add exact zeros."""
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:
         return
     positions, rows, slots = _sorted_tile(order_ptr, sorted_slots_ptr, num_tokens, BLOCK_M)
     dtype = b_ptr.dtype.element_ty
     stacked = tl.arange(0, STACKED_BLOCK)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_size
-    col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
-    b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
-    b_offsets = cols[None, :] * stride_b_col + (stacked % RANK)[:, None]
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    col_start = tl.program_id(1).to(tl.int64) * columns_per_program
+    col_end = tl.minimum(col_start + columns_per_program, n_size)
     last = tl.max(slots, axis=0)
     slot = first
     while slot <= last:
@@ -149,20 +158,25 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
             shrunk += tl.load(partials, mask=mine[:, None], other=0.0)
             partials += stride_split
         h = shrunk.to(dtype)
-        b_t = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + b_offsets, mask=b_mask, other=0.0)
         if UPCAST:
             h = h.to(tl.float32)
-            b_t = b_t.to(tl.float32)
-        expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
         scaling = tl.load(scalings_ptr + slot)
-        scaled = (expanded * scaling).to(dtype).to(tl.float32)
-        delta = tl.where(mine[:, None], scaled, delta)
+        b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
+        for n0 in range(col_start, col_end, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            col_mask = cols < col_end
+            col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
+            b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
+            b_t = tl.load(b_slot + cols[None, :] * stride_b_col + (stacked % RANK)[:, None], mask=b_mask, other=0.0)
+            if UPCAST:
+                b_t = b_t.to(tl.float32)
+            expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
+            scaled = (expanded * scaling).to(dtype).to(tl.float32)
+            y_tile = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            mask = mine[:, None] & col_mask[None, :]
+            y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
         slot = _next_slot(slots, slot)
-    y_tile = y_ptr + rows[:, None] * stride_y + cols[None, :]
-    mask = (slots >= 0)[:, None] & col_mask[None, :]
-    y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_tile, (y + delta).to(y_ptr.dtype.element_ty), mask=mask)
-
 
 def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor) -> None:
@@ -196,8 +210,10 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), stacked_rank,
         STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_K=SHRINK_BLOCK_K, UPCAST=upcast, PRECISION=precision,
         num_warps=4)
-    _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, EXPAND_BLOCK_N))](
-        partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, splits, second_part, third_part,
+    columns_per_program = expand_columns(num_tokens, n_size)
+    _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
+        partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program, splits,
+        second_part, third_part,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         RANK=rank, STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, UPCAST=upcast,
         PRECISION=precision, num_warps=4)

@@ -1,8 +1,8 @@
 """The per-layer multi-LoRA kernels (kernels/triton_lora.lora_add_fused) against the torch reference
 (kernels/lora_ref.lora_add_fused): fused layouts q|k|v with GQA sizes, gate|up and one part, with part boundaries
 that are not multiples of the expand's column tile; adapters of ranks 8 and 16 padded into R = 16 and 32; 1, 17
-and 300 tokens mixing base rows (slot -1) and several slots, in fp32 and bf16; the shrink cut into K slices; a
-step of base rows only; and the step's order of tokens by slot (kernels/lora_ref.LoraTokens)."""
+and 300 tokens mixing base rows (slot -1) and several slots, in fp32 and bf16; the shrink cut into K slices and
+expand programs of several column blocks; a step of base rows only; and the step's order of tokens by slot (kernels/lora_ref.LoraTokens)."""
 
 from __future__ import annotations
 
@@ -87,6 +87,21 @@ def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(mon
     monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)  # K = 100: 3 slices, the last one partly masked
     assert triton_lora.shrink_splits(num_tokens, K) == 3
     got, expected, before, slots = run_both("qkv", 16, num_tokens, dtype, seed=7)
+    assert_matches(got, expected, before, slots, BOUND[dtype])
+
+
+@pytest.mark.parametrize("layout", ["qkv", "gate_up"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_many_tokens_with_k_slices_and_expand_programs_of_several_column_blocks_match_the_reference(
+        monkeypatch, dtype, layout):
+    # As at 256 tokens of a wide layer on a GPU: the shrink's K cut into 3 slices beyond one token tile, and each
+    # expand program covering 32-column blocks across the parts' boundaries.
+    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)
+    monkeypatch.setattr(triton_lora, "EXPAND_BLOCK_N", 32)
+    monkeypatch.setattr(triton_lora, "EXPAND_PROGRAMS", 8)
+    assert triton_lora.shrink_splits(300, K) == 3
+    assert triton_lora.expand_columns(300, sum(LAYOUTS[layout])) > 32
+    got, expected, before, slots = run_both(layout, 16, 300, dtype, seed=11)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 
 
