@@ -4,7 +4,7 @@
 #
 #     bash benchmarks/lora_gpu.sh kernels     # ~2 min: tests/gpu/test_lora_graphs_gpu.py (a decode graph with
 #                                             # 3 adapters and base rows replays as the eager forward) and the
-#                                             # LoRA kernels per Llama-3.1-8B projection (benchmarks/lora_kernels_gpu.py)
+#                                             # LoRA kernels per Llama-3.1-8B layer, fused parts (benchmarks/lora_kernels_gpu.py)
 #     bash benchmarks/lora_gpu.sh w1 [ARGS]   # ~6 min: W1 and lone TPOT of the 8B shape with 8 random rank-16
 #                                             # adapters vs the base model, and vs an engine without --enable-lora
 #                                             # (benchmarks/lora_w1.py; ARGS go to it, e.g. --skip-plain-engine)

@@ -10,9 +10,12 @@ reads it. All tensors live on the model's device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from kernels.lora_ref import LoraTokens
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class AttentionMetadata:
             adapter weights (-1: the base model, no delta); None when no token of the step has an adapter,
             which keeps such a step exactly the base model's (and on its CUDA graphs). The linear layers read
             it (worker_svc/layers/parallel_linear.py); attention ignores it.
+        lora_tokens: optional. `lora_token_slots` with the tokens' order by slot (kernels/lora_ref.LoraTokens),
+            which the LoRA kernels read: set by the model at the start of its forward (`with_lora_tokens`), so one
+            sort serves every layer of the step, and a CUDA graph replays it with the slots. None without LoRA.
     """
 
     slot_mapping: torch.Tensor
@@ -51,7 +57,16 @@ class AttentionMetadata:
     block_size: int
     num_decode_seqs: int | None = None
     lora_token_slots: torch.Tensor | None = None
+    lora_tokens: LoraTokens | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+def with_lora_tokens(metadata: AttentionMetadata) -> AttentionMetadata:
+    """`metadata` with `lora_tokens` made from `lora_token_slots` (sorted once for the step's layers), or as it
+    is when the step has no adapter token or already has them."""
+    if metadata.lora_token_slots is None or metadata.lora_tokens is not None:
+        return metadata
+    return dataclasses.replace(metadata, lora_tokens=LoraTokens.of(metadata.lora_token_slots))

@@ -46,12 +46,12 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from kernels.lora_ref import lora_add as lora_add_reference
+from kernels.lora_ref import lora_add_fused as lora_add_reference
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
 from service_runtime.lora_modules import ADAPTER_WEIGHTS, SERVED_TARGETS, LoraModule, read_adapter_config
 from worker_svc.layers.gated_mlp import GatedMLP
-from worker_svc.layers.layer_lora import LayerLora, LoraAdd, LoraPart
+from worker_svc.layers.layer_lora import LayerLora, LoraAddFused
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -84,14 +84,11 @@ class LoraAdapterSlots:
         self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.layers: dict[str, LayerLora] = {}
         for name, layer in servable_layers(model).items():
-            parts = []
-            for part in range(_num_parts(layer)):
-                _, rows = _output_rows(layer, part)
-                parts.append(LoraPart(
-                    layer_offset(layer, part), rows,
-                    torch.zeros(max_loras, padded_rank, _input_columns(layer)[1], device=device, dtype=dtype),
-                    torch.zeros(max_loras, rows, padded_rank, device=device, dtype=dtype)))
-            layer.lora = self.layers[name] = LayerLora(tuple(parts), self.scalings, lora_add)
+            part_rows = tuple(_output_rows(layer, part)[1] for part in range(_num_parts(layer)))
+            if any(layer_offset(layer, part) != sum(part_rows[:part]) for part in range(len(part_rows))):
+                raise ValueError(f"{name}: LoRA needs the fused parts' output columns in order, without gaps")
+            layer.lora = self.layers[name] = LayerLora.zeros(part_rows, max_loras, padded_rank,
+                                                             _input_columns(layer)[1], dtype, self.scalings, lora_add)
         self._host: OrderedDict[tuple[str, str, int], HostAdapter] = OrderedDict()
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._loaded: dict[int, torch.cuda.Event] = {}  # slot index -> its last load's copies done (GPU only)
@@ -216,14 +213,14 @@ def stack_rank(max_lora_rank: int) -> int:
     return max(16, 1 << (max_lora_rank - 1).bit_length())
 
 
-def lora_kernel(device: torch.device, rank: int) -> LoraAdd:
+def lora_kernel(device: torch.device, rank: int) -> LoraAddFused:
     """The torch reference on the CPU; on a GPU the Triton kernel of the same interface (kernels/triton_lora.py)
     up to its largest rank (128), else the reference."""
     if device.type == "cuda":
-        from kernels.triton_lora import MAX_RANK, lora_add
+        from kernels.triton_lora import MAX_RANK, lora_add_fused
 
         if rank <= MAX_RANK:
-            return lora_add
+            return lora_add_fused
     return lora_add_reference
 
 

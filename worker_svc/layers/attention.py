@@ -70,7 +70,7 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden, metadata.lora_token_slots)
+        qkv = self.qkv_proj(hidden, metadata.lora_tokens)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.view(num_tokens, self.num_heads, self.head_dim)
         key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -84,4 +84,4 @@ class Attention(nn.Module):
         output = self.backend.paged_attention(
             query, kv_cache, metadata, self.scale, self.sliding_window, self.logit_softcap, kv_scales=self.kv_scales
         )
-        return self.o_proj(output.reshape(num_tokens, self.q_size), metadata.lora_token_slots)
+        return self.o_proj(output.reshape(num_tokens, self.q_size), metadata.lora_tokens)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels.layer_ops import LayerOps
+from kernels.lora_ref import LoraTokens
 from worker_svc.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from worker_svc.model_config import ModelConfig
 from worker_svc.tensor_parallel import TensorParallel
@@ -32,9 +33,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear.split(config.hidden_size, [inter, inter], bias=False, tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, tp=tp)
 
-    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """`lora_token_slots`: each token's LoRA slot (-1 none), or None when no token has an adapter."""
-        gate_up = self.gate_up_proj(hidden, lora_token_slots)
+    def forward(self, hidden: torch.Tensor, lora_tokens: LoraTokens | None = None) -> torch.Tensor:
+        """`lora_tokens`: each token's LoRA slot (-1 none) and their order by slot, or None when no token has an
+        adapter."""
+        gate_up = self.gate_up_proj(hidden, lora_tokens)
         if self.approximate is None:
-            return self.down_proj(self.ops.silu_and_mul(gate_up), lora_token_slots)
-        return self.down_proj(self.ops.gelu_and_mul(gate_up, self.approximate), lora_token_slots)
+            return self.down_proj(self.ops.silu_and_mul(gate_up), lora_tokens)
+        return self.down_proj(self.ops.gelu_and_mul(gate_up, self.approximate), lora_tokens)

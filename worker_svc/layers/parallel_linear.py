@@ -19,7 +19,7 @@ that would split a packed int32 or a quantization group) while the model is stil
 calls `process_after_loading` once the checkpoint is in.
 
 LoRA (--enable-lora): a layer some adapter targets holds them all (`lora`, layers/layer_lora.py) and adds each
-token's adapter delta to its output when the step has adapter tokens (`lora_token_slots`, from the attention
+token's adapter delta to its output when the step has adapter tokens (`lora_tokens`, from the attention
 metadata; None: no token has one and the forward pass is the base layer's alone).
 """
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from kernels.lora_ref import LoraTokens
 from worker_svc.layers.checkpoint_tensor import PER_OUTPUT_ROW, CheckpointTensor, TensorLayout, copy_into, copy_part
 from worker_svc.layers.layer_lora import LayerLora
 from worker_svc.layers.linear_method import UNQUANTIZED, LinearMethod
@@ -72,10 +73,10 @@ class ColumnParallelLinear(nn.Module):
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [rows for _, rows in self.shards])
 
-    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lora_tokens: LoraTokens | None = None) -> torch.Tensor:
         output = self.linear_method.apply(self, hidden, self.bias)
-        if self.lora is not None and lora_token_slots is not None:
-            self.lora.add_delta(output, hidden, lora_token_slots)
+        if self.lora is not None and lora_tokens is not None:
+            self.lora.add_delta(output, hidden, lora_tokens)
         return output
 
     def load(self, kind: str, checkpoint: CheckpointTensor, part: int = 0) -> None:
@@ -124,16 +125,16 @@ class RowParallelLinear(nn.Module):
     def process_after_loading(self) -> None:
         self.linear_method.process_after_loading(self, [self.output_size])
 
-    def forward(self, hidden: torch.Tensor, lora_token_slots: torch.Tensor | None = None) -> torch.Tensor:
-        with_lora = self.lora is not None and lora_token_slots is not None
+    def forward(self, hidden: torch.Tensor, lora_tokens: LoraTokens | None = None) -> torch.Tensor:
+        with_lora = self.lora is not None and lora_tokens is not None
         if not self.tp.is_parallel:
             output = self.linear_method.apply(self, hidden, self.bias)
             if with_lora:
-                self.lora.add_delta(output, hidden, lora_token_slots)
+                self.lora.add_delta(output, hidden, lora_tokens)
             return output
         output = self.linear_method.apply(self, hidden, None)
         if with_lora:  # this rank's partial delta, summed with the partial products (layers/layer_lora.py)
-            self.lora.add_delta(output, hidden, lora_token_slots)
+            self.lora.add_delta(output, hidden, lora_tokens)
         output = self.tp.all_reduce(output)
         return output if self.bias is None else output + self.bias
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, with_lora_tokens
 from kernels.layer_ops import LayerOps, torch_layer_ops
 from worker_svc.layers.attention import Attention
 from worker_svc.layers.checkpoint_tensor import CheckpointTensor, load_whole
@@ -56,8 +56,8 @@ class DecoderLayer(nn.Module):
         normed, residual = self.input_layernorm(hidden, residual)
         attn_out = self.self_attn(normed, positions, rotary, kv_cache, metadata)
         normed, residual = self.post_attention_layernorm(attn_out, residual)
-        if metadata.lora_token_slots is not None:  # LoRA is served only where the MLP is a GatedMLP (lora_adapters.py)
-            return self.mlp(normed, metadata.lora_token_slots), residual
+        if metadata.lora_tokens is not None:  # LoRA is served only where the MLP is a GatedMLP (lora_adapters.py)
+            return self.mlp(normed, metadata.lora_tokens), residual
         return self.mlp(normed), residual
 
 
@@ -127,6 +127,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: one [2, blocks, block_size, Hkv, D] per layer."""
         hidden, residual = self.model.embed_tokens(input_ids), None
+        metadata = with_lora_tokens(metadata)  # the step's tokens sorted by LoRA slot, once for every layer
         rotary = self.model.rotary_emb
         positions = rotary.rope_positions(positions, metadata)  # longrope's table choice; else the positions
         aux_layers, aux = self.aux_hidden_layers, []

@@ -1,0 +1,143 @@
+"""The per-layer multi-LoRA kernels (kernels/triton_lora.lora_add_fused) against the torch reference
+(kernels/lora_ref.lora_add_fused): fused layouts q|k|v with GQA sizes, gate|up and one part, with part boundaries
+that are not multiples of the expand's column tile; adapters of ranks 8 and 16 padded into R = 16 and 32; 1, 17
+and 300 tokens mixing base rows (slot -1) and several slots, in fp32 and bf16; the shrink cut into K slices and
+expand programs of several column blocks; a step of base rows only; and the step's order of tokens by slot (kernels/lora_ref.LoraTokens)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import lora_ref, triton_lora
+from kernels.lora_ref import LoraTokens
+
+K = 100  # not a multiple of SHRINK_BLOCK_K
+# Output rows of each part: q|k|v with 4 query heads per KV head (head size 10), gate|up, one part.
+LAYOUTS = {"qkv": (40, 10, 10), "gate_up": (45, 45), "single": (70,)}
+NUM_SLOTS = 4
+ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8)}  # each slot's rank within the padded rank R
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7}  # as tests/triton_kernels/test_triton_lora.py (why there)
+BF16_BIT_EQUAL = 0.98
+
+
+def stacked_adapters(part_rows, padded_rank, dtype, generator):
+    """Stacked A [S, P*R, K], B [S, N, R] (zeros beyond each slot's rank) and scalings [S]."""
+    num_parts, n_size = len(part_rows), sum(part_rows)
+    lora_a = torch.zeros(NUM_SLOTS, num_parts * padded_rank, K)
+    lora_b = torch.zeros(NUM_SLOTS, n_size, padded_rank)
+    for slot, rank in enumerate(ADAPTER_RANKS[padded_rank]):
+        for part in range(num_parts):
+            first = part * padded_rank
+            lora_a[slot, first : first + rank] = torch.randn(rank, K, generator=generator) / K ** 0.5
+        lora_b[slot, :, :rank] = torch.randn(n_size, rank, generator=generator) / rank ** 0.5
+    return lora_a.to(dtype), lora_b.to(dtype), torch.rand(NUM_SLOTS, generator=generator) + 0.5
+
+
+def run_both(layout, padded_rank, num_tokens, dtype, seed, slots=None):
+    """(kernel's y, reference's y, y before, slots) for random slots in -1 .. S-2 (slot S-1 unused, NaN: a
+    kernel that reads it fails), NaN inputs on base rows."""
+    part_rows = LAYOUTS[layout]
+    generator = torch.Generator().manual_seed(seed)
+    lora_a, lora_b, scalings = stacked_adapters(part_rows, padded_rank, dtype, generator)
+    lora_a[NUM_SLOTS - 1], lora_b[NUM_SLOTS - 1] = float("nan"), float("nan")
+    if slots is None:
+        slots = torch.randint(-1, NUM_SLOTS - 1, (num_tokens,), generator=generator)
+        if num_tokens > 2:
+            slots[0], slots[1] = -1, NUM_SLOTS - 2
+    x = torch.randn(num_tokens, K, generator=generator).to(dtype)
+    x[slots < 0] = float("nan")
+    before = torch.randn(num_tokens, sum(part_rows), generator=generator).to(dtype)
+    got, expected = before.clone(), before.clone()
+    tokens = LoraTokens.of(slots)
+    triton_lora.lora_add_fused(got, x, lora_a, lora_b, part_rows, tokens, scalings)
+    lora_ref.lora_add_fused(expected, x, lora_a, lora_b, part_rows, tokens, scalings)
+    return got, expected, before, slots
+
+
+def assert_matches(got, expected, before, slots, bound):
+    assert torch.equal(got[slots < 0], before[slots < 0])
+    assert torch.isfinite(got).all()
+    error = (got.float() - expected.float()).abs().max().item()
+    assert error <= bound * expected.float().abs().max().item(), error
+    updated = slots >= 0
+    if updated.any():
+        assert not torch.equal(got[updated], before[updated])
+        if got.dtype == torch.bfloat16:
+            assert (got[updated] == expected[updated]).float().mean().item() >= BF16_BIT_EQUAL
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17, 300])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_part_of_a_fused_layer_matches_the_reference(dtype, layout, num_tokens):
+    got, expected, before, slots = run_both(layout, 16, num_tokens, dtype, seed=num_tokens + len(layout))
+    assert_matches(got, expected, before, slots, BOUND[dtype])
+
+
+@pytest.mark.parametrize("layout", ["qkv", "gate_up"])
+def test_a_padded_rank_of_32_matches_the_reference(layout):
+    got, expected, before, slots = run_both(layout, 32, 40, torch.float32, seed=5)
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(monkeypatch, dtype, num_tokens):
+    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)  # K = 100: 3 slices, the last one partly masked
+    assert triton_lora.shrink_splits(num_tokens, K) == 3
+    got, expected, before, slots = run_both("qkv", 16, num_tokens, dtype, seed=7)
+    assert_matches(got, expected, before, slots, BOUND[dtype])
+
+
+@pytest.mark.parametrize("layout", ["qkv", "gate_up"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_many_tokens_with_k_slices_and_expand_programs_of_several_column_blocks_match_the_reference(
+        monkeypatch, dtype, layout):
+    # As at 256 tokens of a wide layer on a GPU: the shrink's K cut into 3 slices beyond one token tile, and each
+    # expand program covering 32-column blocks across the parts' boundaries.
+    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)
+    monkeypatch.setattr(triton_lora, "EXPAND_BLOCK_N", 32)
+    monkeypatch.setattr(triton_lora, "EXPAND_PROGRAMS", 8)
+    assert triton_lora.shrink_splits(300, K) == 3
+    assert triton_lora.expand_columns(300, sum(LAYOUTS[layout])) > 32
+    got, expected, before, slots = run_both(layout, 16, 300, dtype, seed=11)
+    assert_matches(got, expected, before, slots, BOUND[dtype])
+
+
+def test_slot_runs_meeting_inside_a_token_tile_each_get_their_own_adapter():
+    # Sorted, the 7 tokens of slot 0 and the 20 of slot 1 share the first 16-row tile, and slot 2 starts inside
+    # the second: programs run one dot per slot present.
+    shuffle = torch.randperm(35, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([1] * 20 + [0] * 7 + [2] * 5 + [-1] * 3)[shuffle]
+    got, expected, before, _ = run_both("gate_up", 16, 35, torch.float32, seed=9, slots=slots)
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
+
+
+def test_a_step_of_base_rows_only_reads_no_input_or_adapter_and_leaves_the_output_as_it_was():
+    part_rows = LAYOUTS["qkv"]
+    nan = float("nan")
+    y = torch.randn(20, sum(part_rows))
+    before = y.clone()
+    triton_lora.lora_add_fused(y, torch.full((20, K), nan), torch.full((2, 48, K), nan),
+                               torch.full((2, sum(part_rows), 16), nan), part_rows,
+                               LoraTokens.of(torch.full((20,), -1)), torch.ones(2))
+    assert torch.equal(y, before)
+
+
+def test_the_step_order_groups_tokens_by_slot_stably_with_base_tokens_last():
+    tokens = LoraTokens.of(torch.tensor([2, -1, 0, 2, -1, 0, 1]))
+    assert tokens.order.tolist() == [2, 5, 6, 0, 3, 1, 4]
+    assert tokens.sorted_slots.tolist() == [0, 0, 1, 2, 2, -1, -1]
+    assert tokens.order.dtype == tokens.sorted_slots.dtype == torch.int32
+
+
+def test_refuses_parts_that_do_not_fit_the_output_or_the_stacked_a():
+    y, x = torch.zeros(2, 60), torch.randn(2, K)
+    tokens = LoraTokens.of(torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_lora.lora_add_fused(y, x, torch.zeros(1, 48, K), torch.zeros(1, 60, 16), (40, 10), tokens,
+                                   torch.ones(1))
+    with pytest.raises(ValueError, match="do not fit"):
+        triton_lora.lora_add_fused(y, x, torch.zeros(1, 32, K), torch.zeros(1, 60, 16), (40, 10, 10), tokens,
+                                   torch.ones(1))
