@@ -5,6 +5,11 @@ vLLM's two knobs; and the knobs' flags (environment defaults, forwarding by `ser
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +91,20 @@ def test_flags_default_to_vllms_environment_variables_and_serve_forwards_them(mo
     assert argv[argv.index("--cpu-num-reserved-cpu") + 1] == "2"
     with pytest.raises(SystemExit):
         _parse(["--cpu-omp-threads-bind", "0-x"], monkeypatch, {})
+
+
+def test_a_worker_process_pins_itself_to_its_rank_and_sizes_torch_to_it():
+    """In a fresh process (pinning is process-wide): affinity and torch's threads are the plan's for rank 0."""
+    code = ("import os, json, torch\n"
+            "from worker_svc.cpu_placement import current_placement, place_worker\n"
+            "plan = current_placement('auto', None, 1)\n"
+            "place_worker('auto', None, 0, 1)\n"
+            "torch.ones(64, 64) @ torch.ones(64, 64)\n"
+            "print(json.dumps([sorted(os.sched_getaffinity(0)), torch.get_num_threads(),"
+            " list(plan.rank_cpus[0]), plan.rank_threads[0]]))\n")
+    environ = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environ,
+                         cwd=Path(__file__).resolve().parent.parent).stdout
+    affinity, threads, planned_cpus, planned_threads = json.loads(out.splitlines()[-1])
+    assert affinity == planned_cpus and threads == planned_threads == len(planned_cpus)
+    assert len(affinity) < len(os.sched_getaffinity(0)) or len(affinity) == 1  # a core left over when there is one

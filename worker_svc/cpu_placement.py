@@ -11,6 +11,7 @@ we do the same, with its knobs' meanings:
   reserved ones, split evenly between the tensor-parallel ranks, one torch thread pinned per core;
   a core list such as `0-3` (ranks separated by `|`: `0-3|4-7`): exactly those cores per rank; `nobind`:
   no pinning, but still no more threads than the cores left after the reserved ones.
+  An $OMP_NUM_THREADS below a rank's core count lowers its thread count further (never raises it).
 - `--cpu-num-reserved-cpu` ($VLLM_CPU_NUM_OF_RESERVED_CPU): with `auto`, how many of the allowed cores no
   rank computes on (the scheduler and gateway run there); default 1 when the machine has a core to spare
   beyond one per rank, else 0.
@@ -125,11 +126,13 @@ def place_worker(bind: str, num_reserved: int | None, rank: int, world_size: int
         raise SystemExit(f"pagedserve worker: {unmet}") from None
     if placement.rank_cpus is not None:
         os.sched_setaffinity(0, placement.rank_cpus[rank])
-    torch.set_num_threads(placement.rank_threads[rank])
+    # Fewer threads than cores when asked (torch starts with $OMP_NUM_THREADS threads when it is set), never more.
+    threads = min(placement.rank_threads[rank], torch.get_num_threads())
+    torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)  # a forward pass is one op stream: no inter-op parallelism to use
     except RuntimeError:  # already set, or inter-op work already ran in this process
         pass
-    logger.info("rank %d: %d torch threads on CPUs %s", rank, placement.rank_threads[rank],
+    logger.info("rank %d: %d torch threads on CPUs %s", rank, threads,
                 "unpinned" if placement.rank_cpus is None else list(placement.rank_cpus[rank]))
 
