@@ -20,15 +20,22 @@ import torch
 
 from kernels import paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
-from kernels.kv_quant import UNIT_KV_SCALES, KVScales, dequantize
+from kernels.kv_quant import UNIT_KV_SCALES, KVScales, dequantize, is_fp8, quantize
 
 
 class CpuAttentionBackend:
     """The CPU serving path's attention backend (worker_svc/attention_choice.py picks it on the CPU): the
-    reference's cache write, batched decodes (module docstring)."""
+    reference's cache write as two index copies, batched decodes (module docstring)."""
 
     def write_kv_cache(self, key, value, kv_cache, slot_mapping, kv_scales=UNIT_KV_SCALES) -> None:
-        paged_attention_ref.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
+        """The reference's write, without its mask and gather when no token is padding (every CPU step: the
+        CPU runs no CUDA graphs, so it pads nothing): two `index_copy_`s into the flat pool."""
+        if slot_mapping.numel() == 0 or is_fp8(kv_cache.dtype) or int(slot_mapping.min()) < 0:  # no fp8 index_copy_
+            paged_attention_ref.write_kv_cache(key, value, kv_cache, slot_mapping, kv_scales)
+            return
+        flat_cache = kv_cache.view(2, -1, key.shape[1], key.shape[2])
+        flat_cache[0].index_copy_(0, slot_mapping, quantize(key, kv_scales.k, kv_cache.dtype))
+        flat_cache[1].index_copy_(0, slot_mapping, quantize(value, kv_scales.v, kv_cache.dtype))
 
     def paged_attention(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
                         sliding_window: int | None = None, logit_softcap: float | None = None,

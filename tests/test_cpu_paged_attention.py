@@ -78,3 +78,16 @@ def test_decodes_not_first_in_the_batch_are_batched_too():
     """Decodes after a prefill (rows not 0..n-1) take the indexed path, not the slices."""
     ours, reference = attend_both([(33, 33), (17, 1), (40, 1), (5, 5), (2, 1)], 2)
     torch.testing.assert_close(ours, reference, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8_KV_DTYPE])
+def test_cache_write_lands_where_the_references_does(cache_dtype):
+    """With padding (slot -1: the reference's path) and without (the index copies)."""
+    for slots in ([2 * BLOCK_SIZE + 5, 0, 17, 3 * BLOCK_SIZE + 15], [2 * BLOCK_SIZE + 5, -1, 0, 17]):
+        key, value = torch.randn(4, NUM_KV_HEADS, HEAD_DIM), torch.randn(4, NUM_KV_HEADS, HEAD_DIM)
+        ours = torch.zeros(2, 4, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM).to(cache_dtype)
+        reference = ours.clone()
+        scales = KVScales(0.5, 2.0)
+        CpuAttentionBackend().write_kv_cache(key, value, ours, torch.tensor(slots), scales)
+        paged_attention_ref.write_kv_cache(key, value, reference, torch.tensor(slots), scales)
+        assert torch.equal(ours.float(), reference.float()) and ours.float().abs().sum() > 0
