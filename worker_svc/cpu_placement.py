@@ -24,6 +24,7 @@ with the launcher's allowed set) finds the same plan the launcher pinned the oth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -125,7 +126,11 @@ def place_worker(bind: str, num_reserved: int | None, rank: int, world_size: int
     except ValueError as unmet:
         raise SystemExit(f"pagedserve worker: {unmet}") from None
     if placement.rank_cpus is not None:
-        os.sched_setaffinity(0, placement.rank_cpus[rank])
+        # Every thread the process has so far (one made at start-up would keep the old mask), then new ones
+        # inherit the main thread's.
+        for thread_id in _thread_ids():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(thread_id, placement.rank_cpus[rank])
     # Fewer threads than cores when asked (torch starts with $OMP_NUM_THREADS threads when it is set), never more.
     threads = min(placement.rank_threads[rank], torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -136,3 +141,9 @@ def place_worker(bind: str, num_reserved: int | None, rank: int, world_size: int
     logger.info("rank %d: %d torch threads on CPUs %s", rank, threads,
                 "unpinned" if placement.rank_cpus is None else list(placement.rank_cpus[rank]))
 
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread alone
+        return [0]
