@@ -108,3 +108,21 @@ def test_a_worker_process_pins_itself_to_its_rank_and_sizes_torch_to_it():
     affinity, threads, planned_cpus, planned_threads = json.loads(out.splitlines()[-1])
     assert affinity == planned_cpus and threads == planned_threads == len(planned_cpus)
     assert len(affinity) < len(os.sched_getaffinity(0)) or len(affinity) == 1  # a core left over when there is one
+
+
+def test_serve_pins_its_services_only_for_cpu_workers_and_refuses_unmeetable_flags():
+    from pagedserve.launcher import service_cpus_on_cpu
+
+    def serve_args(**changes):
+        values = dict(device="cpu", distributed_executor_backend="mp", cpu_omp_threads_bind="auto",
+                      cpu_num_reserved_cpu=None, tensor_parallel_size=1, data_parallel_size=1)
+        return argparse.Namespace(**{**values, **changes})
+
+    allowed = sorted(os.sched_getaffinity(0))
+    expected = plan_cpu_placement(allowed, "auto", None, 1).service_cpus
+    assert service_cpus_on_cpu(serve_args()) == expected
+    assert service_cpus_on_cpu(serve_args(device="cuda")) is None
+    assert service_cpus_on_cpu(serve_args(cpu_omp_threads_bind="nobind")) is None
+    assert service_cpus_on_cpu(serve_args(data_parallel_size=2)) is None  # engines' ranks would share the plan
+    with pytest.raises(SystemExit, match="allowed"):
+        service_cpus_on_cpu(serve_args(cpu_num_reserved_cpu=len(allowed)))
