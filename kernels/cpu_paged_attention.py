@@ -6,7 +6,8 @@ each KV head for its query heads, about 20 small ops per sequence per layer; at 
 embedded 135M model that loop was 60% of a CPU decode step (170 of 280 ms, torch.profiler). Here a step's
 decodes share one gather of their blocks (padded to the longest context, the tail masked), two batched
 matmuls with the query heads grouped under their KV head (no repeat), and one masked softmax, whatever the
-batch size. Prefill chunks (more than one query token) go through the reference's per-sequence `attend`:
+batch size (one decode attention of 16 rows x 144 keys: 5.6 ms with advanced indexing and a permuted bmm,
+1.4 ms with `index_select` and one contiguous copy of the keys). Prefill chunks (more than one query token) go through the reference's per-sequence `attend`:
 their cost is the projections', not the loop's.
 
 The math is the reference's (fp32 scores and softmax, P rounded to the cache's dtype for P @ V, divided by
@@ -71,25 +72,29 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     num_blocks = -(-int(seq_lens.max()) // block_size)
-    blocks = block_tables[:, :num_blocks].long()
+    blocks = block_tables[:, :num_blocks].reshape(-1).long()
     context = num_blocks * block_size
-    key = dequantize(kv_cache[0, blocks].view(batch, context, num_kv_heads, head_dim), kv_scales.k, query.dtype)
-    value = dequantize(kv_cache[1, blocks].view(batch, context, num_kv_heads, head_dim), kv_scales.v, query.dtype)
+    # index_select, not advanced indexing: 4x faster here for the same copy (measured, 16 rows, 9 blocks).
+    key = kv_cache[0].index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
+    value = kv_cache[1].index_select(0, blocks).view(batch, context, num_kv_heads, head_dim)
+    key, value = dequantize(key, kv_scales.k, query.dtype), dequantize(value, kv_scales.v, query.dtype)
     cache_dtype = value.dtype
-    grouped = query.float().view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(grouped, key.float().permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, L]
-    if logit_softcap is not None:
-        scores = torch.tanh(scores / logit_softcap) * logit_softcap
     positions = torch.arange(context, device=query.device)
     lengths = seq_lens.to(positions.dtype)[:, None]
-    visible = positions[None, :] < lengths
+    hidden = positions[None, :] >= lengths  # [B, L]
     if sliding_window is not None:  # the query at lengths - 1 sees keys after lengths - 1 - W
-        visible &= positions[None, :] >= lengths - sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        hidden |= positions[None, :] < lengths - sliding_window
+    grouped = query.float().view(batch, num_kv_heads, group, head_dim)
+    keys_by_head = key.float().permute(0, 2, 3, 1).contiguous()  # [B, Hkv, D, L]: one copy, then plain bmm
+    scores = torch.matmul(grouped, keys_by_head) * scale  # [B, Hkv, G, L]
+    if logit_softcap is not None:
+        scores = torch.tanh(scores / logit_softcap) * logit_softcap
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = torch.exp(scores - scores.amax(-1, keepdim=True))
     # Slots past a context hold whatever was there (NaN in a fresh pool, another request's tokens): a zero
-    # probability times NaN is NaN, so the values there are zeroed too.
-    value = torch.where(visible[:, :, None, None], value.float(), 0.0)
-    weighted = torch.matmul(probs.to(cache_dtype).float(), value.transpose(1, 2))  # [B, Hkv, G, D]
+    # probability times NaN is NaN, so the values there are zeroed too (in our gathered copy).
+    value = value.float() if value.dtype != torch.float32 else value
+    value.masked_fill_(hidden[:, :, None, None], 0.0)
+    weighted = torch.matmul(probs.to(cache_dtype).float(), value.permute(0, 2, 1, 3))  # [B, Hkv, G, D]
     weighted = weighted / probs.sum(-1, keepdim=True)
     return weighted.reshape(batch, num_heads, head_dim).to(query.dtype)
