@@ -7,8 +7,8 @@ embedded 135M model that loop was 60% of a CPU decode step (170 of 280 ms, torch
 decodes share one gather of their blocks (padded to the longest context, the tail masked), two batched
 matmuls with the query heads grouped under their KV head (no repeat), and one masked softmax, whatever the
 batch size (one decode attention of 16 rows x 144 keys: 5.6 ms with advanced indexing and a permuted bmm,
-1.4 ms with `index_select` and one contiguous copy of the keys). Prefill chunks (more than one query token) go through the reference's per-sequence `attend`:
-their cost is the projections', not the loop's.
+1.4 ms with `index_select` and one contiguous copy of the keys). Prefill chunks (more than one query token)
+go through the reference's per-sequence `attend`: their cost is the projections', not the loop's.
 
 The math is the reference's (fp32 scores and softmax, P rounded to the cache's dtype for P @ V, divided by
 the fp32 row sum of the unrounded P), so a float32 model's tokens stay transformers'; the reference's tests
