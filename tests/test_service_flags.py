@@ -30,6 +30,15 @@ from service_runtime.lora_modules import LoraModule
 from worker_svc import main as worker_main
 from worker_svc.config import WorkerConfig, worker_config_from_args
 
+
+@pytest.fixture(autouse=True)
+def no_environment_defaults(monkeypatch):
+    """Parsed defaults here are the declared ones: the variables that flags take defaults from are unset (the
+    test suite sets VLLM_CPU_OMP_THREADS_BIND for its own servers, tests/conftest.py)."""
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)
+
+
 KEY_VARIABLES = ("PAGEDSERVE_API_KEY", "VLLM_API_KEY", "PAGEDSERVE_GRPC_API_KEY", "VLLM_BATCH_INVARIANT")
 
 EXAMPLES = {
