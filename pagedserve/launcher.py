@@ -64,6 +64,7 @@ from service_runtime.lora_modules import adapters_refusal
 from service_runtime.model_source import ResolvedModel, resolve_model
 from service_runtime.worker_link_auth import WORKER_SECRET_ENV
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu_placement import current_placement
 from worker_svc.model_config import ModelConfig, find_gguf_file
 from worker_svc.models.eagle3_config import eagle3_refusal
 from worker_svc.tensor_parallel_fit import draft_refusal, first_gpu_index, gpus_refusal, rank_device, shard_refusal
@@ -100,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_scheduler_restarts < 0:
         raise SystemExit("pagedserve: --max-scheduler-restarts must be >= 0")
     model_argv = [] if args.model is None else ["--model", args.model]
+    service_cpus = service_cpus_on_cpu(args)
     ray_groups = None
     if args.distributed_executor_backend == "ray":
         from pagedserve.ray_executor import ray_worker_groups
@@ -124,7 +126,8 @@ def serve(args: argparse.Namespace) -> int:
             """One engine's scheduler and its rank set (`init_method`: their rendezvous, None for one rank)."""
             children[replica.scheduler] = _start("scheduler", _scheduler_argv(args, model_argv, replica.worker_address,
                                                                               replica),
-                                                 child_environment({API_KEY_ENV: api_key, **link_secret}))
+                                                 child_environment({API_KEY_ENV: api_key, **link_secret}),
+                                                 service_cpus)
             start_workers(replica, init_method)
 
         def start_workers(replica: EngineReplica, init_method: str | None) -> None:
@@ -156,10 +159,11 @@ def serve(args: argparse.Namespace) -> int:
 
         if len(replicas) > 1:
             children[FRONT] = _start("front", front_argv(args, model_argv, replicas),
-                                     child_environment({API_KEY_ENV: api_key}))
+                                     child_environment({API_KEY_ENV: api_key}), service_cpus)
         if args.enable_http:
             children["gateway"] = _start("gateway", _gateway_argv(args),
-                                         child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}))
+                                         child_environment({API_KEY_ENV: api_key, GRPC_API_KEY_ENV: api_key}),
+                                         service_cpus)
         stop_requested = []
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda s, f: stop_requested.append(s))
@@ -293,11 +297,29 @@ def _local_address(host: str, port: int) -> str:
     return f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
 
-def _start(role: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _start(role: str, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None = None) -> subprocess.Popen:
     """Runs the service through its own entry point (`python -m scheduler_svc ...`), which imports that
-    service alone."""
-    return subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[role], "--exit-with-parent", *argv],
-                            start_new_session=True, env=env)
+    service alone; pinned to `cpus` when given (right after its start, before its interpreter makes threads)."""
+    child = subprocess.Popen([sys.executable, "-m", SERVICE_MODULES[role], "--exit-with-parent", *argv],
+                             start_new_session=True, env=env)
+    if cpus is not None:
+        with contextlib.suppress(ProcessLookupError):  # exited already: the supervisor sees it
+            os.sched_setaffinity(child.pid, cpus)
+    return child
+
+
+def service_cpus_on_cpu(args) -> tuple[int, ...] | None:
+    """The cores the scheduler, gateway and front are pinned to when the workers compute on the CPU: those the
+    workers' placement leaves free (worker_svc/cpu_placement.py, the same plan each rank finds), or None (a
+    GPU, Ray, several engines, or no core to spare). Flags the allowed cores cannot meet are refused here,
+    before any child starts."""
+    if args.device.startswith("cuda") or args.distributed_executor_backend == "ray":
+        return None
+    try:
+        placement = current_placement(args.cpu_omp_threads_bind, args.cpu_num_reserved_cpu, args.tensor_parallel_size)
+    except ValueError as unmet:
+        raise SystemExit(f"pagedserve: {unmet}") from None
+    return placement.service_cpus if args.data_parallel_size == 1 else None
 
 
 def _wait(child: subprocess.Popen, timeout: float) -> int | None:

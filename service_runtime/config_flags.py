@@ -52,6 +52,9 @@ class Flag:
     parsed_default: Any = _FIELD_DEFAULT
     # A store_true switch's default: on when this environment variable is set and not "0" (vLLM's switches).
     env_switch: str | None = None
+    # A `--flag VALUE`'s default from this environment variable when it is set (vLLM's VLLM_CPU_* knobs); argparse
+    # parses it as it would the flag's value.
+    env_default: str | None = None
     # A "both" switch's older spellings of --no-flag, and their help.
     negations: tuple[str, ...] = ()
     negation_help: str | None = None
@@ -103,6 +106,8 @@ def parsed_default(field: dataclasses.Field, declared: Flag, environ: Mapping[st
     """What the parser gives the field when its flag is not on the command line."""
     if declared.env_switch is not None:
         return environ.get(declared.env_switch, "0") not in ("", "0")
+    if declared.env_default is not None and declared.env_default in environ:
+        return environ[declared.env_default]
     if declared.parsed_default is not _FIELD_DEFAULT:
         return declared.parsed_default
     return field_default(field)

@@ -14,12 +14,16 @@ One OpenMP thread per process (torch's CPU ops here, and in every server process
 the variable): `make test` runs 3 pytest processes on 2 cores, each with servers of its own, and torch's
 default of one thread per core made their OpenMP threads spin against each other. Measured on the CI machine
 with the other processes busy: a SmolLM2 decode step took 842 ms with 2 threads and 59 ms with 1.
+For the same reason the servers' CPU workers are not pinned (VLLM_CPU_OMP_THREADS_BIND=nobind; the default, auto,
+would pin every test server's worker to the same core and leave the other to schedulers):
+worker_svc/cpu_placement.py's tests cover the pinning itself.
 """
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 import pytest  # noqa: E402

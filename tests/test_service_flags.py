@@ -30,6 +30,15 @@ from service_runtime.lora_modules import LoraModule
 from worker_svc import main as worker_main
 from worker_svc.config import WorkerConfig, worker_config_from_args
 
+
+@pytest.fixture(autouse=True)
+def no_environment_defaults(monkeypatch):
+    """Parsed defaults here are the declared ones: the variables that flags take defaults from are unset (the
+    test suite sets VLLM_CPU_OMP_THREADS_BIND for its own servers, tests/conftest.py)."""
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(name, raising=False)
+
+
 KEY_VARIABLES = ("PAGEDSERVE_API_KEY", "VLLM_API_KEY", "PAGEDSERVE_GRPC_API_KEY", "VLLM_BATCH_INVARIANT")
 
 EXAMPLES = {
@@ -39,7 +48,7 @@ EXAMPLES = {
         gpu_memory_utilization=0.5, cpu_kv_cache_space=2.0, swap_space=1.0, load_format="dummy",
         attention_backend="torch", cuda_graphs=False, custom_all_reduce=False, batch_invariant=True,
         quantization="fp8", fail_at_step=7, crash_on_token_id=42, crash_at_output_token=3,
-        prefill_seconds_per_token=0.01, rank=1,
+        prefill_seconds_per_token=0.01, cpu_omp_threads_bind="0-1|2-3", cpu_num_reserved_cpu=2, rank=1,
         world_size=2, distributed_init_method="tcp://127.0.0.1:29500", heartbeat_interval=0.5),
     SchedulerConfig: SchedulerConfig(
         model="some/model", host="0.0.0.0", port=6000, worker_address="ipc://workers", num_workers=2,

@@ -1,4 +1,5 @@
-"""Which kernels a worker runs: Triton on a GPU, the pure-torch references on the CPU.
+"""Which kernels a worker runs: Triton on a GPU, the pure-torch references on the CPU (attention there by
+kernels/cpu_paged_attention.py unless `--attention-backend torch` asks for the reference itself).
 
 `--attention-backend` picks the whole set: the attention backend and the layer ops (RMSNorm, rotary,
 SiLU-and-mul) always come from the same side, so "torch" on a GPU is the all-reference path to compare
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from kernels.attention_backend import AttentionBackend, TorchReferenceBackend
+from kernels.cpu_paged_attention import CpuAttentionBackend
 from kernels.batch_invariant_ref import BatchInvariantTorchBackend, batch_invariant_torch_layer_ops
 from kernels.layer_ops import LayerOps, torch_layer_ops, triton_layer_ops
 from worker_svc.config import WorkerConfig
@@ -48,7 +50,8 @@ def make_attention_backend(config: WorkerConfig) -> AttentionBackend:
                     else "every decode in one program (the split programs' bits differ)")
         return BatchInvariantTritonBackend(split_decodes=None if agree else False)
     if kernel_set(config) == "torch":
-        return TorchReferenceBackend()
+        # On the CPU by default the batched-decode backend; "torch" asked for by name is the pure reference.
+        return CpuAttentionBackend() if config.attention_backend == "auto" else TorchReferenceBackend()
     from kernels.triton_backend import TritonAttentionBackend  # triton is imported only when used
 
     return TritonAttentionBackend()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from service_runtime.config_flags import add_config_arguments, flag, flag_values, shared_flag_field
 from service_runtime.worker_link_flags import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_WORKER_ADDRESS, HEARTBEAT_INTERVAL
+from worker_svc.cpu_placement import bind_value
 from worker_svc.quantization_config import QUANTIZATION_FLAG_VALUES
 
 GIB = 1 << 30
@@ -90,6 +91,20 @@ class WorkerConfig:
     # Test only: each step takes at least this many seconds per prompt token it computes (a slow CPU's
     # prefill, at a tiny model's cost: the abort-latency tests).
     prefill_seconds_per_token: float = flag("--prefill-seconds-per-token", default=0.0, hidden=True)
+    # On the CPU: which cores each rank's torch threads are pinned to, and how many cores stay for the scheduler
+    # and gateway (worker_svc/cpu_placement.py; vLLM's VLLM_CPU_OMP_THREADS_BIND and VLLM_CPU_NUM_OF_RESERVED_CPU).
+    cpu_omp_threads_bind: str = flag("--cpu-omp-threads-bind", default="auto", parse=bind_value,
+                                     env_default="VLLM_CPU_OMP_THREADS_BIND",
+                                     help="CPU only: auto (the allowed cores less the reserved ones, split between "
+                                          "the ranks, one pinned torch thread per core), nobind (no pinning, as "
+                                          "many threads), or each rank's cores, e.g. 0-3|4-7. Default: "
+                                          "$VLLM_CPU_OMP_THREADS_BIND, else auto")
+    cpu_num_reserved_cpu: int | None = flag("--cpu-num-reserved-cpu", default=None,
+                                            env_default="VLLM_CPU_NUM_OF_RESERVED_CPU",
+                                            help="CPU only, with auto binding: cores no rank computes on (the "
+                                                 "scheduler and gateway run there). Default: "
+                                                 "$VLLM_CPU_NUM_OF_RESERVED_CPU, else 1 when there is a core to "
+                                                 "spare beyond one per rank")
     # Tensor parallel: this process's rank of `world_size`, and where the ranks meet to form their
     # torch.distributed group (tcp://HOST:PORT that every rank reaches; rank 0 listens there). None: one rank.
     rank: int = flag("--rank", default=0, help="this worker's tensor-parallel rank", shared=False)
@@ -115,6 +130,8 @@ class WorkerConfig:
             raise SystemExit("--crash-at-output-token needs --crash-on-token-id and must be at least 1")
         if self.heartbeat_interval <= 0:
             raise SystemExit("--heartbeat-interval must be > 0")
+        if self.cpu_num_reserved_cpu is not None and self.cpu_num_reserved_cpu < 0:
+            raise SystemExit("--cpu-num-reserved-cpu must be >= 0")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise SystemExit(f"--rank {self.rank} is not a rank of --world-size {self.world_size} "
                              "(0 <= rank < world size)")

@@ -17,6 +17,7 @@ import time
 from protos.pagedserve.v1 import worker_pb2
 from worker_svc.cancelled_requests import CancelledRequests
 from worker_svc.config import WorkerConfig
+from worker_svc.cpu_placement import place_worker
 from service_runtime.worker_link_auth import link_keys_from
 from worker_svc.scheduler_link import SchedulerLink, SchedulerLost
 from worker_svc.launched_step import LaunchedStep
@@ -31,6 +32,8 @@ _POLL_S = 0.0002
 def run_worker(config: WorkerConfig) -> int:
     """Connects, loads, answers plans until told to shut down. Returns the process exit code: 0 when told
     to shut down, 1 when a step failed (the scheduler was told why) or the scheduler went silent."""
+    if not config.device.startswith("cuda"):  # before the model loads: torch makes its threads at its first op
+        place_worker(config.cpu_omp_threads_bind, config.cpu_num_reserved_cpu, config.rank, config.world_size)
     worker = Worker(config)
     # A single rank drops aborted requests' rows from the plans queued behind the step it runs (see
     # cancelled_requests.py for why tensor-parallel ranks do not).
