@@ -51,6 +51,10 @@ def test_reserved_count_is_honoured_and_refused_when_it_leaves_a_rank_no_core():
 def test_nobind_pins_nothing_but_sizes_threads_to_the_unreserved_cores():
     assert plan_cpu_placement(range(4), "nobind", None, 1) == CpuPlacement(None, (3,), None)
     assert plan_cpu_placement(range(4), "nobind", 0, 2) == CpuPlacement(None, (2, 2), None)
+    # More ranks than cores: nothing is pinned, so they share the cores, one thread each (auto refuses this).
+    assert plan_cpu_placement(range(2), "nobind", None, 3) == CpuPlacement(None, (1, 1, 1), None)
+    with pytest.raises(ValueError, match="fewer than one per rank"):
+        plan_cpu_placement(range(2), "auto", None, 3)
 
 
 def test_listed_cores_per_rank_and_the_rest_for_the_services():

@@ -76,6 +76,9 @@ def test_the_gateway_answers_a_full_queue_with_429_and_retry_after(server):
     body = {"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0}
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
+        # An idle server first: the previous test's requests may still be leaving it (a stream ends with its last
+        # token, a moment before the scheduler drops the request), and one still counted would fill the queue.
+        _wait_for(server, lambda stats: stats.num_running == 0 and stats.num_waiting == 0)
         # One runs, two wait. The running one asks for as many tokens as the pool holds (they are cancelled
         # below): on a loaded machine 150 steps could end before the third request has arrived.
         holders = [stub.Generate(build_generate_request([4, 5, index], **{**LONG, "max_tokens": HOLD_TOKENS}))
@@ -97,6 +100,7 @@ def test_a_queued_stream_gets_its_200_and_sse_headers_while_it_waits_and_a_bad_o
     connection = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=60)
     with grpc.insecure_channel(server.target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
+        _wait_for(server, lambda stats: stats.num_running == 0 and stats.num_waiting == 0)  # idle, as above
         # One runs and one waits, each for as many tokens as the pool holds: the stream queues behind both.
         holders = [stub.Generate(build_generate_request([4, 5, index], **{**LONG, "max_tokens": HOLD_TOKENS}))
                    for index in range(2)]

@@ -10,7 +10,8 @@ we do the same, with its knobs' meanings:
 - `--cpu-omp-threads-bind` ($VLLM_CPU_OMP_THREADS_BIND): `auto` (the default): the allowed cores less the
   reserved ones, split evenly between the tensor-parallel ranks, one torch thread pinned per core;
   a core list such as `0-3` (ranks separated by `|`: `0-3|4-7`): exactly those cores per rank; `nobind`:
-  no pinning, but still no more threads than the cores left after the reserved ones.
+  no pinning, but still no more threads than the cores left after the reserved ones (one thread per rank when
+  there are more ranks than cores: they share the cores, as the tests' -tp 3 on two cores does).
   An $OMP_NUM_THREADS below a rank's core count lowers its thread count further (never raises it).
 - `--cpu-num-reserved-cpu` ($VLLM_CPU_NUM_OF_RESERVED_CPU): with `auto`, how many of the allowed cores no
   rank computes on (the scheduler and gateway run there); default 1 when the machine has a core to spare
@@ -82,6 +83,8 @@ def plan_cpu_placement(allowed: Sequence[int], bind: str, num_reserved: int | No
         return _listed_placement(allowed, bind, world_size)
     if num_reserved is None:
         num_reserved = 1 if len(allowed) > world_size else 0
+    if bind == NOBIND and num_reserved >= 0:  # nothing pinned: more ranks than cores share them, one thread each
+        return CpuPlacement(None, (max(1, (len(allowed) - num_reserved) // world_size),) * world_size, None)
     if num_reserved < 0 or len(allowed) - num_reserved < world_size:
         raise ValueError(f"{num_reserved} reserved CPUs of the {len(allowed)} allowed leave fewer than one per rank "
                          f"({world_size} ranks)")
@@ -90,8 +93,6 @@ def plan_cpu_placement(allowed: Sequence[int], bind: str, num_reserved: int | No
     # Left-over cores (compute not divisible by the ranks) stay unused by the ranks: the services get them.
     rank_cpus = tuple(compute[rank * per_rank:(rank + 1) * per_rank] for rank in range(world_size))
     service = reserved + compute[world_size * per_rank:]
-    if bind == NOBIND:
-        return CpuPlacement(None, (per_rank,) * world_size, None)
     return CpuPlacement(rank_cpus, (per_rank,) * world_size, service or None)
 
 
