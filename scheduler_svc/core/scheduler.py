@@ -285,6 +285,7 @@ class Scheduler:
         self._state.unsent_token_ids.pop(request_id, None)
         self._state.awaiting_engine.discard(request_id)
         self._state.reporting_in_flight.discard(request_id)
+        self._state.plain_decode_entries.pop(request_id, None)
         request.num_pending_tokens = 0  # any token still in flight for it is dropped
         request.draft_token_ids = ()
         request.status = RequestStatus.finished_by(reason)
