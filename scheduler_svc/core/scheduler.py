@@ -51,7 +51,9 @@ __all__ = [
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, max_steps_in_flight: int = 1,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, plain_decode_run: bool = True) -> None:
+        """`plain_decode_run` False plans every running request through the planner's general loop, never its
+        fast path for plain decodes (step_planner.py): the reference that path is tested against."""
         if limits.enable_prefix_caching != block_manager.enable_prefix_caching:
             raise ValueError("SchedulerLimits and BlockManager disagree on enable_prefix_caching")
         self.limits = limits
@@ -59,7 +61,8 @@ class Scheduler:
         self._state = SchedulerState(limits, block_manager)
         self.speculative = speculative
         self._draft_outlook = None if speculative is None else DraftOutlook(speculative)
-        self._planner = StepPlanner(self._state, speculative)
+        self._plain_decode_run = plain_decode_run
+        self._planner = StepPlanner(self._state, speculative, plain_decode_run)
         self.spec_decode_stats = SpecDecodeStats()
         self._finished_ids_to_report: list[str] = []
         if max_steps_in_flight < 1:
@@ -346,7 +349,7 @@ class Scheduler:
         self._finished_ids_to_report = []
         self._worker_cancels = []
         self.block_manager = state.block_manager = block_manager
-        self._planner = StepPlanner(state, self.speculative)
+        self._planner = StepPlanner(state, self.speculative, self._plain_decode_run)
         return lost_work
 
     def max_steps_ahead(self) -> int:
