@@ -472,12 +472,16 @@ class Scheduler:
         return live
 
     def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        # Called for every token of every step: counts taken once, no property calls.
         params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
         # Before min_tokens the worker masks stop ids; they would not stop the request either.
-        stop_allowed = request.num_output_tokens >= params.min_tokens
-        is_stop_id = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
-        if stop_allowed and is_stop_id:
+        if num_output_tokens >= params.min_tokens and (
+            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
+        ):
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+        if num_output_tokens >= params.max_tokens or (
+            len(request.prompt_token_ids) + num_output_tokens >= self.limits.max_model_len
+        ):
             return FinishReason.LENGTH
         return None
