@@ -16,7 +16,7 @@ theirs to keep together.
   forked and released, a beam row until its next token is appended). They are idle: no tokens to compute, even
   after a recompute preemption.
 - `lora_slots`: the GPU slot of each adapter the workers hold; a running request's adapter keeps its slot.
-- `plain_decode_entries`: a cache of immutable plan entries, one per running request at most.
+- `plain_decode_entries`: a cache of immutable plan entries, at most one per unfinished request.
 - `held`: requests the engine keeps out of every step for now (suspects of a worker loss waiting for their
   turn to be recomputed). Idle as well; set only after a worker loss, when every request is waiting.
 """
