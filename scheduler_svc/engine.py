@@ -25,7 +25,7 @@ from scheduler_svc.groups.request_group import GroupContext, ParallelSampling, R
 from scheduler_svc.groups.stream_pacing import streams_to_flush
 from scheduler_svc.metrics import ServingMetrics, ServingMetricsSnapshot
 from scheduler_svc.text.tokenizer import Tokenizer
-from scheduler_svc.worker_io.plan_codec import decode_step_result, encode_step_plan
+from scheduler_svc.worker_io.plan_codec import StepPlanEncoder, decode_step_result
 from scheduler_svc.worker_io.worker_link import WorkerFailure, WorkerLink
 from scheduler_svc.worker_loss_suspects import WorkerLossSuspects
 from service_runtime.step_timer import StepTimer
@@ -105,6 +105,7 @@ class Engine:
         self._applied: tuple[list[Request], object, list[str]] | None = None
         self._aborting: asyncio.Future | None = None  # `_abort_during_step`, while it runs
         self.step_timer = StepTimer("scheduler")
+        self._plan_encoder = StepPlanEncoder()  # keeps the wire bytes of each running request's plain decode row
         self._metrics = ServingMetrics(scheduler.limits.max_model_len)  # metrics: counters, histograms (GetStats)
 
     # -- called by gRPC handlers -------------------------------------------------------------------------
@@ -263,7 +264,7 @@ class Engine:
         timer = self.step_timer
         timer.start_step()
         self._num_swapped_out_blocks += len(output.swap_out)
-        plan = encode_step_plan(output)
+        plan = self._plan_encoder.encode(output)
         if self._plan_log is not None:
             self._plan_log.write(plan.plan)
         timer.mark("encode")

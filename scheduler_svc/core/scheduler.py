@@ -51,7 +51,9 @@ __all__ = [
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, max_steps_in_flight: int = 1,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, plain_decode_run: bool = True) -> None:
+        """`plain_decode_run` False plans every running request through the planner's general loop, never its
+        fast path for plain decodes (step_planner.py): the reference that path is tested against."""
         if limits.enable_prefix_caching != block_manager.enable_prefix_caching:
             raise ValueError("SchedulerLimits and BlockManager disagree on enable_prefix_caching")
         self.limits = limits
@@ -59,7 +61,8 @@ class Scheduler:
         self._state = SchedulerState(limits, block_manager)
         self.speculative = speculative
         self._draft_outlook = None if speculative is None else DraftOutlook(speculative)
-        self._planner = StepPlanner(self._state, speculative)
+        self._plain_decode_run = plain_decode_run
+        self._planner = StepPlanner(self._state, speculative, plain_decode_run)
         self.spec_decode_stats = SpecDecodeStats()
         self._finished_ids_to_report: list[str] = []
         if max_steps_in_flight < 1:
@@ -285,6 +288,7 @@ class Scheduler:
         self._state.unsent_token_ids.pop(request_id, None)
         self._state.awaiting_engine.discard(request_id)
         self._state.reporting_in_flight.discard(request_id)
+        self._state.plain_decode_entries.pop(request_id, None)
         request.num_pending_tokens = 0  # any token still in flight for it is dropped
         request.draft_token_ids = ()
         request.status = RequestStatus.finished_by(reason)
@@ -345,7 +349,7 @@ class Scheduler:
         self._finished_ids_to_report = []
         self._worker_cancels = []
         self.block_manager = state.block_manager = block_manager
-        self._planner = StepPlanner(state, self.speculative)
+        self._planner = StepPlanner(state, self.speculative, self._plain_decode_run)
         return lost_work
 
     def max_steps_ahead(self) -> int:
@@ -468,12 +472,16 @@ class Scheduler:
         return live
 
     def _token_stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        # Called for every token of every step: counts taken once, no property calls.
         params = request.sampling_params
+        num_output_tokens = len(request.output_token_ids)
         # Before min_tokens the worker masks stop ids; they would not stop the request either.
-        stop_allowed = request.num_output_tokens >= params.min_tokens
-        is_stop_id = token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
-        if stop_allowed and is_stop_id:
+        if num_output_tokens >= params.min_tokens and (
+            token_id in params.stop_token_ids or (not params.ignore_eos and token_id in request.eos_token_ids)
+        ):
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.limits.max_model_len:
+        if num_output_tokens >= params.max_tokens or (
+            len(request.prompt_token_ids) + num_output_tokens >= self.limits.max_model_len
+        ):
             return FinishReason.LENGTH
         return None

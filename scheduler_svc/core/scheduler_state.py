@@ -16,6 +16,7 @@ theirs to keep together.
   forked and released, a beam row until its next token is appended). They are idle: no tokens to compute, even
   after a recompute preemption.
 - `lora_slots`: the GPU slot of each adapter the workers hold; a running request's adapter keeps its slot.
+- `plain_decode_entries`: a cache of immutable plan entries, at most one per unfinished request.
 - `held`: requests the engine keeps out of every step for now (suspects of a worker loss waiting for their
   turn to be recomputed). Idle as well; set only after a worker loss, when every request is waiting.
 """
@@ -29,6 +30,7 @@ from scheduler_svc.core.lora_slots import LoraSlots
 from scheduler_svc.core.request import Request, RequestStatus
 from scheduler_svc.core.request_queue import RequestQueue
 from scheduler_svc.core.scheduler_limits import SchedulerLimits
+from scheduler_svc.core.scheduler_output import ScheduledRequestData
 
 
 @dataclass
@@ -47,6 +49,10 @@ class SchedulerState:
     # their result is reported (the engine forks from what they computed).
     reporting_in_flight: set[str] = field(default_factory=set)
     num_preemptions: int = 0
+    # Request id -> the ScheduledRequestData of its plain decode (one token into the last block it holds, nothing
+    # else): the same every step, so the planner's fast path reuses it (step_planner.py). Dropped when the
+    # request leaves.
+    plain_decode_entries: dict[str, ScheduledRequestData] = field(default_factory=dict)
     # Multi-LoRA: which adapter sits in which of the workers' GPU slots (emptied after a worker loss).
     lora_slots: LoraSlots = field(init=False)
 

@@ -14,47 +14,84 @@ from scheduler_svc.core.step_outcome import StepOutcome
 from scheduler_svc.core.token_logprobs import PromptLogprobChunk, TokenLogprob
 
 
-def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
-    message = worker_pb2.SchedulerToWorker()
-    plan = message.plan  # filled in place: wrapping a finished StepPlan would copy it whole
-    plan.SetInParent()  # the oneof is `plan` even for a plan whose fields are all defaults
-    plan.step_id = output.step_id
-    plan.propose_draft_tokens = output.propose_draft_tokens
-    plan.finished_request_ids.extend(output.finished_request_ids)
-    plan.preempted_request_ids.extend(output.preempted_request_ids)
-    for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in), (plan.copy, output.copy)):
-        for src, dst in pairs:
-            moves.add(src=src, dst=dst)
-    for load in output.lora_loads:
-        plan.lora_loads.add(slot=load.slot, name=load.name, path=load.path, generation=load.generation)
-    for new in output.new_requests:
-        plan.new_requests.append(
-            worker_pb2.NewRequest(
-                request_id=new.request_id,
-                token_ids=new.token_ids,
-                sampling=_worker_sampling(new),
-                block_ids=new.block_ids,
-                num_computed_tokens=new.num_computed_tokens,
-                num_scheduled_tokens=new.num_scheduled_tokens,
-                num_prompt_tokens=new.num_prompt_tokens,
-                lora_slot=new.lora_slot,
+class StepPlanEncoder:
+    """Encodes the engine's plans, one after another.
+
+    Why a class: steady decode sends the same row for a request every step (its id, one token, nothing else:
+    `ScheduledRequestData` of a plain decode), and building hundreds of protobuf messages per step cost more
+    than the rest of the encoding. The encoder keeps each such row's wire bytes (a `scheduled_requests` field
+    of StepPlan), made once per request, and a run of them enters the plan as one parse of their concatenation
+    (protobuf appends a repeated field's entries in the order they are parsed). Owned by the engine loop; a
+    request's bytes are dropped when a plan lists it finished or preempted."""
+
+    def __init__(self) -> None:
+        self._plain_decode_rows: dict[str, bytes] = {}
+
+    def encode(self, output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
+        message = worker_pb2.SchedulerToWorker()
+        plan = message.plan  # filled in place: wrapping a finished StepPlan would copy it whole
+        plan.SetInParent()  # the oneof is `plan` even for a plan whose fields are all defaults
+        plan.step_id = output.step_id
+        plan.propose_draft_tokens = output.propose_draft_tokens
+        plan.finished_request_ids.extend(output.finished_request_ids)
+        plan.preempted_request_ids.extend(output.preempted_request_ids)
+        plain_rows = self._plain_decode_rows
+        for request_id in (*output.finished_request_ids, *output.preempted_request_ids):
+            plain_rows.pop(request_id, None)
+        for moves, pairs in ((plan.swap_out, output.swap_out), (plan.swap_in, output.swap_in),
+                             (plan.copy, output.copy)):
+            for src, dst in pairs:
+                moves.add(src=src, dst=dst)
+        for load in output.lora_loads:
+            plan.lora_loads.add(slot=load.slot, name=load.name, path=load.path, generation=load.generation)
+        for new in output.new_requests:
+            plan.new_requests.append(
+                worker_pb2.NewRequest(
+                    request_id=new.request_id,
+                    token_ids=new.token_ids,
+                    sampling=_worker_sampling(new),
+                    block_ids=new.block_ids,
+                    num_computed_tokens=new.num_computed_tokens,
+                    num_scheduled_tokens=new.num_scheduled_tokens,
+                    num_prompt_tokens=new.num_prompt_tokens,
+                    lora_slot=new.lora_slot,
+                )
             )
-        )
-    # One per running request per step: built in place (add, not append: no copy), repeated fields only
-    # when there is something to put in them (a decode mostly has none).
-    scheduled = plan.scheduled_requests
-    for cached in output.scheduled_requests:
-        entry = scheduled.add(request_id=cached.request_id, num_scheduled_tokens=cached.num_scheduled_tokens)
-        if cached.new_block_ids:
-            entry.new_block_ids.extend(cached.new_block_ids)
-        if cached.new_token_ids:
-            entry.new_token_ids.extend(cached.new_token_ids)
-        for index, block_id in cached.replaced_blocks:
-            entry.replaced_blocks.add(index=index, block_id=block_id)
-        if cached.draft_token_ids:
-            entry.draft_token_ids.extend(cached.draft_token_ids)
-            plan.has_draft_tokens = True
-    return message
+        scheduled = plan.scheduled_requests
+        run: list[bytes] = []  # wire bytes of the plain decodes since the last other row
+        for cached in output.scheduled_requests:
+            if cached.num_scheduled_tokens == 1 and not (
+                cached.new_block_ids or cached.new_token_ids or cached.replaced_blocks or cached.draft_token_ids
+            ):
+                row = plain_rows.get(cached.request_id)
+                if row is None:
+                    row = plain_rows[cached.request_id] = worker_pb2.StepPlan(scheduled_requests=[
+                        worker_pb2.ScheduledRequest(request_id=cached.request_id, num_scheduled_tokens=1)
+                    ]).SerializeToString()
+                run.append(row)
+                continue
+            if run:
+                plan.MergeFromString(b"".join(run))
+                run = []
+            # Built in place (add, not append: no copy), repeated fields only when there is something in them.
+            entry = scheduled.add(request_id=cached.request_id, num_scheduled_tokens=cached.num_scheduled_tokens)
+            if cached.new_block_ids:
+                entry.new_block_ids.extend(cached.new_block_ids)
+            if cached.new_token_ids:
+                entry.new_token_ids.extend(cached.new_token_ids)
+            for index, block_id in cached.replaced_blocks:
+                entry.replaced_blocks.add(index=index, block_id=block_id)
+            if cached.draft_token_ids:
+                entry.draft_token_ids.extend(cached.draft_token_ids)
+                plan.has_draft_tokens = True
+        if run:
+            plan.MergeFromString(b"".join(run))
+        return message
+
+
+def encode_step_plan(output: SchedulerOutput) -> worker_pb2.SchedulerToWorker:
+    """One plan, on its own (the engine keeps a `StepPlanEncoder` across its plans)."""
+    return StepPlanEncoder().encode(output)
 
 
 def _worker_sampling(new: NewRequestData) -> worker_pb2.WorkerSamplingParams:
