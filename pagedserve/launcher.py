@@ -170,13 +170,15 @@ def serve(args: argparse.Namespace) -> int:
         try:
             return _supervise(args, model.name, children, stop_requested, replicas,
                               restart_workers if ray_groups is None else None,
-                              restart_engine if ray_groups is None else None)
+                              restart_engine if ray_groups is None else None,
+                              None if ray_groups is None else lambda index: ray_groups[index].release())
         finally:
             _stop_all(children, args.shutdown_timeout)
 
 
 def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], stop_requested: list,
-               replicas: list[EngineReplica], restart_workers=None, restart_engine=None) -> int:
+               replicas: list[EngineReplica], restart_workers=None, restart_engine=None,
+               release_engine=None) -> int:
     """Until a stop is asked or a child dies; a worker that dies is restarted with the rest of its engine's rank
     set, up to --max-worker-restarts times per engine (the scheduler waits for them and resumes its requests),
     where `restart_workers` can (the mp backend). A worker that refused the model while loading it (exit code
@@ -185,7 +187,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
     `restart_engine` can; the gateway, the front and SDK clients resume their streams on it
     (client/stream_resume.py). With several engines, an engine gone for good (its scheduler exited and is not
     restarted, or its workers' restarts are used up) is stopped and the others serve on; the front re-routes
-    its requests. Anything else that exits (the last engine, the front, the gateway) stops the whole stack."""
+    its requests (`release_engine(index)`, under Ray, gives its placement group's GPUs back). Anything else that
+    exits (the last engine, the front, the gateway) stops the whole stack."""
     restarts_left = {replica.index: args.max_worker_restarts if restart_workers is not None else 0
                      for replica in replicas}
     scheduler_restarts_left = {replica.index: args.max_scheduler_restarts if restart_engine is not None else 0
@@ -233,6 +236,8 @@ def _supervise(args, model_name: str, children: dict[str, subprocess.Popen], sto
                 any(replica.owns(name) for replica in broken) for name in exited):
             for replica in gone:
                 _retire_engine(replica, children, exited)
+                if release_engine is not None:
+                    release_engine(replica.index)
             replicas = [replica for replica in replicas if replica not in gone]
             continue
         if (exited and all(is_worker(name) for name in exited)

@@ -111,6 +111,7 @@ class RayWorkerGroup:
         except ImportError:
             raise SystemExit("--distributed-executor-backend ray needs Ray: pip install 'pagedserve[ray]'") from None
         self._ray = ray
+        self._released = False
         # log_to_driver: the ranks' log lines reach the launcher's stderr, prefixed by their actor, as with mp.
         ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=True)
         bundle = {"GPU": 1, "CPU": 1} if use_gpus else {"CPU": 1}
@@ -142,9 +143,13 @@ class RayWorkerGroup:
         return RayRankProcess(self._actors[rank])
 
     def release(self) -> None:
-        """Its actors (and so its workers) and its placement group, given back; the Ray connection stays."""
+        """Its actors (and so its workers) and its placement group, given back; the Ray connection stays. Once:
+        an engine gone for good is released when it goes, and again (a no-op) at shutdown."""
         from ray.util.placement_group import remove_placement_group
 
+        if self._released:
+            return
+        self._released = True
         for actor in self._actors:
             self._ray.kill(actor)
         remove_placement_group(self._placement)

@@ -289,7 +289,9 @@ def _worker_setup(config: SchedulerConfig, hello: worker_pb2.WorkerHello,
         structured_output_limits=config.grammar_limits.to_wire(),
         draft_model=worker_pb2.DraftModelSetup(model=speculative.model,
                                                num_speculative_tokens=speculative.num_speculative_tokens,
-                                               method=speculative.method)
+                                               method=speculative.method,
+                                               max_proposing_rows=min(speculative.disable_by_batch_size,
+                                                                      config.max_num_seqs))
         if speculative is not None and speculative.uses_draft_model else None,
         lora_adapters=[worker_pb2.LoraAdapterSetup(name=module.name, path=module.path)
                        for module in config.lora_modules] if config.enable_lora else [],

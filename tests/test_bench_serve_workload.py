@@ -140,6 +140,8 @@ def test_multi_turn_conversations_have_their_own_prefix_and_turns_of_the_asked_l
         sample_conversations(args, IDS_ONLY)
     with pytest.raises(ValueError, match="--multi-turn-num-turns must be at least 1"):
         sample_conversations(multi_turn_workload("--multi-turn-num-turns", "0"), TEXT)
+    with pytest.raises(ValueError, match="--max-active-conversations must be at least 1, got -1"):
+        sample_conversations(multi_turn_workload("--max-active-conversations", "-1"), TEXT)
 
 
 def test_each_turn_appends_the_answer_and_a_new_message_and_waits_for_the_previous_answer():

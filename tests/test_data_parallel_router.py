@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import contextlib
 import time
 
 import grpc
@@ -377,3 +378,37 @@ def test_engine_ports_are_distinct_and_never_the_public_port(monkeypatch):
     monkeypatch.setattr(replicas, "free_port", lambda host="127.0.0.1": next(offered))
     on_ray = replicas.engine_replicas(args, "/tmp/x", "tcp://10.0.0.5:9", ray_host="10.0.0.5")
     assert [replica.worker_address for replica in on_ray] == ["tcp://10.0.0.5:41000", "tcp://10.0.0.5:41001"]
+
+
+def test_a_request_aborted_while_it_waits_to_be_sent_again_is_not_sent(engines, front):
+    """Both engines fail the call (their health still says SERVING): after the second, the request waits up to
+    RESEND_WAIT_S for an untried engine; an Abort arriving then ends it CANCELLED at once, sent to no one."""
+    import threading
+
+    target = front("round-robin")
+    for engine in engines:
+        engine.generation.unreachable = True
+    channel = grpc.insecure_channel(target)
+    outcome: dict = {}
+
+    def generate() -> None:
+        call = channel.unary_stream("/pagedserve.v1.Generation/Generate")(
+            generate_pb2.GenerateRequest(text="hello", request_id="waiting-one").SerializeToString())
+        try:
+            list(call)
+        except grpc.RpcError as error:
+            outcome["code"], outcome["at"] = error.code(), time.monotonic()
+
+    with channel:
+        thread = threading.Thread(target=generate)
+        thread.start()
+        time.sleep(0.8)  # both engines tried; now waiting for a third
+        sent = sum(len(engine.generation.requests) for engine in engines)
+        aborted_at = time.monotonic()
+        with contextlib.suppress(grpc.RpcError):  # the stand-in engines may not implement Abort
+            channel.unary_unary("/pagedserve.v1.Generation/Abort")(
+                generate_pb2.AbortRequest(request_id="waiting-one").SerializeToString(), timeout=5)
+        thread.join(10)
+    assert outcome["code"] == grpc.StatusCode.CANCELLED
+    assert outcome["at"] - aborted_at < 1.0  # not after the resend wait ran out
+    assert sum(len(engine.generation.requests) for engine in engines) == sent == 2

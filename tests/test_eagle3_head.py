@@ -164,3 +164,34 @@ def test_proposals_equal_the_reference_eagle3_math_on_the_targets_hidden_states(
         kept_some |= len(new["a"]) > 1
         rejected_some |= len(new["b"]) < 1 + K
     assert kept_some and rejected_some
+
+
+def test_a_head_with_a_shorter_position_table_than_the_target_covers_the_targets_positions(target, tmp_path):
+    """Published heads often say 2048 positions for a 128k target: the head runs at the target's positions, so
+    its rotary table must reach them (a 64-row table was read out of bounds at position 300)."""
+    from worker_svc.layers.rotary_embedding import RotaryEmbedding
+    from worker_svc.models.eagle3_config import eagle3_refusal, read_eagle3_config
+    from worker_svc.model_config import ModelConfig
+
+    head = make_tiny_eagle3_head(tmp_path / "head", target)
+    config_path = head / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "max_position_embeddings": 64}))
+    target_config = ModelConfig.from_path(target)
+    assert target_config.max_position_embeddings > 300
+    assert eagle3_refusal(head, target_config, 1) is None
+    config, _, _ = read_eagle3_config(head, target_config.num_hidden_layers, target_config.max_position_embeddings)
+    rotary = RotaryEmbedding(config, None)
+    assert rotary.cos_sin_cache.shape[0] >= target_config.max_position_embeddings
+
+
+def test_a_head_config_without_a_size_is_refused_naming_it(target, tmp_path):
+    from worker_svc.models.eagle3_config import eagle3_refusal
+    from worker_svc.model_config import ModelConfig
+
+    head = make_tiny_eagle3_head(tmp_path / "head", target)
+    config_path = head / "config.json"
+    raw = json.loads(config_path.read_text())
+    del raw["hidden_size"]
+    config_path.write_text(json.dumps(raw))
+    refusal = eagle3_refusal(head, ModelConfig.from_path(target), 1)
+    assert refusal is not None and "config.json lacks hidden_size" in refusal

@@ -68,6 +68,7 @@ class DraftModel:
         self.model, self.model_config = load_model(path, dtype, device, attention_backend=attention_backend,
                                                    layer_ops=layer_ops, tensor_parallel=tensor_parallel)
         self.num_speculative_tokens = setup.num_speculative_tokens
+        self.max_proposing_rows = setup.max_proposing_rows
         self.target_vocab_size = target_config.vocab_size
         self.device = device
         self.tensor_parallel = tensor_parallel
@@ -82,6 +83,13 @@ class DraftModel:
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         """Bytes of one block of the draft's pool on this rank (the sizing counts it with the target's)."""
         return bytes_per_block(self.model_config, block_size, kv_dtype, self.tensor_parallel)
+
+    def sampled_draft_bytes(self, max_num_seqs: int) -> int:
+        """Memory the q of sampled proposals takes at most (rows x k x vocabulary fp32, and as much again for the
+        pass that builds them), which the KV sizing's profile does not see: the rows a step proposes for are at
+        most max_proposing_rows (speculation's disable_by_batch_size)."""
+        rows = min(self.max_proposing_rows or max_num_seqs, max_num_seqs)
+        return 2 * rows * self.num_speculative_tokens * self.target_vocab_size * 4
 
     def num_scratch_blocks(self, block_size: int, max_num_seqs: int) -> int:
         """Scratch blocks in all: a proposal's k positions after the row's computed tokens span at most

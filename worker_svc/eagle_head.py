@@ -65,7 +65,8 @@ class EagleHead:
         if type(target_model).forward is not LlamaForCausalLM.forward:  # the registry's table changed under us
             raise LoadRefused(f"{target_config.architecture}'s forward pass does not return an EAGLE head's states")
         try:
-            config, draft_vocab_size, layers = read_eagle3_config(path, target_config.num_hidden_layers)
+            config, draft_vocab_size, layers = read_eagle3_config(path, target_config.num_hidden_layers,
+                                                                 target_config.max_position_embeddings)
             tensors = read_checkpoint(path)
             head = Eagle3Head(config, draft_vocab_size, attention_backend, layer_ops,
                               own_embeddings="embed_tokens.weight" in tensors)
@@ -97,6 +98,14 @@ class EagleHead:
 
     def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
         return bytes_per_block(self.model_config, block_size, kv_dtype, self.tensor_parallel)
+
+    def target_state_bytes(self, max_num_batched_tokens: int, dtype: torch.dtype) -> int:
+        """Memory the target's wider output takes beyond what the KV sizing's profile saw (it runs before the
+        target returns the head's states, see ModelRunner.allocate): the three layer states gathered during a step
+        of max_num_batched_tokens tokens and the [T, 4H] concatenation returned, which the step keeps for the
+        head's catch-up pass."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return 7 * max_num_batched_tokens * self._hidden_size * itemsize
 
     def num_scratch_blocks(self, block_size: int, max_num_seqs: int) -> int:
         """A proposal's passes write k - 1 positions from the row's first uncomputed one."""

@@ -29,8 +29,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DraftPool:
     """What a draft model adds to the sizing: its model (profiled; None: not profiled, an EAGLE head's one
-    layer, whose pass is far below the target's), its bytes per block of the shared block ids, and its scratch
-    blocks' bytes."""
+    layer, whose pass is far below the target's), its bytes per block of the shared block ids, and the bytes it
+    takes beyond what the profile sees (its scratch blocks; an EAGLE head also the target's wider output)."""
 
     model: torch.nn.Module | None
     model_config: ModelConfig

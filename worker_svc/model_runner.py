@@ -157,9 +157,12 @@ class ModelRunner:
             draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
             block_bytes += draft_block_bytes
             profiled = self.draft.model if isinstance(self.draft, DraftModel) else None  # a head: one layer
-            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes,
-                                   self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs)
-                                   * draft_block_bytes)
+            reserved = self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs) * draft_block_bytes
+            if isinstance(self.draft, EagleHead):  # the target's wider output, switched on after the profile
+                reserved += self.draft.target_state_bytes(setup.max_num_batched_tokens, self.dtype)
+            else:  # sampled proposals' q, kept until their verification
+                reserved += self.draft.sampled_draft_bytes(setup.max_num_seqs)
+            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes, reserved)
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
                                self.kv_dtype, device, tensor_parallel, draft_pool)

@@ -63,6 +63,8 @@ def sample_conversations(args: argparse.Namespace, tokens: PromptTokens) -> list
     for name in ("num_conversations", "num_turns", "prefix_len", "input_len", "output_len"):
         if getattr(args, f"multi_turn_{name}") < 1:
             raise ValueError(f"--multi-turn-{name.replace('_', '-')} must be at least 1")
+    if args.max_active_conversations is not None and args.max_active_conversations < 1:
+        raise ValueError(f"--max-active-conversations must be at least 1, got {args.max_active_conversations}")
     builder = PromptBuilder(tokens, np.random.default_rng(args.seed))
     return [Conversation(prefix=builder.prompt(builder.token_ids(args.multi_turn_prefix_len)),
                          user_turns=tuple(builder.prompt(builder.token_ids(args.multi_turn_input_len))

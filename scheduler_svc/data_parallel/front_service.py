@@ -24,9 +24,11 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -45,6 +47,8 @@ from scheduler_svc.text.tokenizer import Tokenizer
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
 from service_runtime.model_source import resolve_model
 
+ABORTED_IDS_KEPT = 4096  # recent Abort ids remembered for requests waiting to be sent again
+
 logger = logging.getLogger(__name__)
 HEALTH_POLL_SECONDS = 0.25
 RESEND_WAIT_S = ENGINE_LOST_GRACE_S  # how long a request to resend waits for a serving engine it has not tried
@@ -60,6 +64,9 @@ class DataParallelFront:
         self._block_size: int | None = None  # the engines' KV block size, from ModelInfo once they serve
         self.started = False
         self.draining = False
+        # Request ids of recent Abort calls: a request waiting for a resend (its engine lost) must not be sent
+        # again after its client aborted it while it waited (no engine held it then to take the abort).
+        self._aborted_ids: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def serving_engines(self) -> list[int]:
         return [index for index, engine in enumerate(self.engines) if engine.serving]
@@ -103,7 +110,11 @@ class DataParallelFront:
         tried: list[EngineLink] = []
         headers_sent = False
         while True:
-            engine = await self._engine_for(key, tried)
+            engine = await self._engine_for(key, tried, lambda: self._aborted(request))
+            if tried and self._aborted(request):  # aborted while no engine held it (its engine lost)
+                if engine is not None:
+                    self.router.release(engine.index)
+                await context.abort(grpc.StatusCode.CANCELLED, "aborted while its engine was lost")
             if engine is None:
                 lost = ", ".join(link.name for link in tried)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"no serving engine took the request ({lost} lost "
@@ -122,8 +133,9 @@ class DataParallelFront:
                 return
             except (grpc.aio.AioRpcError, asyncio.CancelledError) as error:
                 unavailable = isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
-                if not (engine_call.lost or unavailable):
-                    if isinstance(error, asyncio.CancelledError):  # the client went away
+                client_gone = isinstance(error, asyncio.CancelledError) and asyncio.current_task().cancelling()
+                if client_gone or not (engine_call.lost or unavailable):
+                    if isinstance(error, asyncio.CancelledError):  # the client went away (maybe as the engine was lost)
                         raise
                     await context.abort(error.code(), error.details() or "")
                 engine.mark_unreachable()
@@ -135,16 +147,23 @@ class DataParallelFront:
                 engine.done(engine_call)
                 self.router.release(engine.index)
 
-    async def _engine_for(self, key: bytes | None, tried: list[EngineLink]) -> EngineLink | None:
+    def _aborted(self, request: bytes) -> bool:
+        """Whether an Abort named this request's id (checked before a resend, and again after waiting for one)."""
+        with contextlib.suppress(Exception):  # a malformed request was refused by the engine already
+            return generate_pb2.GenerateRequest.FromString(request).request_id in self._aborted_ids
+        return False
+
+    async def _engine_for(self, key: bytes | None, tried: list[EngineLink],
+                          aborted: Callable[[], bool]) -> EngineLink | None:
         """The engine for a request (routed, and counted in flight there): the first try among the serving
         engines (all of them while none is); a resend among the serving ones not tried yet, waiting up to
-        RESEND_WAIT_S for one, else None."""
+        RESEND_WAIT_S for one, else None (None at once once `aborted()`)."""
         if not tried:
             candidates = self.serving_engines() or list(range(len(self.engines)))
             return self.engines[self.router.route(key, candidates)]
         deadline = asyncio.get_running_loop().time() + RESEND_WAIT_S
         while not (candidates := [index for index in self.serving_engines() if self.engines[index] not in tried]):
-            if asyncio.get_running_loop().time() > deadline:
+            if asyncio.get_running_loop().time() > deadline or aborted():
                 return None
             await asyncio.sleep(HEALTH_POLL_SECONDS / 2)
         return self.engines[self.router.route(key, candidates)]
@@ -169,6 +188,9 @@ class DataParallelFront:
             await context.abort(error.code(), error.details() or "")
 
     async def Abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self._aborted_ids[generate_pb2.AbortRequest.FromString(request).request_id] = None
+        while len(self._aborted_ids) > ABORTED_IDS_KEPT:
+            self._aborted_ids.popitem(last=False)
         # Every engine, not only those serving now: one briefly NOT_SERVING may hold the request.
         replies = await self._each_serving("Abort", request, context, every_engine=True)
         aborted = any(generate_pb2.AbortResponse.FromString(reply).aborted for reply in replies.values())

@@ -24,10 +24,18 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, ...]:
     return (2, num_target_layers // 2, num_target_layers - 3)
 
 
-def read_eagle3_config(path: str | Path, num_target_layers: int) -> tuple[ModelConfig, int, tuple[int, ...]]:
+def read_eagle3_config(path: str | Path, num_target_layers: int,
+                       target_positions: int = 0) -> tuple[ModelConfig, int, tuple[int, ...]]:
     """The head's layer as a ModelConfig (one layer: its KV pool and attention are sized from it), its draft
-    vocabulary size and the target layers it reads. Raises ValueError naming what it does not serve."""
+    vocabulary size and the target layers it reads. Raises ValueError naming what it does not serve.
+    `target_positions`: the target's max_position_embeddings. The head runs at the target's positions, so its
+    rotary table covers at least those (published heads often say 2048 for a 128k target: a shorter table was
+    read out of bounds past it); RoPE is a function of the position, so the longer table is the same math."""
     raw = json.loads((Path(path) / "config.json").read_text())
+    missing = [key for key in ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size",
+                               "max_position_embeddings") if key not in raw]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
     architectures = raw.get("architectures") or []
     if not any(name in EAGLE3_ARCHITECTURES for name in architectures):
         raise ValueError(f"architectures {architectures}: not an EAGLE-3 Llama head (served: "
@@ -44,7 +52,7 @@ def read_eagle3_config(path: str | Path, num_target_layers: int) -> tuple[ModelC
         num_hidden_layers=1, num_attention_heads=num_heads,
         num_key_value_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=raw.get("head_dim") or hidden // num_heads, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=raw["max_position_embeddings"],
+        rope_theta=rope_theta, rope_scaling=rope_scaling, max_position_embeddings=max(raw["max_position_embeddings"], target_positions),
         tie_word_embeddings=False, attention_bias=False, bos_token_id=None, eos_token_ids=(),
         hf_config=MappingProxyType(raw))
     layer_ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -64,7 +72,7 @@ def eagle3_refusal(head_dir: str | Path, target: ModelConfig, world_size: int) -
         return (f"an EAGLE-3 head needs a Llama-family target ({', '.join(EAGLE3_TARGETS)}); "
                 f"{target.architecture} is not served with one")
     try:
-        config, _, _ = read_eagle3_config(head_dir, target.num_hidden_layers)
+        config, _, _ = read_eagle3_config(head_dir, target.num_hidden_layers, target.max_position_embeddings)
     except (ValueError, KeyError, OSError) as error:
         return f"cannot serve the EAGLE-3 head {head_dir}: {error}"
     if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
