@@ -67,8 +67,11 @@ class RequestGroup(ABC):
         """A member computed tokens this step (it may have finished)."""
 
     def publish(self) -> Request | None:
-        """Streams what `on_step` held back, if anything (only `SingleSequence` holds any); the engine calls it
-        when it flushes the group's queue. Returns the member that published (it may have finished)."""
+        """Streams what `on_step` held back, if anything (only `SingleSequence` holds any): the tokens of the
+        steps `on_step` heard of, never those of a result applied but not yet heard of (the engine calls
+        `on_step` for them first, or they are not to be streamed: a failed request's last). The engine calls it
+        when it flushes the group's queue, and before it ends the group with an error. Returns the member that
+        published (it may have finished)."""
         return None
 
     def on_prompt_logprobs(self, member_id: str, chunk: PromptLogprobChunk) -> None:
@@ -76,13 +79,14 @@ class RequestGroup(ABC):
         if member_id == self.root.request_id:
             self._prompt_logprobs.add(chunk)
 
-    def abort(self, notify: bool) -> None:
+    def abort(self, notify: bool) -> FinishReason:
         """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence, after
-        the tokens computed before the abort."""
+        the tokens computed before the abort (the engine lets the group hear of an applied result first).
+        Returns how the group ended: ABORT, or STOP when what it held back ended it first (a stop string)."""
         if notify:
-            self.publish()
+            request = self.publish()
             if self.finished:  # what it held back ended it (a stop string): nothing is left to abort
-                return
+                return request.finish_reason or FinishReason.STOP
         for member in list(self.members):
             self.context.scheduler.abort_request(member)
             self._drop(member)
@@ -90,6 +94,7 @@ class RequestGroup(ABC):
             for index in self._unfinished_indices():
                 self.queue.put_nowait(dataclasses.replace(_ABORTED, index=index))
         self._end()
+        return FinishReason.ABORT
 
     def _unfinished_indices(self) -> list[int]:
         return [0]
@@ -161,7 +166,7 @@ class SingleSequence(RequestGroup):
         request, self._unpublished = self._unpublished, None
         if request is None or self.finished:
             return None
-        delta, stopped_by_string = self._stream.advance(request)
+        delta, stopped_by_string = self._stream.advance(request, self._num_noted)
         if stopped_by_string:
             _drop_after_stop(request, self.context.scheduler, self._stream.num_sent_tokens)
         logprobs, ranked = _noted_logprobs(request.request_id, self._noted, len(delta.token_ids))
