@@ -189,22 +189,24 @@ def test_a_failed_request_streams_every_token_before_its_failure_as_unpaced(toke
 
 
 class AbortingWorkerLink(InstantWorkerLink):
-    """Has the client abort r0 (notify) as soon as the result of the step sampling its `num_outputs`-th
-    output token is back: the engine applies that result, then takes the abort before publishing it."""
+    """Has the client abort `request_id` (notify) as soon as the result of the step sampling its
+    `num_outputs`-th output token is back: the engine applies that result, then takes the abort before
+    publishing it."""
 
     engine: Engine
 
-    def __init__(self, sample, num_outputs: int):
+    def __init__(self, sample, num_outputs: int, request_id: str = "r0"):
         super().__init__(sample)
+        self._request_id = request_id
         self._num_outputs = num_outputs
         self._num_sampled = 0
 
     async def receive_result(self, step_id: int):
         result = await super().receive_result(step_id)
-        if "r0" in result.sampled.request_ids:
+        if self._request_id in result.sampled.request_ids:
             self._num_sampled += 1
             if self._num_sampled == self._num_outputs:
-                self.engine.abort("r0", notify=True)
+                self.engine.abort(self._request_id, notify=True)
         return result
 
 
@@ -222,23 +224,25 @@ def test_an_abort_after_a_step_was_applied_streams_its_tokens_with_their_logprob
     assert ending is FinishReason.ABORT and len(token_ids) == len(logprobs) == num_outputs
 
 
-@pytest.mark.parametrize("num_steps_late", [0, 1, 2, 3])
-def test_an_abort_that_finds_a_held_back_stop_string_counts_as_a_stop(tokenizer, words, num_steps_late):
-    """r0's stop string completes at its output `stop_at`; the abort comes `num_steps_late` tokens later, before
-    a paced stream may have looked for it: the request stopped, in its stream and in the metrics."""
-    sample = sampler(words)
-    outputs = [tokenizer.decode([sample("r0", 3 + i) for i in range(end)]) for end in range(31)]
+@pytest.mark.parametrize("stream", range(8))
+def test_an_abort_that_finds_a_held_back_stop_string_counts_as_a_stop(tokenizer, words, stream):
+    """The stream's stop string completes at its output `stop_at` and the abort comes right after that step:
+    a paced stream not flushed in it finds the stop string only when the abort publishes what it held back.
+    The request stopped, in its stream and in the metrics, as unpaced. (Streams 0-7: each is flushed in a
+    different one of four staggered steps, so some are not flushed when their abort comes.)"""
+    request_id, sample = f"r{stream}", sampler(words)
+    outputs = [tokenizer.decode([sample(request_id, 3 + i) for i in range(end)]) for end in range(31)]
     stop_at, stop = next((end, word) for end in range(8, 30)
                          if (word := outputs[end][len(outputs[end - 1]):].strip()) not in outputs[end - 1])
     params = SamplingParams(max_tokens=40, seed=1, stop=(stop,))
 
     def make_link(sample):
-        return AbortingWorkerLink(sample, stop_at + num_steps_late)
+        return AbortingWorkerLink(sample, stop_at, request_id)
 
     unpaced, unpaced_engine = run_streams(tokenizer, words, NUM_STREAMS, params, make_link)
     paced, paced_engine = run_streams(tokenizer, words, 3, params, make_link)
     assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
-    assert summary(paced[0])[3] is FinishReason.STOP and len(summary(paced[0])[1]) == stop_at
+    assert summary(paced[stream])[3] is FinishReason.STOP and len(summary(paced[stream])[1]) == stop_at
     assert paced_engine.serving_metrics().num_finished == unpaced_engine.serving_metrics().num_finished
 
 

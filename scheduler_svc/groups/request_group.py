@@ -19,7 +19,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from scheduler_svc.core.request import FinishReason, Request
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_outcome import StepOutcome
 from scheduler_svc.core.token_logprobs import PromptLogprobChunk, PromptLogprobs, TokenLogprob
@@ -322,7 +322,11 @@ def _noted_logprobs(request_id: str, noted: list[tuple[StepOutcome, int]], num_t
 def _drop_after_stop(request: Request, scheduler: Scheduler, num_output_tokens: int) -> None:
     """A stop string ended `request` at its first `num_output_tokens` outputs: it finishes (STOP wins over a
     length or stop token that ended it later), and the tokens it computed after them are no output."""
-    scheduler.finish_request(request.request_id, FinishReason.STOP)
+    if not scheduler.finish_request(request.request_id, FinishReason.STOP):
+        # The scheduler ended it already, at a later token (a stream published late: max_tokens, or a stop
+        # token): the client is told STOP, and the engine's metrics read the reason here.
+        request.status = RequestStatus.finished_by(FinishReason.STOP)
+        request.finish_reason = FinishReason.STOP
     del request.output_token_ids[num_output_tokens:]
 
 
