@@ -25,6 +25,7 @@ from scheduler_svc.core.validated_request import ResumedOutput, ValidatedRequest
 from scheduler_svc.engine import Engine, RequestFailedError
 from scheduler_svc.groups.request_group import StreamEnd
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
+from scheduler_svc.worker_io.worker_link import WorkerFailure
 from service_runtime.model_source import resolve_model
 
 NUM_STREAMS = 12
@@ -269,3 +270,69 @@ def test_resumed_and_preempted_streams_get_what_unpaced_streams_get(tokenizer, w
         assert ending is FinishReason.LENGTH and len(token_ids) == len(logprobs) == 40 - len(before)
         whole = tokenizer.decode([*before, *token_ids])
         assert text == (whole[len(tokenizer.decode(list(before))) - 1:] if before else whole)
+
+
+class CrashingWorkerLink(InstantWorkerLink):
+    """A worker that dies (WorkerFailure) in every step that would sample r0's `num_outputs`-th output
+    token: a poison request, which the engine fails after repeated losses (worker_loss_suspects.py)."""
+
+    def __init__(self, sample, num_outputs: int):
+        self._poison_position = 3 + num_outputs - 1  # r0's prompt is 3 tokens
+
+        def sample_or_crash(request_id: str, position: int) -> int:
+            if request_id == "r0" and position == self._poison_position:
+                self._poisoned = True
+            return sample(request_id, position)
+
+        super().__init__(sample_or_crash)
+        self._poisoned = False
+        self._crashing_steps: set[int] = set()
+
+    async def send_plan(self, message) -> None:
+        await super().send_plan(message)
+        if self._poisoned:
+            self._poisoned = False
+            self._crashing_steps.add(message.plan.step_id)
+
+    async def receive_result(self, step_id: int):
+        if step_id in self._crashing_steps:
+            self._crashing_steps.clear()  # a plan sent to the dead worker is never answered
+            raise WorkerFailure("the worker died")
+        return await super().receive_result(step_id)
+
+
+def run_through_worker_losses(tokenizer, words, max_messages_per_step: int, params: SamplingParams,
+                              num_outputs: int) -> list[list]:
+    """Runs streams on a worker that crashes at r0's `num_outputs`-th token, recovering (as the service does:
+    new workers, requests recomputed) until the engine gives r0 up."""
+    async def main():
+        engine, scheduler = make_engine(tokenizer, words, max_messages_per_step,
+                                        lambda sample: CrashingWorkerLink(sample, num_outputs))
+        queues = [engine.submit(f"r{i}", ValidatedRequest([words[i], words[i + 1], 5], params))[0]
+                  for i in range(NUM_STREAMS)]
+        readers = asyncio.gather(*(read_all(queue) for queue in queues))
+        for _ in range(10):
+            with pytest.raises(WorkerFailure):
+                await asyncio.wait_for(engine.run(), 60)
+            if engine.recover_from_worker_loss(BlockManager(4, 512, 0), WorkerFailure("the worker died"), 1):
+                break
+        loop = asyncio.create_task(engine.run())
+        items = await asyncio.wait_for(readers, 60)
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+        assert not scheduler.has_unfinished_requests()
+        return items
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("num_outputs", [13, 14, 15, 16])
+def test_a_request_failed_after_worker_losses_streams_every_token_before_its_failure_as_unpaced(
+        tokenizer, words, num_outputs):
+    params = SamplingParams(max_tokens=30, seed=1)
+    unpaced = run_through_worker_losses(tokenizer, words, NUM_STREAMS, params, num_outputs)
+    paced = run_through_worker_losses(tokenizer, words, 3, params, num_outputs)
+    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    _, token_ids, logprobs, ending = summary(paced[0])
+    assert ending[0] is RequestFailedError and len(token_ids) == len(logprobs) == num_outputs - 1
