@@ -145,22 +145,48 @@ def test_an_abort_streams_every_token_computed_before_it_then_ends(tokenizer, wo
     assert not engine.is_in_flight("r0") and not engine.is_in_flight("r1")
 
 
-class FailingWorkerLink(InstantWorkerLink):
-    """Reports r0 failed (StepResult.failed_requests, as a grammar failure) in the step that samples its
-    `num_outputs`-th output token."""
+class NthOutputLink(InstantWorkerLink):
+    """Acts on the result of the step that samples `request_id`'s `num_outputs`-th output token, before the
+    engine gets it: `at_output(link, result)`."""
 
-    def __init__(self, sample, num_outputs: int):
+    engine: Engine
+
+    def __init__(self, sample, num_outputs: int, at_output: Callable[[NthOutputLink, object], None],
+                 request_id: str = "r0"):
         super().__init__(sample)
+        self.request_id = request_id
         self._num_outputs = num_outputs
+        self._at_output = at_output
         self._num_sampled = 0
 
     async def receive_result(self, step_id: int):
         result = await super().receive_result(step_id)
-        if "r0" in result.sampled.request_ids:
+        if self.request_id in result.sampled.request_ids:
             self._num_sampled += 1
             if self._num_sampled == self._num_outputs:
-                result.failed_requests.add(request_id="r0", reason="the grammar refused the token")
+                self._at_output(self, result)
         return result
+
+
+def fail_request(link: NthOutputLink, result) -> None:
+    """The worker reports the request failed (StepResult.failed_requests, as a grammar failure)."""
+    result.failed_requests.add(request_id=link.request_id, reason="the grammar refused the token")
+
+
+def abort_request(link: NthOutputLink, result) -> None:
+    """The client aborts the request (notify) as the result comes back: the engine applies the result, then
+    takes the abort before publishing it."""
+    link.engine.abort(link.request_id, notify=True)
+
+
+def paced_as_unpaced(tokenizer, words, params: SamplingParams, make_link=InstantWorkerLink,
+                     **options) -> tuple[list[list], Engine, Engine]:
+    """Runs the streams unpaced and paced (each stream flushed every 4th step), checks that every client got
+    the same, and returns the paced streams' items, then the paced and the unpaced engine."""
+    unpaced, unpaced_engine = run_streams(tokenizer, words, NUM_STREAMS, params, make_link, **options)
+    paced, paced_engine = run_streams(tokenizer, words, 3, params, make_link, **options)
+    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    return paced, paced_engine, unpaced_engine
 
 
 def summary(items) -> tuple:
@@ -177,50 +203,20 @@ def test_a_failed_request_streams_every_token_before_its_failure_as_unpaced(toke
     """What pacing held back is streamed before the error, and the failing step's token is not."""
     params = SamplingParams(max_tokens=30, seed=1)
 
-    def make_link(sample):
-        return FailingWorkerLink(sample, num_outputs)
-
-    unpaced, _ = run_streams(tokenizer, words, NUM_STREAMS, params, make_link)
-    paced, _ = run_streams(tokenizer, words, 3, params, make_link)
-    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    paced, _, _ = paced_as_unpaced(tokenizer, words, params, lambda sample: NthOutputLink(sample, num_outputs,
+                                                                                         fail_request))
     text, token_ids, logprobs, ending = summary(paced[0])
     assert ending[0] is RequestFailedError
     assert len(token_ids) == len(logprobs) == num_outputs - 1 and text == tokenizer.decode(list(token_ids))
     assert all(summary(items)[3] is FinishReason.LENGTH for items in paced[1:])
 
 
-class AbortingWorkerLink(InstantWorkerLink):
-    """Has the client abort `request_id` (notify) as soon as the result of the step sampling its
-    `num_outputs`-th output token is back: the engine applies that result, then takes the abort before
-    publishing it."""
-
-    engine: Engine
-
-    def __init__(self, sample, num_outputs: int, request_id: str = "r0"):
-        super().__init__(sample)
-        self._request_id = request_id
-        self._num_outputs = num_outputs
-        self._num_sampled = 0
-
-    async def receive_result(self, step_id: int):
-        result = await super().receive_result(step_id)
-        if self._request_id in result.sampled.request_ids:
-            self._num_sampled += 1
-            if self._num_sampled == self._num_outputs:
-                self.engine.abort(self._request_id, notify=True)
-        return result
-
-
 @pytest.mark.parametrize("num_outputs", [13, 14, 15, 16])
 def test_an_abort_after_a_step_was_applied_streams_its_tokens_with_their_logprobs(tokenizer, words, num_outputs):
     params = SamplingParams(max_tokens=30, seed=1, logprobs=0)
 
-    def make_link(sample):
-        return AbortingWorkerLink(sample, num_outputs)
-
-    unpaced, _ = run_streams(tokenizer, words, NUM_STREAMS, params, make_link)
-    paced, _ = run_streams(tokenizer, words, 3, params, make_link)
-    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    paced, _, _ = paced_as_unpaced(tokenizer, words, params, lambda sample: NthOutputLink(sample, num_outputs,
+                                                                                         abort_request))
     _, token_ids, logprobs, ending = summary(paced[0])
     assert ending is FinishReason.ABORT and len(token_ids) == len(logprobs) == num_outputs
 
@@ -237,12 +233,8 @@ def test_an_abort_that_finds_a_held_back_stop_string_counts_as_a_stop(tokenizer,
                          if (word := outputs[end][len(outputs[end - 1]):].strip()) not in outputs[end - 1])
     params = SamplingParams(max_tokens=40, seed=1, stop=(stop,))
 
-    def make_link(sample):
-        return AbortingWorkerLink(sample, stop_at, request_id)
-
-    unpaced, unpaced_engine = run_streams(tokenizer, words, NUM_STREAMS, params, make_link)
-    paced, paced_engine = run_streams(tokenizer, words, 3, params, make_link)
-    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    paced, paced_engine, unpaced_engine = paced_as_unpaced(
+        tokenizer, words, params, lambda sample: NthOutputLink(sample, stop_at, abort_request, request_id))
     assert summary(paced[stream])[3] is FinishReason.STOP and len(summary(paced[stream])[1]) == stop_at
     assert paced_engine.serving_metrics().num_finished == unpaced_engine.serving_metrics().num_finished
 
@@ -259,11 +251,9 @@ def test_resumed_and_preempted_streams_get_what_unpaced_streams_get(tokenizer, w
         text = tokenizer.decode(list(received[i]))
         return ResumedOutput(received[i], num_sent_chars=len(text) - 1, cumulative_logprob=-float(i))
 
-    unpaced, unpaced_engine = run_streams(tokenizer, words, NUM_STREAMS, params, num_kv_blocks=60, resume=resume)
-    paced, paced_engine = run_streams(tokenizer, words, 3, params, num_kv_blocks=60, resume=resume)
+    paced, paced_engine, unpaced_engine = paced_as_unpaced(tokenizer, words, params, num_kv_blocks=60,
+                                                           resume=resume)
     assert paced_engine.stats().num_preemptions > 0 and unpaced_engine.stats().num_preemptions > 0
-    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
-    assert [items[-1].cumulative_logprob for items in paced] == [items[-1].cumulative_logprob for items in unpaced]
     for i, items in enumerate(paced):
         text, token_ids, logprobs, ending = summary(items)
         before = received.get(i, ())
