@@ -323,12 +323,10 @@ class Engine:
             group = owners[member_id]
             if group.finished:
                 continue
-            group.queue.put_nowait(RequestFailedError(  # before the StreamEnd that abort queues
-                f"the worker failed {losses} times while running this request (last: {failure}); it is not "
-                "retried"))
-            group.abort(notify=False)
-            self._forget(group)
-            failed += 1
+            if self._end_with_error(group, RequestFailedError(
+                    f"the worker failed {losses} times while running this request (last: {failure}); it is not "
+                    "retried")):
+                failed += 1
         self._scheduler.hold(self._suspects.held(self._group_of))
         return failed
 
@@ -338,15 +336,26 @@ class Engine:
         group = self._context.owners.get(member_id)
         if group is None or group.finished:
             return
-        group.queue.put_nowait(RequestFailedError(reason))  # before the StreamEnd that abort queues
+        self._end_with_error(group, RequestFailedError(reason))
+
+    def _end_with_error(self, group: RequestGroup, error: Exception) -> bool:
+        """Ends `group`'s stream with `error` after what it held back for stream pacing: the client gets every
+        token that publishing each step would have streamed before the error. Returns False when that ended
+        the request first (a stop string found late): it stopped, no error is sent."""
+        request = group.publish()
+        if group.finished:
+            self._forget(group, request.finish_reason or FinishReason.STOP)
+            return False
+        group.queue.put_nowait(error)  # before the StreamEnd that abort queues
         group.abort(notify=False)
         self._forget(group)
+        return True
 
     def abort_all(self) -> None:
         """Server-side abort of everything in flight (shutdown): each stream ends with finish_reason abort."""
+        self._publish_applied()  # the loop may be parked with a result applied: its tokens come before the end
         for group in list(self._groups.values()):
-            group.abort(notify=True)
-            self._forget(group)
+            self._forget(group, group.abort(notify=True))
 
     async def _idle(self, has_work: bool) -> None:
         for group in list(self._groups.values()):  # nothing runs: nothing held back for pacing may wait longer
@@ -364,12 +373,15 @@ class Engine:
 
     def _drain_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
+        if any(isinstance(command, _Abort) and command.notify for command in inbox):
+            # An explicit abort streams every token computed before it, with its step's outcome (logprobs):
+            # a result applied but not yet published (`run`) is published first.
+            self._publish_applied()
         for command in inbox:
             if isinstance(command, _Abort):
                 group = self._groups.get(command.request_id)
                 if group is not None:
-                    group.abort(command.notify)
-                    self._forget(group)
+                    self._forget(group, group.abort(command.notify))
                 continue
             if self._groups.get(command.request_id) is not command or command.finished:
                 continue  # aborted before admission

@@ -19,7 +19,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from scheduler_svc.core.request import FinishReason, Request
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.step_outcome import StepOutcome
 from scheduler_svc.core.token_logprobs import PromptLogprobChunk, PromptLogprobs, TokenLogprob
@@ -67,8 +67,11 @@ class RequestGroup(ABC):
         """A member computed tokens this step (it may have finished)."""
 
     def publish(self) -> Request | None:
-        """Streams what `on_step` held back, if anything (only `SingleSequence` holds any); the engine calls it
-        when it flushes the group's queue. Returns the member that published (it may have finished)."""
+        """Streams what `on_step` held back, if anything (only `SingleSequence` holds any): the tokens of the
+        steps `on_step` heard of, never those of a result applied but not yet heard of (the engine calls
+        `on_step` for them first, or they are not to be streamed: a failed request's last). The engine calls it
+        when it flushes the group's queue, and before it ends the group with an error. Returns the member that
+        published (it may have finished)."""
         return None
 
     def on_prompt_logprobs(self, member_id: str, chunk: PromptLogprobChunk) -> None:
@@ -76,13 +79,14 @@ class RequestGroup(ABC):
         if member_id == self.root.request_id:
             self._prompt_logprobs.add(chunk)
 
-    def abort(self, notify: bool) -> None:
+    def abort(self, notify: bool) -> FinishReason:
         """Aborts every member; with notify, the stream gets an ABORT message per unfinished sequence, after
-        the tokens computed before the abort."""
+        the tokens computed before the abort (the engine lets the group hear of an applied result first).
+        Returns how the group ended: ABORT, or STOP when what it held back ended it first (a stop string)."""
         if notify:
-            self.publish()
+            request = self.publish()
             if self.finished:  # what it held back ended it (a stop string): nothing is left to abort
-                return
+                return request.finish_reason or FinishReason.STOP
         for member in list(self.members):
             self.context.scheduler.abort_request(member)
             self._drop(member)
@@ -90,6 +94,7 @@ class RequestGroup(ABC):
             for index in self._unfinished_indices():
                 self.queue.put_nowait(dataclasses.replace(_ABORTED, index=index))
         self._end()
+        return FinishReason.ABORT
 
     def _unfinished_indices(self) -> list[int]:
         return [0]
@@ -161,7 +166,7 @@ class SingleSequence(RequestGroup):
         request, self._unpublished = self._unpublished, None
         if request is None or self.finished:
             return None
-        delta, stopped_by_string = self._stream.advance(request)
+        delta, stopped_by_string = self._stream.advance(request, self._num_noted)
         if stopped_by_string:
             _drop_after_stop(request, self.context.scheduler, self._stream.num_sent_tokens)
         logprobs, ranked = _noted_logprobs(request.request_id, self._noted, len(delta.token_ids))
@@ -317,7 +322,11 @@ def _noted_logprobs(request_id: str, noted: list[tuple[StepOutcome, int]], num_t
 def _drop_after_stop(request: Request, scheduler: Scheduler, num_output_tokens: int) -> None:
     """A stop string ended `request` at its first `num_output_tokens` outputs: it finishes (STOP wins over a
     length or stop token that ended it later), and the tokens it computed after them are no output."""
-    scheduler.finish_request(request.request_id, FinishReason.STOP)
+    if not scheduler.finish_request(request.request_id, FinishReason.STOP):
+        # The scheduler ended it already, at a later token (a stream published late: max_tokens, or a stop
+        # token): the client is told STOP, and the engine's metrics read the reason here.
+        request.status = RequestStatus.finished_by(FinishReason.STOP)
+        request.finish_reason = FinishReason.STOP
     del request.output_token_ids[num_output_tokens:]
 
 

@@ -79,19 +79,26 @@ class OutputStream:
         """Output tokens consumed (streamed, or dropped after a stop string: those are never consumed)."""
         return self._num_sent_tokens
 
-    def advance(self, request: Request) -> tuple[OutputDelta, bool]:
+    def advance(self, request: Request, num_output_tokens: int | None = None) -> tuple[OutputDelta, bool]:
         """Consumes the request's tokens not yet seen, of one step or of several (a stream published only
-        when its queue is flushed: request_group.py). Returns the delta to stream and whether a stop string
-        ended the request (the caller must then finish it in the scheduler, and drop the output tokens after
-        the delta's: the tokens after the one that completed the stop string are not part of the output).
+        when its queue is flushed: request_group.py), up to its first `num_output_tokens` outputs if given
+        (those whose steps' outcomes its owner has heard of; the request's finish reason then counts only if
+        they are all of its tokens). Returns the delta to stream and whether a stop string ended the request
+        (the caller must then finish it in the scheduler, and drop the output tokens after the delta's: the
+        tokens after the one that completed the stop string are not part of the output).
 
         With stop strings, the tokens are checked as if each came in its own step (a request with stop strings
         gets no draft tokens, so each step gave it one token): the stop string completed first in the new text
         is the one a check after each token finds first, and the token whose text reaches its end ends the
         request, however many steps the stream was published late."""
-        new_ids = request.output_token_ids[self._num_sent_tokens :]
+        output_token_ids = request.output_token_ids
         first = self._num_sent_tokens
         finish_reason = request.finish_reason
+        if num_output_tokens is not None and num_output_tokens < len(output_token_ids):
+            new_ids = output_token_ids[first:num_output_tokens]
+            finish_reason = None  # the token that ended it is not among them
+        else:
+            new_ids = output_token_ids[first:]
         stopped_by_string = False
         matcher = self._stop_matcher
         if matcher is None:
