@@ -1,7 +1,7 @@
 """A model the worker refuses while loading it: its exception and the exit code that tells the launcher so.
 
 Why a code of its own: most refusals are found from config.json before any child starts
-(pagedserve/launcher.py resolve_servable_model), but some only while the worker reads the checkpoint (a
+(pagedserve/serve_checks.py resolve_servable_model), but some only while the worker reads the checkpoint (a
 tensor the model has no parameter for, a shape that does not match, a missing one). Such a worker would fail
 the same way at every start, so it is not a crash to recover from: it leaves with one line (no traceback)
 and LOAD_REFUSED_EXIT_CODE, and the launcher stops the stack without restarting it or spending

@@ -1,7 +1,7 @@
 """What a checkpoint's config.json may ask for that the model files cannot serve, refused from config.json alone.
 
 Why here and not in each model's constructor: ModelConfig applies these (model_config.py), and the launcher
-reads ModelConfig before any child starts (pagedserve/launcher.py resolve_servable_model), without torch. A
+reads ModelConfig before any child starts (pagedserve/serve_checks.py resolve_servable_model), without torch. A
 feature refused only when the worker builds the model surfaced as the worker's traceback after the scheduler
 and the gateway had started, once per restart. So this module imports nothing heavy, and the model files take
 what passes here as given.
