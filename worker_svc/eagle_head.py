@@ -53,6 +53,10 @@ EAGLE3_METHOD = "eagle3"
 
 
 class EagleHead:
+    """The worker's EAGLE-3 proposer beside the target: the head's weights, its own KV pool on the target's block
+    ids, and the step's target states kept from the forward (`mirror`) until the tokens are known
+    (`after_sampling`). Owned by the model runner; the same interface as DraftModel (module docstring)."""
+
     allows_overlap = False  # `after_sampling` needs the step's tokens before the next step launches
 
     def __init__(self, setup: worker_pb2.DraftModelSetup, target_model: torch.nn.Module, target_config: ModelConfig,

@@ -16,6 +16,10 @@ from protos.pagedserve.v1 import worker_pb2
 
 
 class InstantWorkerLink:
+    """A stand-in for the scheduler's WorkerLink that answers each plan at once with `sample(request_id,
+    num_tokens)`'s token per scheduled row: the scheduler's host time measured without a worker or a GPU
+    (benchmarks/scheduler_host_time.py) and failures injected at a chosen step (`on_plan`)."""
+
     last_result_wait_s = 0.0  # as WorkerLink's: nothing is ever waited for
 
     def __init__(self, sample: Callable[[str, int], int], on_plan: Callable[[worker_pb2.StepPlan], None] | None = None):
