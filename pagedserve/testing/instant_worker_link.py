@@ -16,9 +16,9 @@ from protos.pagedserve.v1 import worker_pb2
 
 
 class InstantWorkerLink:
-    """A stand-in for the scheduler's WorkerLink that answers each plan at once with `sample(request_id,
-    num_tokens)`'s token per scheduled row: the scheduler's host time measured without a worker or a GPU
-    (benchmarks/scheduler_host_time.py) and failures injected at a chosen step (`on_plan`)."""
+    """The stand-in link (module docstring): per request the prompt and computed token counts it read from the
+    plans, and each step's result until the engine takes it. `on_plan` sees every plan first (tests: count steps,
+    act at a request's n-th output)."""
 
     last_result_wait_s = 0.0  # as WorkerLink's: nothing is ever waited for
 
