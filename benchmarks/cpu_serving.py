@@ -184,6 +184,19 @@ def medians(rounds: list[dict]) -> dict:
     return {**per_concurrency, **{key: statistics.median(r[key] for r in rounds) for key in SERVER_FIGURES}}
 
 
+def write_summary(summary: dict, engines: dict, out: Path) -> None:
+    """Medians of the rounds so far and, with vLLM, whether the two engines' greedy texts match, into `out`."""
+    for name in engines:
+        summary[name]["median"] = medians(summary[name]["rounds"])
+    if len(engines) == 2:
+        texts = [summary[name]["rounds"][0]["greedy"] for name in engines]
+        summary["greedy_texts_match"] = {
+            "chat": texts[0]["chat"] == texts[1]["chat"],
+            "completions": sum(a == b for a, b in zip(texts[0]["completions"], texts[1]["completions"])),
+            "of": len(GREEDY_PROMPTS)}
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def machine() -> dict:
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor())
@@ -219,25 +232,18 @@ def main() -> int:
                                                         "concurrency": list(CONCURRENCIES)},
                      "pagedserve_flags": ["--max-num-batched-tokens", str(args.max_num_batched_tokens),
                                           *shlex.split(args.engine_flags)],
-                     **({"vllm_flags": list(VLLM_FLAGS)} if args.vllm else {}),
+                     **({"vllm_flags": list(VLLM_FLAGS), "vllm_model": args.vllm_model} if args.vllm else {}),
                      "model": args.model or "embedded SmolLM2-135M-Instruct (Q4_1 GGUF, served as float32)"}
     engines = {"pagedserve": pagedserve_round, **({"vllm": vllm_round} if args.vllm else {})}
     for name in engines:
-        summary[name] = {"rounds": [], "load_average": []}
+        summary[name] = {"rounds": [], "load_average": [], "load_average_end": []}
+    out = result_dir / f"{args.label}.json"
     for round_index in range(args.rounds):  # engines alternate within a round: back to back under the same load
         for name, run_round in engines.items():
             summary[name]["load_average"].append(os.getloadavg()[0])
             summary[name]["rounds"].append(run_round(raw_dir, round_index, args))
-    for name in engines:
-        summary[name]["median"] = medians(summary[name]["rounds"])
-    if args.vllm:
-        texts = [summary[name]["rounds"][0]["greedy"] for name in engines]
-        summary["greedy_texts_match"] = {
-            "chat": texts[0]["chat"] == texts[1]["chat"],
-            "completions": sum(a == b for a, b in zip(texts[0]["completions"], texts[1]["completions"])),
-            "of": len(GREEDY_PROMPTS)}
-    out = result_dir / f"{args.label}.json"
-    out.write_text(json.dumps(summary, indent=2) + "\n")
+            summary[name]["load_average_end"].append(os.getloadavg()[0])
+        write_summary(summary, engines, out)  # after every round: an interrupted run keeps its finished rounds
     print(json.dumps({**{name: summary[name]["median"] for name in engines},
                       "greedy_texts_match": summary.get("greedy_texts_match")}, indent=2))
     print(f"wrote {out}")
