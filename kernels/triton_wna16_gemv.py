@@ -8,7 +8,10 @@ multiplies one row by every weight, and must read the weights at the card's band
 At 4 bits that is about ten billion weights a second on an H100/H200, and the card issues about thirty billion
 thread instructions a second: three instructions per weight, everything included. The GEMM spends more than that
 (unpack with a shift and a mask per value, an int-to-float conversion or bf16 arithmetic, the scale, then the
-layout change into the MMA's operand registers) and reached 20-28% of the copy bandwidth. Here a weight costs one LOP3 (mask and OR), one FFMA and half a shift:
+layout change into the MMA's operand registers) and reached 20-28% of the copy bandwidth. Here a weight costs one
+LOP3 (mask and OR), one FFMA and half a shift (about four SASS instructions per weight with x's handling: on an
+H200 29-53% of the copy bandwidth, still bound by instructions; two values per instruction would need bf16x2
+arithmetic, which Triton does not emit from plain code):
 
 - a value q ORed into a float32's mantissa under the exponent of 1.0 reads as f = 1 + q * 2**(p - 23), p its
   lowest bit's position (no conversion instruction). One shift of a 4-bit word puts an odd value at bit 19 (f = 1
@@ -89,7 +92,8 @@ def launch_plan(num_rows: int, n_size: int, k_size: int, bits: int, group_size: 
         if group_size % (step_words * pack):
             raise ValueError(f"group_size {group_size} is not a multiple of {pack} (the values per packed word)")
     steps = triton.cdiv(triton.cdiv(k_size, pack), step_words)
-    wanted = splits or min(MAX_SPLITS, triton.cdiv(tiles.target_programs, num_rows * triton.cdiv(n_size, tiles.block_n)))
+    tiles_per_row = triton.cdiv(n_size, tiles.block_n)
+    wanted = splits or min(MAX_SPLITS, triton.cdiv(tiles.target_programs, num_rows * tiles_per_row))
     count = split_count(1, steps, wanted)
     return GemvPlan(tiles, step_words, triton.cdiv(steps, count), count)
 
