@@ -35,27 +35,28 @@ from worker_svc.worker import Worker  # noqa: E402
 def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
                      spread: bool = False, overlap: bool = False, rank: int = 0, world_size: int = 1,
                      init_method: str | None = None, custom_all_reduce: bool = True, batch_invariant: bool = False,
-                     draft_tokens: int = 0):
-    """A real `Worker` (random weights of `shape`, bf16, CUDA) holding `batch` greedy requests of `prompt`
+                     draft_tokens: int = 0, **worker_options):
+    """A real `Worker` (random weights of `shape`, bf16, CUDA; `worker_options`: more WorkerConfig fields, such as
+    quantization="fp8" or kv_cache_dtype="fp8") holding `batch` greedy requests of `prompt`
     tokens, prefilled; returns a function that runs one decode step over all of them. With `overlap`, each
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
     planning ahead (call `torch.cuda.synchronize()` after the last). `rank` of `world_size` (meeting at
     `init_method`) makes it one tensor-parallel rank on cuda:rank; every rank must be fed the same steps."""
     worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method, custom_all_reduce,
-                           batch_invariant)
+                           batch_invariant, **worker_options)
     return prefill(worker, batch, prompt, spread=spread, overlap=overlap, draft_tokens=draft_tokens)[0]
 
 
 def decode_worker(shape: str, batch: int, cuda_graphs: bool = True, num_kv_blocks: int | None = None,
                   rank: int = 0, world_size: int = 1, init_method: str | None = None,
-                  custom_all_reduce: bool = True, batch_invariant: bool = False) -> Worker:
+                  custom_all_reduce: bool = True, batch_invariant: bool = False, **worker_options) -> Worker:
     """A real `Worker` (random weights of `shape`, bf16, CUDA) set up for `batch` requests of up to 768 tokens."""
     model_dir = write_config_dir(shape, Path(tempfile.mkdtemp()) / shape)
     worker = Worker(WorkerConfig(scheduler_address="", model=str(model_dir), device=f"cuda:{rank}", dtype="bfloat16",
                                  load_format="dummy", swap_space=0.1, num_kv_blocks=num_kv_blocks or batch * 48,
                                  cuda_graphs=cuda_graphs, rank=rank, world_size=world_size,
                                  distributed_init_method=init_method, custom_all_reduce=custom_all_reduce,
-                                 batch_invariant=batch_invariant))
+                                 batch_invariant=batch_invariant, **worker_options))
     worker.setup(worker_pb2.WorkerSetup(block_size=16, max_num_seqs=batch, max_num_batched_tokens=16384,
                                         max_model_len=1024))
     gc.freeze()  # as the serving loop does after setup: full collections then skip the model's objects
@@ -130,7 +131,8 @@ def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -
                                    num_kv_blocks=args.num_kv_blocks, spread=args.spread, overlap=args.overlap,
                                    rank=rank, world_size=world_size, init_method=init_method,
                                    custom_all_reduce=not args.disable_custom_all_reduce,
-                                   batch_invariant=args.batch_invariant, draft_tokens=args.draft_tokens)
+                                   batch_invariant=args.batch_invariant, draft_tokens=args.draft_tokens,
+                                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     for _ in range(5):
         decode_step()
     torch.cuda.synchronize()
@@ -153,7 +155,8 @@ def profile_rank(rank: int, args: argparse.Namespace, init_method: str | None) -
     print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
     print(profiler.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
     summary = {"device": torch.cuda.get_device_name(0), "shape": args.shape, "batch": args.batch,
-               "draft_tokens": args.draft_tokens,
+               "draft_tokens": args.draft_tokens, "quantization": args.quantization,
+               "kv_cache_dtype": args.kv_cache_dtype,
                "prompt": args.prompt, "tensor_parallel_size": world_size,
                "custom_all_reduce": world_size > 1 and not args.disable_custom_all_reduce, "cuda_graphs": not args.no_cuda_graphs,
                "decode_step_wall_ms": step_ms, "profiled_step_wall_ms": 1e3 * profiled_s / 5,
@@ -182,6 +185,8 @@ def main() -> int:
     parser.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     parser.add_argument("--batch-invariant", action="store_true", help="the worker's --batch-invariant kernels")
     parser.add_argument("--draft-tokens", type=int, default=0, help="speculative drafts verified per request")
+    parser.add_argument("--quantization", "-q", default=None, help="the worker's --quantization (e.g. fp8)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="the worker's --kv-cache-dtype (auto, fp8)")
     parser.add_argument("--json", default=None, help="write the step's figures here")
     args = parser.parse_args()
     if args.tensor_parallel_size == 1:

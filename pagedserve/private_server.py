@@ -110,8 +110,17 @@ def server_argv(model: str | None, options: Mapping[str, Any]) -> list[str]:
         elif action.nargs == "+" and isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)] if value else []
         elif value is not None:
-            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+            argv += [flag, _flag_text(value)]
     return argv
+
+
+def _flag_text(value: Any) -> str:
+    """A flag's value as its command line writes it: a dict as JSON, a value the flag's parser built (such as
+    `bench`'s parsed --speculative-config) by its own `to_json`, anything else by str."""
+    if isinstance(value, dict):
+        return json.dumps(value)
+    to_json = getattr(value, "to_json", None)
+    return to_json() if callable(to_json) else str(value)
 
 
 def _negative_flag(action: argparse.BooleanOptionalAction) -> str:

@@ -85,6 +85,15 @@ def test_only_engine_flags_that_differ_from_their_defaults_reach_the_server_as_s
     assert "--max-num-seqs" not in argv  # its default: left to the server
 
 
+def test_a_parsed_speculative_config_goes_to_the_server_as_the_json_it_came_from():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1024}'
+    args = parse_args(["bench", "throughput", "--model", "m", "--speculative-config", spec])
+    argv = server_argv(args.model, engine_options(args))
+    served = parse_args(["serve", *argv])
+    assert served.speculative_config == args.speculative_config
+    assert served.speculative_config.disable_by_batch_size == 1024
+
+
 @pytest.mark.parametrize("command, flags, message", [
     ("throughput", ["--num-prompts", "0"], "--num-prompts must be at least 1"),
     ("throughput", ["--disable-detokenize"], "--disable-detokenize: not supported"),
