@@ -42,8 +42,10 @@ def prefilled_worker(shape: str, batch: int, prompt: int, cuda_graphs: bool = Tr
     call launches a step and then finishes the previous one, as the serving loop does with the scheduler
     planning ahead (call `torch.cuda.synchronize()` after the last). `rank` of `world_size` (meeting at
     `init_method`) makes it one tensor-parallel rank on cuda:rank; every rank must be fed the same steps."""
-    worker = decode_worker(shape, batch, cuda_graphs, num_kv_blocks, rank, world_size, init_method, custom_all_reduce,
-                           batch_invariant, **worker_options)
+    # Room for a verification step's rows x (1 + drafts) one-token decodes, as a serving engine's max_num_seqs
+    # leaves them: the step then runs through the decode graphs, as it does when serving.
+    worker = decode_worker(shape, batch * (1 + draft_tokens), cuda_graphs, num_kv_blocks or batch * 48, rank,
+                           world_size, init_method, custom_all_reduce, batch_invariant, **worker_options)
     return prefill(worker, batch, prompt, spread=spread, overlap=overlap, draft_tokens=draft_tokens)[0]
 
 
