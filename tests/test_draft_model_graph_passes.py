@@ -1,11 +1,11 @@
 """A draft model's passes through the decode graphs' buffers (worker_svc/decode_graphs.py, which a GPU replays
-as CUDA graphs and the CPU runs eagerly over the same buffers) propose exactly what its eager passes propose:
-the same tokens, the same q for rows that sample, step after step of verified drafts, and the draft model's own
-continuation of each row (a worker serving it alone, greedy or with the row's seeded sampling). Proposal passes after the
-first take their input tokens, the previous pass's proposals, on the device (the decode graphs' pending-token
-path), in a bucket larger than their rows; rows of different lengths, proposals that run past a row's blocks
-into its scratch blocks, rows proposing fewer than k near max_model_len, and a verification step that the
-mirror runs as one decode graph."""
+as CUDA graphs and the CPU runs eagerly over the same buffers) propose exactly what its eager passes propose
+(the same tokens, the same q for rows that sample, step after step of verified drafts) and the draft model's
+own continuation of each row (a worker serving it alone, greedy or with the row's seeded sampling). Proposal
+passes after the first take their input tokens, the previous pass's proposals, on the device (the decode
+graphs' pending-token path), in a bucket larger than their rows; rows of different lengths, proposals that run
+past a row's blocks into its scratch blocks, rows proposing fewer than k near max_model_len, a row in the middle
+that stops proposing before the others, and a verification step that the mirror runs as one decode graph."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def num_kv_blocks(
     if draft is not None and draft.model is not None and draft.captured:  # the draft's pass was the last
         draft_graph_bytes = max(0, pass_peak - before - profile_blocks * draft.bytes_per_block)
         reserved += draft_graph_bytes
-        logger.info("memory profile: %.2f GiB kept for the draft model's CUDA graphs", draft_graph_bytes / GIB)
+        logger.info("memory profile: %.1f MiB kept for the draft model's CUDA graphs", draft_graph_bytes / 2**20)
     # Each pass's throwaway cache is freed before the next: the larger one was in the peak (over-counted: safe).
     profile_cache_bytes = profile_blocks * bytes_per_block(model_config, block_size, kv_dtype, tensor_parallel)
     _, total = torch.cuda.mem_get_info(device)
