@@ -15,12 +15,12 @@ import torch
 
 from pagedserve.testing.tiny_models import make_tiny_model
 from protos.pagedserve.v1 import worker_pb2
+from tests.test_worker_draft_model import greedy_continuation
+from tests.test_worker_draft_model import make_worker as make_single_worker
 from worker_svc.config import WorkerConfig
 from worker_svc.decode_graphs import DecodeGraphs
 from worker_svc.graph_dispatcher import DecodeGraphPath, GraphDispatcher
 from worker_svc.persistent_batch import PersistentBatch
-from tests.test_worker_draft_model import greedy_continuation
-from tests.test_worker_draft_model import make_worker as make_single_worker
 from worker_svc.worker import Worker
 
 BLOCK = 4
