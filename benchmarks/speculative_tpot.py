@@ -9,7 +9,7 @@ model shape (benchmarks/model_shapes.py). `--method ngram` (the default) runs tw
 - **random** (`--load-format dummy`, acceptance about 0): what a step with drafts costs when none is kept.
 
 `--method draft_model` serves the repeater as the target with three draft models: **itself** (its proposals are
-its own greedy tokens: acceptance 1, the mechanism's ceiling, paying a full-size eager draft), a **4-layer
+its own greedy tokens: acceptance 1, the mechanism's ceiling, paying a full-size draft), a **4-layer
 repeater** of the same shape family (acceptance about 1 at a small draft's cost: the gain a good draft gives) and
 a **4-layer random** one (written as safetensors, since `--load-format dummy` applies to the target only;
 acceptance about 0: what a step costs when the draft is wrong).

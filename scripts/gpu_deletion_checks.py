@@ -36,13 +36,14 @@ class Deletion:
 
 DELETIONS = [
     Deletion("decode graph replay", "worker_svc/decode_graphs.py",
-             "        self._graphs[size].replay()\n", "", ("tests/gpu/test_decode_graphs.py",)),
+             "        graph.replay()\n", "", ("tests/gpu/test_decode_graphs.py",)),
     Deletion("decode graphs' pending tokens", "worker_svc/decode_graphs.py",
              "        if num_pending:\n            gather_pending_tokens(",
              "        if False:\n            gather_pending_tokens(", ("tests/gpu/test_decode_graphs.py",)),
     Deletion("mixed graphs' attention between pieces", "worker_svc/mixed_graphs.py",
              "                backend.paged_attention(call.query, call.kv_cache, metadata, call.scale, "
-             "call.sliding_window,\n                                        call.logit_softcap, output=call.output)\n",
+             "call.sliding_window,\n                                        call.logit_softcap, output=call.output, "
+             "kv_scales=call.kv_scales)\n",
              "", ("tests/gpu/test_mixed_graphs.py", "tests/gpu/test_gpu_serve_check.py")),
     Deletion("symmetric all-reduce (None)", "worker_svc/tensor_parallel.py",
              "    symmetric = symmetric_all_reduce(group, dtype, device) if device.type == \"cuda\" and "
@@ -63,6 +64,16 @@ DELETIONS = [
     Deletion("device busy clock off", "worker_svc/model_runner.py",
              "        self.device_busy = DeviceBusyClock(enabled=self.on_gpu)\n",
              "        self.device_busy = DeviceBusyClock(enabled=False)\n", ("tests/gpu/test_device_busy_gpu.py",)),
+    Deletion("draft model's graphs (eager dispatcher)", "worker_svc/model_runner.py",
+             "            self.draft.graphs = self._dispatcher(self.draft.model, self.draft.pool.layers, setup, "
+             "max_blocks_per_seq,\n                                                 with_lora=False)\n",
+             "            self.draft.graphs = GraphDispatcher(self.draft.model, self.draft.pool.layers, "
+             "setup.block_size, device)\n", ("tests/gpu/test_draft_graphs_gpu.py",)),
+    Deletion("draft proposal passes' device tokens", "worker_svc/draft_model.py",
+             "tables[active], sources=np.flatnonzero(keep))", "tables[active], sources=None)",
+             ("tests/gpu/test_draft_graphs_gpu.py",)),
+    Deletion("room for the draft's graphs", "worker_svc/kv_cache_sizing.py",
+             "        reserved += draft_graph_bytes\n", "", ("tests/gpu/test_draft_graphs_gpu.py",)),
 ]
 
 

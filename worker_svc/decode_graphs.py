@@ -58,6 +58,7 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self._staging = [_HostStaging(size, max_blocks_per_seq, device.type == "cuda") for _ in range(2)]
         self._num_runs = 0
+        self.num_replays = 0  # steps run from a captured graph (the logs and tests read it)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -135,6 +136,7 @@ class DecodeGraphs:
         if graph is None:  # not captured (the CPU): the same forward over the same buffers
             return self._forward(size)[:n]
         graph.replay()
+        self.num_replays += 1
         return self._outputs[size][:n]
 
 

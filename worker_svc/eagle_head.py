@@ -5,9 +5,9 @@ TARGET's hidden states (models/eagle3.py has the math), and the target verifies 
 Who owns what: the model runner owns one `EagleHead` when the setup names one (WorkerSetup.draft_model with
 method "eagle3"), in the place a draft model takes (`ModelRunner.draft`), with the same surface: sizing, the
 pool, block moves, `mirror`, `after_sampling`, `propose`. It holds the head's weights and its KV pool (one
-layer), with the target's block ids and block size and indexed by the same block tables (block b holds the same
-token positions in both pools), then `scratch_blocks_per_row` blocks per worker row, as draft_model.py does: the
-scheduler's one block manager, prefix cache, swaps and copies serve both pools.
+layer; proposer_kv_pool.py, the class a draft model's pool is too), with the target's block ids and block size
+and indexed by the same block tables (block b holds the same token positions in both pools), then scratch blocks
+per worker row: the scheduler's one block manager, prefix cache, swaps and copies serve both pools.
 
 The target exposes the states the head reads: at setup the runner sets the target's `aux_hidden_layers` to
 `target_layers_read`, and each forward pass then returns the residual stream entering those layers after its
@@ -39,14 +39,13 @@ from kernels.attention_metadata import AttentionMetadata
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
 from service_runtime.model_source import resolve_model
-from worker_svc.draft_model import proposal_block_tables
 from worker_svc.host_to_device import to_device
-from worker_svc.kv_cache import KVCache, bytes_per_block
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.eagle3 import Eagle3Head, read_checkpoint
 from worker_svc.models.eagle3_config import eagle3_refusal, read_eagle3_config
 from worker_svc.models.llama import LlamaForCausalLM
 from worker_svc.persistent_batch import PersistentBatch, StepInputs
+from worker_svc.proposer_kv_pool import ProposerKVPool
 from worker_svc.tensor_parallel import TensorParallel
 
 EAGLE3_METHOD = "eagle3"
@@ -87,21 +86,16 @@ class EagleHead:
         self._hidden_size = config.hidden_size
         self.num_speculative_tokens = setup.num_speculative_tokens
         self.device = device
-        self.tensor_parallel = tensor_parallel
-        self.kv_cache: KVCache | None = None
+        self.pool = ProposerKVPool(config, setup.num_speculative_tokens, device, tensor_parallel)
         # Proposals are the head's argmax: point masses, verified by sample-and-match (no draft distribution q
         # for the rejection rule, unlike a sampling draft model: draft_model.py `proposed`).
         self.proposed = None
-        self._block_size = self._num_blocks = self.scratch_blocks_per_row = 0
         # The step whose head K/V waits for its tokens (`mirror` -> `after_sampling`): its inputs, target states.
         self._pending: tuple[StepInputs, torch.Tensor] | None = None
         # After `after_sampling`: the rows it computed, and each one's head output at its last position.
         self._rows = np.zeros(0, dtype=np.int64)
         self._last_normed: torch.Tensor | None = None
         self._last_state: torch.Tensor | None = None
-
-    def bytes_per_block(self, block_size: int, kv_dtype: torch.dtype) -> int:
-        return bytes_per_block(self.model_config, block_size, kv_dtype, self.tensor_parallel)
 
     def target_state_bytes(self, max_num_batched_tokens: int, dtype: torch.dtype) -> int:
         """Memory the target's wider output takes beyond what the KV sizing's profile saw (it runs before the
@@ -110,23 +104,6 @@ class EagleHead:
         head's catch-up pass."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return 7 * max_num_batched_tokens * self._hidden_size * itemsize
-
-    def num_scratch_blocks(self, block_size: int, max_num_seqs: int) -> int:
-        """A proposal's passes write k - 1 positions from the row's first uncomputed one."""
-        return max_num_seqs * -(-self.num_speculative_tokens // block_size)
-
-    def allocate(self, num_blocks: int, num_swap_blocks: int, block_size: int, max_num_seqs: int,
-                 kv_dtype: torch.dtype) -> None:
-        self._block_size, self._num_blocks = block_size, num_blocks
-        self.scratch_blocks_per_row = -(-self.num_speculative_tokens // block_size)
-        total = num_blocks + self.num_scratch_blocks(block_size, max_num_seqs)
-        self.kv_cache = KVCache(self.model_config, total, num_swap_blocks, block_size, kv_dtype, self.device,
-                                self.tensor_parallel)
-
-    def move_blocks(self, plan: worker_pb2.StepPlan) -> None:
-        self.kv_cache.swap_out([(m.src, m.dst) for m in plan.swap_out])
-        self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
-        self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
 
     def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
                target_output: torch.Tensor) -> torch.Tensor:
@@ -161,7 +138,7 @@ class EagleHead:
         positions = np.repeat(starts, counts) + within
         token_indices = np.repeat(inputs.query_start_loc[:-1][order], counts) + within
         input_ids = np.maximum(batch.token_ids[token_rows, positions + 1], 0)
-        block_size = self._block_size
+        block_size = self.pool.block_size
         ends = starts + counts
         tables = batch.block_table[rows][:, : int(-(-ends.max() // block_size))]
         blocks = batch.block_table[token_rows, positions // block_size]
@@ -194,8 +171,7 @@ class EagleHead:
         normed, state = self._last_normed[picked], self._last_state[picked]
         num_passes = int(counts.max())
         first = num_tokens - 1  # the first uncomputed position: the next pass writes it
-        tables = proposal_block_tables(batch, rows, first + counts - 1, self._num_blocks,
-                                       self.scratch_blocks_per_row) if num_passes > 1 else None
+        tables = self.pool.block_tables(batch, rows, first + counts - 1) if num_passes > 1 else None
         proposals = torch.zeros((len(rows), num_passes), dtype=torch.long, device=self.device)
         active = np.arange(len(rows))
         token_ids = self.model.greedy_target_ids(normed)
@@ -208,14 +184,14 @@ class EagleHead:
                 token_ids, state = token_ids[kept], state[kept]
             positions = first[active] + step - 1
             table = tables[active]
-            blocks = table[np.arange(len(active)), positions // self._block_size]
+            block_size = self.pool.block_size
+            blocks = table[np.arange(len(active)), positions // block_size]
             metadata = AttentionMetadata(
-                slot_mapping=to_device(blocks * self._block_size + positions % self._block_size, self.device,
-                                       torch.long),
+                slot_mapping=to_device(blocks * block_size + positions % block_size, self.device, torch.long),
                 query_start_loc=to_device(np.arange(len(active) + 1), self.device, torch.int32),
                 seq_lens=to_device(positions + 1, self.device, torch.int32),
                 block_tables=to_device(table, self.device, torch.int32),
-                block_size=self._block_size,
+                block_size=block_size,
                 num_decode_seqs=len(active),
             )
             normed, state = self._forward(token_ids, state, positions, metadata)
@@ -230,4 +206,4 @@ class EagleHead:
         if not isinstance(input_ids, torch.Tensor):
             input_ids = to_device(input_ids, self.device, torch.long)
         return self.model(self._embed(input_ids), states, to_device(positions, self.device, torch.long),
-                          self.kv_cache.layers, metadata)
+                          self.pool.layers, metadata)

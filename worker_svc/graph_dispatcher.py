@@ -4,14 +4,14 @@ Why one place: the three ways take the same step inputs and return the same hidd
 step takes depends only on its shape (all one-token decodes that fit a captured batch size; at most
 `mixed_graphs.MAX_TOKENS` tokens with prefill; anything else) and on what was captured at setup (nothing on
 the CPU or with --enforce-eager; no piecewise graphs where the model does not allow them or their memory did
-not fit). A feature that adds a way (a drafter's own graphs, say) adds a `ForwardPath` to the tuple, not a
-branch in the worker's step.
+not fit). A feature that adds a way adds a `ForwardPath` to the tuple, not a branch in the worker's step.
 
 Multi-LoRA: with --enable-lora the graphs are captured with the adapters' delta (`with_lora`), reading each
 token's slot from their static buffers, so steps with adapter rows replay them too; graphs captured without it
 take no step with adapter tokens (their `bucket_for` says None), which then runs eagerly.
 
-Ownership: the model runner owns one dispatcher; the dispatcher owns the captured graphs and builds the
+Ownership: the model runner owns the target's dispatcher, and a draft model (draft_model.py) one of its own over
+its model and pool, captured the same way; a dispatcher owns the captured graphs and builds the
 attention metadata of the steps it runs eagerly or piecewise (the decode graphs fill their own static
 buffers).
 """

@@ -7,7 +7,8 @@ counted in the pool's dtype (`kv_dtype`: an fp8 pool gets twice a bf16 one's blo
 
 With a draft model (speculative decoding, draft_model.py) a block id means a block in each of two pools, the
 target's and the draft's: a block costs both, the draft's weights are in the peak (loaded before the profile),
-its own profile pass is measured beside the target's, and its scratch blocks come off the top.
+its own profile pass is measured beside the target's, and its scratch blocks come off the top. Where the draft's
+passes run from CUDA graphs of their own, those graphs' memory pool comes off the top too (`DraftPool.captured`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ logger = logging.getLogger(__name__)
 class DraftPool:
     """What a draft model adds to the sizing: its model (profiled; None: not profiled, an EAGLE head's one
     layer, whose pass is far below the target's), its bytes per block of the shared block ids, and the bytes it
-    takes beyond what the profile sees (its scratch blocks; an EAGLE head also the target's wider output)."""
+    takes beyond what the profile sees (its scratch blocks; an EAGLE head also the target's wider output).
+
+    `captured`: the draft's passes will run from CUDA graphs (graph_dispatcher.py) of its own. The target's
+    graphs take their memory pool from the room its profiled activations leave (the profile's peak is the
+    larger of the two passes', freed before the pools are allocated); the draft's graphs hold a second pool,
+    allocated for good beside the target's, so the sizing reserves the draft's profiled activations (its pass's
+    peak over what was allocated before it, less its throwaway cache) on top. The pool holds the activations of
+    at most max_num_seqs tokens (decode graphs) and of the piecewise graphs' largest bucket; where that bucket
+    is larger than the profiled pass and does not fit, those graphs are not captured (mixed_graphs.py)."""
 
     model: torch.nn.Module | None
     model_config: ModelConfig
     bytes_per_block: int
     scratch_bytes: int
+    captured: bool = False
 
 
 def num_kv_blocks(
@@ -63,15 +73,22 @@ def num_kv_blocks(
     num_tokens = min(max_num_batched_tokens, max_model_len)
     profile_blocks = -(-num_tokens // block_size)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     profiled = [(model, model_config)]
     if draft is not None and draft.model is not None:
         profiled.append((draft.model, draft.model_config))
+    peak = 0
     for profiled_model, profiled_config in profiled:  # one after the other: the peak is the larger pass's
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
         _profile_forward(profiled_model, profiled_config, num_tokens, min(max_num_seqs, num_tokens), profile_blocks,
                          block_size, kv_dtype, device, tensor_parallel.kv_heads(profiled_config.num_key_value_heads))
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.synchronize(device)
+        pass_peak = torch.cuda.max_memory_allocated(device)
+        peak = max(peak, pass_peak)
+    if draft is not None and draft.model is not None and draft.captured:  # the draft's pass was the last
+        draft_graph_bytes = max(0, pass_peak - before - profile_blocks * draft.bytes_per_block)
+        reserved += draft_graph_bytes
+        logger.info("memory profile: %.1f MiB kept for the draft model's CUDA graphs", draft_graph_bytes / 2**20)
     # Each pass's throwaway cache is freed before the next: the larger one was in the peak (over-counted: safe).
     profile_cache_bytes = profile_blocks * bytes_per_block(model_config, block_size, kv_dtype, tensor_parallel)
     _, total = torch.cuda.mem_get_info(device)

@@ -12,8 +12,9 @@ swaps and copies), `execute` (a prepared step's forward pass: hidden states, the
 prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_logprobs` for beam rows.
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
-decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
-dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an EAGLE-3 head
+decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool
+(proposer_kv_pool.py) and graph dispatcher, captured like the target's: it mirrors each forward pass and
+proposes tokens on request (`propose_drafts`); an EAGLE-3 head
 (eagle_head.py) in the same place, reading the target's layers' states that the forward pass then returns
 (`after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
@@ -154,15 +155,16 @@ class ModelRunner:
                 self.draft = DraftModel(setup.draft_model, self.model_config, self.dtype, device,
                                         make_attention_backend(config), self.layer_ops, tensor_parallel,
                                         setup.max_model_len)
-            draft_block_bytes = self.draft.bytes_per_block(setup.block_size, self.kv_dtype)
+            draft_block_bytes = self.draft.pool.bytes_per_block(setup.block_size, self.kv_dtype)
             block_bytes += draft_block_bytes
             profiled = self.draft.model if isinstance(self.draft, DraftModel) else None  # a head: one layer
-            reserved = self.draft.num_scratch_blocks(setup.block_size, setup.max_num_seqs) * draft_block_bytes
+            reserved = self.draft.pool.num_scratch_blocks(setup.block_size, setup.max_num_seqs) * draft_block_bytes
             if isinstance(self.draft, EagleHead):  # the target's wider output, switched on after the profile
                 reserved += self.draft.target_state_bytes(setup.max_num_batched_tokens, self.dtype)
             else:  # sampled proposals' q, kept until their verification
                 reserved += self.draft.sampled_draft_bytes(setup.max_num_seqs)
-            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes, reserved)
+            draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes, reserved,
+                                   captured=profiled is not None and self._captures_graphs)
         blocks = num_kv_blocks(config, self.model, self.model_config, setup.block_size,
                                setup.max_num_batched_tokens, setup.max_num_seqs, setup.max_model_len,
                                self.kv_dtype, device, tensor_parallel, draft_pool)
@@ -172,7 +174,7 @@ class ModelRunner:
         self.kv_cache = KVCache(self.model_config, blocks, swap_blocks, setup.block_size, self.kv_dtype, device,
                                 tensor_parallel)
         if self.draft is not None:
-            self.draft.allocate(blocks, swap_blocks, setup.block_size, setup.max_num_seqs, self.kv_dtype)
+            self.draft.pool.allocate(blocks, swap_blocks, setup.block_size, setup.max_num_seqs, self.kv_dtype)
         layers = self.kv_cache.layers
         max_blocks_per_seq = PersistentBatch.max_blocks_per_seq(setup.max_model_len, setup.block_size)
         if self.on_gpu:
@@ -180,20 +182,35 @@ class ModelRunner:
             if kernel_set(config) == "triton":
                 warm_up_kernels(self.model, layers, setup.block_size, max_blocks_per_seq, setup.max_num_seqs, device)
                 if isinstance(self.draft, DraftModel):
-                    warm_up_kernels(self.draft.model, self.draft.kv_cache.layers, setup.block_size,
+                    warm_up_kernels(self.draft.model, self.draft.pool.layers, setup.block_size,
                                     max_blocks_per_seq, setup.max_num_seqs, device)
         if self.draft is not None:  # after the profile and warm-ups, before the graphs capture the wider output
             self.model.aux_hidden_layers = self.draft.target_layers_read
-        if self.on_gpu and config.cuda_graphs:
-            with_lora = self.lora_slots is not None and self.lora_slots.capturable
-            self.graphs = GraphDispatcher.captured(self.model, layers, setup.block_size, device, setup.max_num_seqs,
-                                                   max_blocks_per_seq, config.world_size, config.rank, with_lora)
-        else:
-            self.graphs = GraphDispatcher(self.model, layers, setup.block_size, device)
+        with_lora = self.lora_slots is not None and self.lora_slots.capturable
+        self.graphs = self._dispatcher(self.model, layers, setup, max_blocks_per_seq, with_lora)
+        if isinstance(self.draft, DraftModel):  # its own graphs (and memory pool), after the target's
+            self.draft.graphs = self._dispatcher(self.draft.model, self.draft.pool.layers, setup, max_blocks_per_seq,
+                                                 with_lora=False)
+            logger.info("rank %d: the draft model's passes run by %s", config.rank,
+                        ", ".join(path.name for path in self.draft.graphs.paths))
         if self.on_gpu:
             warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", config.rank, blocks, swap_blocks)
         return self.kv_cache
+
+    @property
+    def _captures_graphs(self) -> bool:
+        return self.on_gpu and self.config.cuda_graphs
+
+    def _dispatcher(self, model, layers: list[torch.Tensor], setup: worker_pb2.WorkerSetup, max_blocks_per_seq: int,
+                    with_lora: bool) -> GraphDispatcher:
+        """How `model`'s forward passes over the pool `layers` run: captured graphs on a GPU (unless
+        --enforce-eager), else eagerly."""
+        config = self.config
+        if not self._captures_graphs:
+            return GraphDispatcher(model, layers, setup.block_size, self.device)
+        return GraphDispatcher.captured(model, layers, setup.block_size, self.device, setup.max_num_seqs,
+                                        max_blocks_per_seq, config.world_size, config.rank, with_lora)
 
     def load_loras(self, plan: worker_pb2.StepPlan) -> None:
         """The plan's LoRA adapters into their GPU slots, on the load stream (lora_adapters.py), before its forward
@@ -209,7 +226,7 @@ class ModelRunner:
         self.kv_cache.swap_in([(m.src, m.dst) for m in plan.swap_in])
         self.kv_cache.copy([(m.src, m.dst) for m in plan.copy])
         if self.draft is not None:
-            self.draft.move_blocks(plan)
+            self.draft.pool.move_blocks(plan)
 
     def execute(self, batch: PersistentBatch, inputs: StepInputs,
                 previous_sampled: torch.Tensor | None) -> StepOutput:
