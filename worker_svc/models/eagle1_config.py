@@ -15,7 +15,7 @@ import struct
 from pathlib import Path
 
 from worker_svc.model_config import ModelConfig
-from worker_svc.models.eagle3_config import (EAGLE3_ARCHITECTURES, head_layers_config, head_target_refusal,
+from worker_svc.models.eagle3_config import (EAGLE3_ARCHITECTURES, head_layers_config, head_refusal,
                                              read_head_config_json)
 
 EAGLE1_ARCHITECTURES = ("LlamaForCausalLM", "EagleLlamaForCausalLM", "LlamaForCausalLMEagle")
@@ -53,7 +53,10 @@ def safetensors_names(path: str | Path) -> set[str] | None:
     names: set[str] = set()
     for file in files:
         with open(file, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
+            header = handle.read(8)
+            if len(header) != 8:
+                raise ValueError(f"{file.name}: not a safetensors file")
+            (length,) = struct.unpack("<Q", header)
             names.update(name for name in json.loads(handle.read(length)) if name != "__metadata__")
     return names
 
@@ -61,14 +64,5 @@ def safetensors_names(path: str | Path) -> set[str] | None:
 def eagle1_refusal(head_dir: str | Path, target: ModelConfig, world_size: int) -> str | None:
     """Why the EAGLE-1 head at `head_dir` cannot run beside `target` at this tensor-parallel size, or None (the
     launcher asks before any process starts; the workers again at setup)."""
-    refusal = head_target_refusal("EAGLE-1", target, world_size)
-    if refusal is not None:
-        return refusal
-    try:
-        config = read_eagle1_config(head_dir, target.max_position_embeddings)
-    except (ValueError, KeyError, OSError, struct.error) as error:
-        return f"cannot serve the EAGLE-1 head {head_dir}: {error}"
-    if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
-        return (f"the EAGLE-1 head's hidden_size {config.hidden_size} and vocab_size {config.vocab_size} must be "
-                f"the target's ({target.hidden_size}, {target.vocab_size})")
-    return None
+    return head_refusal("EAGLE-1", head_dir, target, world_size,
+                        lambda: read_eagle1_config(head_dir, target.max_position_embeddings))

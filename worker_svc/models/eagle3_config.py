@@ -11,6 +11,7 @@ else vLLM's default (2, L // 2, L - 3); each is the residual stream entering tha
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
@@ -58,14 +59,24 @@ def head_layers_config(raw: dict, path: str | Path, architecture: str, num_layer
         hf_config=MappingProxyType(raw))
 
 
-def head_target_refusal(kind: str, target: ModelConfig, world_size: int) -> str | None:
-    """Why an EAGLE head (`kind`: "EAGLE-3", "EAGLE-1") cannot run beside `target` at this tensor-parallel size,
-    whatever the head: its layers are not sharded, and only the Llama family's forward pass returns its states."""
+def head_refusal(kind: str, head_dir: str | Path, target: ModelConfig, world_size: int,
+                 read_layers_config: Callable[[], ModelConfig]) -> str | None:
+    """Why an EAGLE head (`kind`: "EAGLE-3", "EAGLE-1") at `head_dir` cannot run beside `target` at this
+    tensor-parallel size, or None: its layers are not sharded, only the Llama family's forward pass returns its
+    states, and its layers' config (`read_layers_config`, ValueError naming what it does not serve) must have
+    the target's hidden size and vocabulary."""
     if world_size > 1:
         return f"an {kind} head is served at --tensor-parallel-size 1 only (its layer is not sharded)"
     if target.architecture not in EAGLE3_TARGETS:
         return (f"an {kind} head needs a Llama-family target ({', '.join(EAGLE3_TARGETS)}); "
                 f"{target.architecture} is not served with one")
+    try:
+        config = read_layers_config()
+    except (ValueError, KeyError, OSError) as error:
+        return f"cannot serve the {kind} head {head_dir}: {error}"
+    if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
+        return (f"the {kind} head's hidden_size {config.hidden_size} and vocab_size {config.vocab_size} must be "
+                f"the target's ({target.hidden_size}, {target.vocab_size})")
     return None
 
 
@@ -95,14 +106,5 @@ def read_eagle3_config(path: str | Path, num_target_layers: int,
 def eagle3_refusal(head_dir: str | Path, target: ModelConfig, world_size: int) -> str | None:
     """Why the EAGLE-3 head at `head_dir` cannot run beside `target` at this tensor-parallel size, or None (the
     launcher asks before any process starts; the workers again at setup)."""
-    refusal = head_target_refusal("EAGLE-3", target, world_size)
-    if refusal is not None:
-        return refusal
-    try:
-        config, _, _ = read_eagle3_config(head_dir, target.num_hidden_layers, target.max_position_embeddings)
-    except (ValueError, KeyError, OSError) as error:
-        return f"cannot serve the EAGLE-3 head {head_dir}: {error}"
-    if config.hidden_size != target.hidden_size or config.vocab_size != target.vocab_size:
-        return (f"the EAGLE-3 head's hidden_size {config.hidden_size} and vocab_size {config.vocab_size} must be "
-                f"the target's ({target.hidden_size}, {target.vocab_size})")
-    return None
+    return head_refusal("EAGLE-3", head_dir, target, world_size, lambda: read_eagle3_config(
+        head_dir, target.num_hidden_layers, target.max_position_embeddings)[0])
