@@ -158,10 +158,11 @@ def test_the_launcher_refuses_eagle1_heads_it_cannot_serve_naming_why(target, tm
     assert "an EAGLE-3 head (method eagle3)" in eagle1_refusal(make_tiny_eagle3_head(tmp_path, target),
                                                                target_config, 1)
     assert "no fc.weight (not an EAGLE-1 head)" in eagle1_refusal(target, target_config, 1)  # a whole model
-    for index, (changes, words) in enumerate((({"hidden_size": 128}, "hidden_size 128 and vocab_size 512 must be the target's"),
-                           ({"vocab_size": 600}, "vocab_size 600 must be the target's"),
-                           ({"add_para_norm": True}, "add_para_norm (HASS) heads are not served"),
-                           ({"architectures": ["Qwen2ForCausalLM"]}, "not an EAGLE-1 Llama head"))):
+    for index, (changes, words) in enumerate((
+            ({"hidden_size": 128}, "hidden_size 128 and vocab_size 512 must be the target's"),
+            ({"vocab_size": 600}, "vocab_size 600 must be the target's"),
+            ({"add_para_norm": True}, "add_para_norm (HASS) heads are not served"),
+            ({"architectures": ["Qwen2ForCausalLM"]}, "not an EAGLE-1 Llama head"))):
         edited = make_tiny_eagle1_head(tmp_path / f"edited{index}", target)
         _edit_config(edited, **changes)
         refusal = eagle1_refusal(edited, target_config, 1)

@@ -1,20 +1,21 @@
-"""Speculative decoding with an EAGLE head: a one-layer head proposes each row's next tokens greedily from the
+"""Speculative decoding with an EAGLE head: a small head proposes each row's next tokens greedily from the
 TARGET's hidden states (models/eagle3.py has EAGLE-3's math, models/eagle1.py EAGLE-1's: its own Llama layers
 over the target's final hidden state), and the target verifies them as it verifies any drafts (sample-and-match,
 lossless).
 
 Who owns what: the model runner owns one `EagleHead` when the setup names one (WorkerSetup.draft_model with
-method "eagle3" or "eagle"), in the place a draft model takes (`ModelRunner.draft`), with the same surface: sizing, the
-pool, block moves, `mirror`, `after_sampling`, `propose`. It holds the head's weights and its KV pool (one
-layer), with the target's block ids and block size and indexed by the same block tables (block b holds the same
+method "eagle3"/"eagle"), in the place a draft model takes (`ModelRunner.draft`), the same surface: sizing, the
+pool, block moves, `mirror`, `after_sampling`, `propose`. It holds the head's weights and its KV pool (its
+layers), with the target's block ids and block size and indexed by the same block tables (block b holds the same
 token positions in both pools), then `scratch_blocks_per_row` blocks per worker row, as draft_model.py does: the
 scheduler's one block manager, prefix cache, swaps and copies serve both pools.
 
-The target exposes the states the head reads (EAGLE-1: its output hidden states, as they are): at setup the runner sets the target's `aux_hidden_layers` to
+The target exposes the states the head reads: at setup the runner sets the target's `aux_hidden_layers` to
 `target_layers_read`, and each forward pass then returns the residual stream entering those layers after its
 final hidden states (llama.py); CUDA graphs capture that wider output like any other, so graphs still run.
 `mirror` splits it off (the target's hidden states go on to the logits unchanged) and keeps the step's inputs and
-states until the step's tokens are on the host.
+states until the step's tokens are on the host. An EAGLE-1 head reads no layers' states (`target_layers_read`
+empty): it reads the final hidden states themselves, which `mirror` keeps.
 
 Why the head's K/V is written after sampling, not with the forward pass: its input at position i pairs the
 target's state at i with the token at i + 1, which for a row's last computed position is the token just sampled
@@ -58,8 +59,8 @@ EAGLE_METHODS = (EAGLE3_METHOD, EAGLE1_METHOD)
 
 
 class EagleHead:
-    """The worker's EAGLE-3 or EAGLE-1 proposer beside the target: the head's weights, its own KV pool on the target's block
-    ids, and the step's target states kept from the forward (`mirror`) until the tokens are known
+    """The worker's EAGLE-3 or EAGLE-1 proposer beside the target: the head's weights, its own KV pool on the
+    target's block ids, and the step's target states kept from the forward (`mirror`) until the tokens are known
     (`after_sampling`). Owned by the model runner; the same interface as DraftModel (module docstring)."""
 
     allows_overlap = False  # `after_sampling` needs the step's tokens before the next step launches

@@ -13,9 +13,9 @@ prompt logprobs) and `sample` (the draw and its copy to the host), plus `top_log
 Where features plug in, each without a branch in the worker's step: a quantized linear method into
 the layers `load_model` builds (and so into every path the dispatcher runs); a draft model (speculative
 decoding, draft_model.py) as an object the runner calls around `execute`, with its own KV pool and eager
-dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an EAGLE-3 or EAGLE-1 head
-(eagle_head.py) in the same place, reading the target's layers' states that the forward pass then returns (EAGLE-1: its output)
-(`after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
+dispatcher: it mirrors each forward pass and proposes tokens on request (`propose_drafts`); an EAGLE-3 head
+(eagle_head.py) in the same place, reading the target's layers' states that the forward pass then returns
+(EAGLE-1: its output; `after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
 lora_loads before the forward on a stream of their own: lora_adapters.py; each step's slots reach the layers in
 the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need

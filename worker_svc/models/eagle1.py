@@ -110,7 +110,8 @@ class Eagle1Head(nn.Module):
         for name, module in (("fc.bias", self.fc.bias), ("embed_tokens.weight", self.embed_tokens),
                              ("lm_head.weight", self.lm_head)):
             if (name in tensors) != (module is not None):
-                raise ValueError(f"{name}: the head was built for a checkpoint {'with' if module is None else 'without'} it")
+                built = "without" if module is None else "with"
+                raise ValueError(f"{name}: the head was built for a checkpoint {built} it")
             if name in tensors:
                 state[name] = tensors.pop(name)
         if tensors:
