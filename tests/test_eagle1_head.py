@@ -1,8 +1,8 @@
 """An EAGLE-1 head on the worker: its proposals equal an independent torch reference of the EAGLE-1 math run on
 the final hidden states transformers returns (`hidden_states[-1]`, after the final norm) for the row's known
 tokens, after a prefill in chunks and after verified steps (drafts partly kept): with one layer, fc's bias and the
-target's embeddings (a shipped copy of them dropped) and LM head, and with two layers, the head's own embeddings
-and LM head. The launcher's refusals (torch-free) name what is not served."""
+target's embeddings (a shipped copy of them dropped) and LM head from a pytorch_model.bin, and with two layers, the
+head's own embeddings and LM head. The launcher's refusals (torch-free) name what is not served."""
 
 from __future__ import annotations
 
@@ -97,17 +97,19 @@ def reference_proposals(hf_model, head_dir, tokens, k) -> list[int]:
     return result
 
 
-def ship_target_embeddings(head, target) -> None:
-    """Writes the target's embeddings into the head's checkpoint, as the EAGLE repo's heads ship them."""
-    from safetensors.torch import load_file, save_file
+def as_published(head, target) -> None:
+    """Rewrites the head's checkpoint as the EAGLE repo publishes its heads: pytorch_model.bin, with a copy of the
+    target's embeddings."""
+    from safetensors.torch import load_file
 
     weights = load_file(head / "model.safetensors")
     weights["embed_tokens.weight"] = load_file(target / "model.safetensors")["model.embed_tokens.weight"]
-    save_file(weights, str(head / "model.safetensors"))
+    torch.save(weights, head / "pytorch_model.bin")
+    (head / "model.safetensors").unlink()
 
 
 @pytest.mark.parametrize("options", [
-    {},  # one layer, fc.bias, the target's embeddings (its copy shipped) and LM head
+    {},  # one layer, fc.bias, the target's embeddings (its copy shipped) and LM head, in pytorch_model.bin
     {"num_layers": 2, "fc_bias": False, "own_embeddings": True, "own_lm_head": True},
 ])
 def test_proposals_equal_the_reference_eagle1_math_on_the_targets_final_hidden_states(target, tmp_path, options):
@@ -115,7 +117,7 @@ def test_proposals_equal_the_reference_eagle1_math_on_the_targets_final_hidden_s
 
     head = make_tiny_eagle1_head(tmp_path, target, seed=7, **options)
     if not options:
-        ship_target_embeddings(head, target)
+        as_published(head, target)
     hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     worker = make_worker(target, head)
     module = worker.runner.draft.model
