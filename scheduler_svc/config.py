@@ -194,7 +194,8 @@ class SchedulerConfig:
         "--speculative-config", default=None, parse=speculative_config, show=SpeculativeConfig.to_json,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8}, or {"method": '
-             '"draft_model", "eagle3" or "eagle", "model": DIR, "num_speculative_tokens": 3} (docs/speculative_decoding.md)')
+             '"draft_model", "eagle3" or "eagle", "model": DIR, "num_speculative_tokens": 3} '
+             '(docs/speculative_decoding.md)')
     # Multi-LoRA (docs/lora.md), vLLM's flags: the adapters served from the start (a request names one by
     # `lora_name`), the workers' GPU slots (--max-loras: also the most distinct adapters in one step), the rank
     # they are padded to, the adapters each worker keeps in host memory; and whether adapters may be loaded and

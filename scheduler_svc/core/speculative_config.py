@@ -9,10 +9,10 @@ holds (ngram_proposer.py). `draft_model`: a smaller model of the target's tokeni
 beside the target (`model`: its directory or hub id; WorkerSetup.draft_model), proposes each row's next tokens
 greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. `eagle3`
 and `eagle`: the same, with an EAGLE-3 or EAGLE-1 head (`model`) that reads the target's hidden states
-(worker_svc/eagle_head.py). Names,
-meanings and defaults are vLLM's: with neither prompt_lookup bound given both are 5; with one given the other
-takes its value. `"[ngram]"` is vLLM's older spelling of the method and is accepted as well; a config with a
-`model` and no `method` is a draft model's, as vLLM infers for a model that is not an EAGLE/MTP head.
+(worker_svc/eagle_head.py). Names, meanings and defaults are vLLM's: with neither prompt_lookup bound given both
+are 5; with one given the other takes its value. `"[ngram]"` is vLLM's older spelling of the method and is
+accepted as well; a config with a `model` and no `method` is a draft model's, as vLLM infers for a model that is
+not an EAGLE/MTP head.
 """
 
 from __future__ import annotations
