@@ -53,8 +53,8 @@ class UnnormedInput(nn.Module):
 
 class Eagle1Head(nn.Module):
     """fc, the layers, and the embeddings and LM head when the checkpoint has its own (else None: the target's
-    `target_embed` and `target_logits`, not parameters of the head). The same surface as Eagle3Head (`combine`,
-    `forward`, `greedy_target_ids`) for eagle_head.py."""
+    embeddings, which eagle_head.py looks up, and its `target_logits`, no parameters of the head). The same
+    surface as Eagle3Head (`combine`, `forward`, `greedy_target_ids`) for eagle_head.py."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: LayerOps, fc_bias: bool,
                  own_embeddings: bool, own_lm_head: bool, target_logits: Callable[[torch.Tensor], torch.Tensor]):
@@ -125,7 +125,7 @@ class Eagle1Head(nn.Module):
 
 def load_eagle1_head(path: str, target_model: nn.Module, backend: AttentionBackend, ops: LayerOps,
                      target_positions: int) -> Eagle1Head:
-    """The head at `path` beside `target_model` (on the CPU, in the checkpoint's dtype; the caller moves it).
+    """The head at `path` beside `target_model` (on the CPU; the caller moves it to the device and dtype).
     Embeddings the head ships that equal the target's in its dtype are dropped for the target's: the EAGLE repo's
     heads carry a frozen copy (1 GiB for Llama 3 8B), and the same values give the same proposals. Raises
     ValueError on what it does not serve."""
