@@ -14,12 +14,13 @@ from pathlib import Path
 
 from pagedserve.engine_replicas import data_parallel_refusal
 from scheduler_svc.config import lora_flags_refusal
-from scheduler_svc.core.speculative_config import EAGLE3_METHOD
+from scheduler_svc.core.speculative_config import EAGLE1_METHOD, EAGLE3_METHOD
 from scheduler_svc.generation_defaults import load_generation_defaults
 from scheduler_svc.text.chat_template_source import chat_template_text
 from service_runtime.lora_modules import adapters_refusal
 from service_runtime.model_source import ResolvedModel, resolve_model
 from worker_svc.model_config import ModelConfig, find_gguf_file
+from worker_svc.models.eagle1_config import eagle1_refusal
 from worker_svc.models.eagle3_config import eagle3_refusal
 from worker_svc.tensor_parallel_fit import draft_refusal, first_gpu_index, gpus_refusal, shard_refusal
 
@@ -92,6 +93,8 @@ def resolve_draft_model(args, model_path: str) -> None:
             target = ModelConfig.from_path(model_path, args.quantization)
             if speculative.method == EAGLE3_METHOD:
                 refusal = eagle3_refusal(draft.path, target, args.tensor_parallel_size)
+            elif speculative.method == EAGLE1_METHOD:
+                refusal = eagle1_refusal(draft.path, target, args.tensor_parallel_size)
             else:
                 refusal = draft_refusal(ModelConfig.from_path(draft.path), target, args.tensor_parallel_size,
                                         args.max_model_len)

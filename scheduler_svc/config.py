@@ -189,12 +189,13 @@ class SchedulerConfig:
              "max_repetition, max_grammar_size, max_items_in_row, initial_lexer_fuel, step_lexer_fuel, "
              "step_max_items, max_lexer_states, grammar_compile_timeout_s (scheduler_svc/api/grammar_limits.py)")
     # vLLM's speculative decoding options (core/speculative_config.py); None: off. N-gram proposals, or a draft
-    # model's or an EAGLE-3 head's (which the workers load: WorkerSetup.draft_model).
+    # model's or an EAGLE-3 or EAGLE-1 head's (which the workers load: WorkerSetup.draft_model).
     speculative_config: SpeculativeConfig | None = flag(
         "--speculative-config", default=None, parse=speculative_config, show=SpeculativeConfig.to_json,
         help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
              '"prompt_lookup_max": 5, "prompt_lookup_min": 5, "disable_by_batch_size": 8}, or {"method": '
-             '"draft_model" or "eagle3", "model": DIR, "num_speculative_tokens": 3} (docs/speculative_decoding.md)')
+             '"draft_model", "eagle3" or "eagle", "model": DIR, "num_speculative_tokens": 3} '
+             '(docs/speculative_decoding.md)')
     # Multi-LoRA (docs/lora.md), vLLM's flags: the adapters served from the start (a request names one by
     # `lora_name`), the workers' GPU slots (--max-loras: also the most distinct adapters in one step), the rank
     # they are padded to, the adapters each worker keeps in host memory; and whether adapters may be loaded and

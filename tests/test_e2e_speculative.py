@@ -157,8 +157,8 @@ def test_a_draft_model_with_seeded_sampling_keeps_drafts_by_the_rejection_rule_a
 
 
 def test_serve_refuses_other_methods_and_batch_invariant_speculation_naming_why(model):
-    eagle = json.dumps({"method": "eagle", "model": "x", "num_speculative_tokens": 3})
-    for args, words in (((("--speculative-config", eagle)), "eagle"),
+    medusa = json.dumps({"method": "medusa", "model": "x", "num_speculative_tokens": 3})
+    for args, words in (((("--speculative-config", medusa)), "medusa"),
                         ((*SPECULATIVE, "--batch-invariant"), "--batch-invariant")):
         result = _serve(model, *args, timeout=90)
         last = result.stderr.strip().splitlines()[-1]  # argparse's usage, then its error line; or one line

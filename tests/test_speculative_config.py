@@ -33,7 +33,10 @@ def test_ngram_takes_vllms_defaults_and_one_lookup_bound_sets_the_other():
 
 
 @pytest.mark.parametrize("text, message", [
-    ('{"method": "eagle", "num_speculative_tokens": 3, "model": "x"}', "'eagle': needs heads"),
+    ('{"method": "medusa", "num_speculative_tokens": 3, "model": "x"}', "'medusa': needs heads"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "method eagle needs model"),
+    ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}',
+     "unsupported key.s. prompt_lookup_max for method eagle"),
     ('{"method": "eagle3", "num_speculative_tokens": 3}', "method eagle3 needs model"),
     ('{"method": "eagle3", "model": "x", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}',
      "unsupported key.s. draft_tensor_parallel_size for method eagle3"),
@@ -73,6 +76,10 @@ def test_draft_model_takes_its_model_and_a_config_with_a_model_and_no_method_is_
     eagle3 = speculative_config('{"method": "eagle3", "model": "/h", "num_speculative_tokens": 3}')
     assert (eagle3.method, eagle3.uses_draft_model, eagle3.model) == ("eagle3", True, "/h")
     assert speculative_config(eagle3.to_json()) == eagle3  # the scheduler child's flag gives it back
+    eagle = speculative_config('{"method": "eagle", "model": "/h", "num_speculative_tokens": 2, '
+                               '"disable_by_batch_size": 4}')
+    assert (eagle.method, eagle.uses_draft_model, eagle.model, eagle.disable_by_batch_size) == ("eagle", True, "/h", 4)
+    assert speculative_config(eagle.to_json()) == eagle
     assert not speculative_config('{"method": "ngram", "num_speculative_tokens": 2}').uses_draft_model
 
 

@@ -1,11 +1,12 @@
-"""Speculative decoding with an EAGLE-3 head: a one-layer head proposes each row's next tokens greedily from the
-TARGET's hidden states (models/eagle3.py has the math), and the target verifies them as it verifies any drafts
-(sample-and-match, lossless).
+"""Speculative decoding with an EAGLE head: a small head proposes each row's next tokens greedily from the
+TARGET's hidden states (models/eagle3.py has EAGLE-3's math, models/eagle1.py EAGLE-1's: its own Llama layers
+over the target's final hidden state), and the target verifies them as it verifies any drafts (sample-and-match,
+lossless).
 
 Who owns what: the model runner owns one `EagleHead` when the setup names one (WorkerSetup.draft_model with
-method "eagle3"), in the place a draft model takes (`ModelRunner.draft`), with the same surface: sizing, the
-pool, block moves, `mirror`, `after_sampling`, `propose`. It holds the head's weights and its KV pool (one
-layer; proposer_kv_pool.py, the class a draft model's pool is too), with the target's block ids and block size
+method "eagle3"/"eagle"), in the place a draft model takes (`ModelRunner.draft`), with the same surface: sizing,
+the pool, block moves, `mirror`, `after_sampling`, `propose`. It holds the head's weights and its KV pool (its
+layers; proposer_kv_pool.py, the class a draft model's pool is too), with the target's block ids and block size
 and indexed by the same block tables (block b holds the same token positions in both pools), then scratch blocks
 per worker row: the scheduler's one block manager, prefix cache, swaps and copies serve both pools.
 
@@ -13,7 +14,8 @@ The target exposes the states the head reads: at setup the runner sets the targe
 `target_layers_read`, and each forward pass then returns the residual stream entering those layers after its
 final hidden states (llama.py); CUDA graphs capture that wider output like any other, so graphs still run.
 `mirror` splits it off (the target's hidden states go on to the logits unchanged) and keeps the step's inputs and
-states until the step's tokens are on the host.
+states until the step's tokens are on the host. An EAGLE-1 head reads no layers' states (`target_layers_read`
+empty): it reads the final hidden states themselves, which `mirror` keeps.
 
 Why the head's K/V is written after sampling, not with the forward pass: its input at position i pairs the
 target's state at i with the token at i + 1, which for a row's last computed position is the token just sampled
@@ -41,6 +43,8 @@ from service_runtime.load_refusal import LoadRefused
 from service_runtime.model_source import resolve_model
 from worker_svc.host_to_device import to_device
 from worker_svc.model_config import ModelConfig
+from worker_svc.models.eagle1 import load_eagle1_head
+from worker_svc.models.eagle1_config import eagle1_refusal
 from worker_svc.models.eagle3 import Eagle3Head, read_checkpoint
 from worker_svc.models.eagle3_config import eagle3_refusal, read_eagle3_config
 from worker_svc.models.llama import LlamaForCausalLM
@@ -49,11 +53,13 @@ from worker_svc.proposer_kv_pool import ProposerKVPool
 from worker_svc.tensor_parallel import TensorParallel
 
 EAGLE3_METHOD = "eagle3"
+EAGLE1_METHOD = "eagle"
+EAGLE_METHODS = (EAGLE3_METHOD, EAGLE1_METHOD)
 
 
 class EagleHead:
-    """The worker's EAGLE-3 proposer beside the target: the head's weights, its own KV pool on the target's block
-    ids, and the step's target states kept from the forward (`mirror`) until the tokens are known
+    """The worker's EAGLE-3 or EAGLE-1 proposer beside the target: the head's weights, its own KV pool on the
+    target's block ids, and the step's target states kept from the forward (`mirror`) until the tokens are known
     (`after_sampling`). Owned by the model runner; the same interface as DraftModel (module docstring)."""
 
     allows_overlap = False  # `after_sampling` needs the step's tokens before the next step launches
@@ -62,23 +68,29 @@ class EagleHead:
                  dtype: torch.dtype, device: torch.device, attention_backend, layer_ops,
                  tensor_parallel: TensorParallel):
         path = resolve_model(setup.model).path
-        refusal = eagle3_refusal(path, target_config, tensor_parallel.world_size)
+        eagle1 = setup.method == EAGLE1_METHOD
+        refusal = (eagle1_refusal if eagle1 else eagle3_refusal)(path, target_config, tensor_parallel.world_size)
         if refusal is not None:
             raise LoadRefused(refusal)
         if type(target_model).forward is not LlamaForCausalLM.forward:  # the registry's table changed under us
             raise LoadRefused(f"{target_config.architecture}'s forward pass does not return an EAGLE head's states")
         try:
-            config, draft_vocab_size, layers = read_eagle3_config(path, target_config.num_hidden_layers,
-                                                                 target_config.max_position_embeddings)
-            tensors = read_checkpoint(path)
-            head = Eagle3Head(config, draft_vocab_size, attention_backend, layer_ops,
-                              own_embeddings="embed_tokens.weight" in tensors)
-            head.load_tensors(tensors)
+            if eagle1:  # the target's final hidden states: no layers' states besides
+                head = load_eagle1_head(path, target_model, attention_backend, layer_ops,
+                                        target_config.max_position_embeddings)
+                config, layers = head.config, ()
+            else:
+                config, draft_vocab_size, layers = read_eagle3_config(path, target_config.num_hidden_layers,
+                                                                     target_config.max_position_embeddings)
+                tensors = read_checkpoint(path)
+                head = Eagle3Head(config, draft_vocab_size, attention_backend, layer_ops,
+                                  own_embeddings="embed_tokens.weight" in tensors)
+                head.load_tensors(tensors)
+                targets = head.draft_to_target + torch.arange(draft_vocab_size)
+                if targets.min() < 0 or targets.max() >= target_config.vocab_size:
+                    raise ValueError("it maps draft ids outside the target's vocabulary")
         except (ValueError, KeyError, OSError) as error:
-            raise LoadRefused(f"cannot serve the EAGLE-3 head {setup.model}: {error}") from None
-        targets = head.draft_to_target + torch.arange(draft_vocab_size)
-        if targets.min() < 0 or targets.max() >= target_config.vocab_size:
-            raise LoadRefused(f"the EAGLE-3 head {setup.model} maps draft ids outside the target's vocabulary")
+            raise LoadRefused(f"cannot serve the EAGLE-{1 if eagle1 else 3} head {setup.model}: {error}") from None
         self.model = head.to(device=device, dtype=dtype)
         self.model_config = config
         self._embed = head.embed_tokens if head.embed_tokens is not None else target_model.model.embed_tokens
@@ -101,15 +113,17 @@ class EagleHead:
         """Memory the target's wider output takes beyond what the KV sizing's profile saw (it runs before the
         target returns the head's states, see ModelRunner.allocate): the three layer states gathered during a step
         of max_num_batched_tokens tokens and the [T, 4H] concatenation returned, which the step keeps for the
-        head's catch-up pass."""
+        head's catch-up pass (EAGLE-1's: the hidden states themselves, kept one step longer)."""
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        return 7 * max_num_batched_tokens * self._hidden_size * itemsize
+        kept = 2 * len(self.target_layers_read) + 1
+        return kept * max_num_batched_tokens * self._hidden_size * itemsize
 
     def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
                target_output: torch.Tensor) -> torch.Tensor:
-        """Keeps the step's target states (after the hidden states in `target_output`) for `after_sampling`;
-        returns the target's hidden states."""
-        self._pending = (inputs, target_output[:, self._hidden_size:])
+        """Keeps the step's target states (after the hidden states in `target_output`; EAGLE-1: the hidden states)
+        for `after_sampling`; returns the target's hidden states."""
+        states = target_output[:, self._hidden_size:] if self.target_layers_read else target_output
+        self._pending = (inputs, states)
         return target_output[:, : self._hidden_size]
 
     @torch.inference_mode()

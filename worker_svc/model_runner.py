@@ -16,7 +16,7 @@ decoding, draft_model.py) as an object the runner calls around `execute`, with i
 (proposer_kv_pool.py) and graph dispatcher, captured like the target's: it mirrors each forward pass and
 proposes tokens on request (`propose_drafts`); an EAGLE-3 head
 (eagle_head.py) in the same place, reading the target's layers' states that the forward pass then returns
-(`after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
+(EAGLE-1: its output; `after_sampling` writes its K/V once the step's tokens are on the host); LoRA adapters as
 per-token inputs the runner passes to the model (GPU slots in the layers made at setup, written by the plans'
 lora_loads before the forward on a stream of their own: lora_adapters.py; each step's slots reach the layers in
 the attention metadata, also under the CUDA graphs, which are captured with the adapters' delta). Tests that need
@@ -41,7 +41,7 @@ from worker_svc.compile_watch import warn_on_compiles_while_serving
 from worker_svc.config import GIB, WorkerConfig
 from worker_svc.device_busy import DeviceBusyClock
 from worker_svc.draft_model import DraftModel
-from worker_svc.eagle_head import EAGLE3_METHOD, EagleHead
+from worker_svc.eagle_head import EAGLE_METHODS, EagleHead
 from worker_svc.graph_dispatcher import GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.kernel_warmup import warm_up_kernels
@@ -120,7 +120,7 @@ class ModelRunner:
         self.quantization = quantization_name(model.path, self.model_config)
         self.kv_cache_dtype_name = "auto" if config.kv_cache_dtype == "auto" else "fp8_e4m3"
         self.kv_cache: KVCache | None = None
-        # Speculative decoding with a draft model or an EAGLE-3 head: loaded at setup, which names it
+        # Speculative decoding with a draft model or an EAGLE head: loaded at setup, which names it
         # (WorkerSetup.draft_model; its method says which).
         self.draft: DraftModel | EagleHead | None = None
         # Multi-LoRA: the adapters' GPU slots and host copies (lora_adapters.py), made at setup with --max-loras.
@@ -148,7 +148,7 @@ class ModelRunner:
                                                setup.max_cpu_loras or setup.max_loras, device, self.dtype)
             self.lora_slots.read(list(setup.lora_adapters))
         if setup.HasField("draft_model"):  # before sizing: its weights, activations and pool count
-            if setup.draft_model.method == EAGLE3_METHOD:
+            if setup.draft_model.method in EAGLE_METHODS:
                 self.draft = EagleHead(setup.draft_model, self.model, self.model_config, self.dtype, device,
                                        make_attention_backend(config), self.layer_ops, tensor_parallel)
             else:

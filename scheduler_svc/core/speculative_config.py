@@ -4,14 +4,15 @@ Who owns it: `SchedulerConfig.speculative_config` (None: speculation off); the s
 planner (which proposes drafts) and the engine loop (which stops planning ahead while a small batch
 speculates). docs/speculative_decoding.md says what it serves.
 
-Three methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
+Four methods are served. `ngram` (prompt lookup): the proposer runs in the scheduler on the tokens it already
 holds (ngram_proposer.py). `draft_model`: a smaller model of the target's tokenizer, which the workers load
 beside the target (`model`: its directory or hub id; WorkerSetup.draft_model), proposes each row's next tokens
-greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. `eagle3`:
-the same, with an EAGLE-3 head (`model`) that reads the target's hidden states (worker_svc/eagle_head.py). Names,
-meanings and defaults are vLLM's: with neither prompt_lookup bound given both are 5; with one given the other
-takes its value. `"[ngram]"` is vLLM's older spelling of the method and is accepted as well; a config with a
-`model` and no `method` is a draft model's, as vLLM infers for a model that is not an EAGLE/MTP head.
+greedily after every step that asks for them, and the scheduler plans them as the next step's drafts. `eagle3`
+and `eagle`: the same, with an EAGLE-3 or EAGLE-1 head (`model`) that reads the target's hidden states
+(worker_svc/eagle_head.py). Names, meanings and defaults are vLLM's: with neither prompt_lookup bound given both
+are 5; with one given the other takes its value. `"[ngram]"` is vLLM's older spelling of the method and is
+accepted as well; a config with a `model` and no `method` is a draft model's, as vLLM infers for a model that is
+not an EAGLE/MTP head.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from scheduler_svc.core.json_flag import json_object_flag
 NGRAM_METHODS = ("ngram", "[ngram]")
 DRAFT_MODEL_METHOD = "draft_model"
 EAGLE3_METHOD = "eagle3"
+EAGLE1_METHOD = "eagle"
 # The methods whose proposals the workers make (with the model `model` names), and their served names.
-WORKER_METHODS = (DRAFT_MODEL_METHOD, EAGLE3_METHOD)
-_SERVED = "ngram, draft_model, eagle3"
+WORKER_METHODS = (DRAFT_MODEL_METHOD, EAGLE3_METHOD, EAGLE1_METHOD)
+_SERVED = "ngram, draft_model, eagle3, eagle"
 # Methods vLLM serves that need heads or proposers we do not have (refused by name).
-HEAD_METHODS = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+HEAD_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # vLLM's defaults of the n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -42,7 +44,7 @@ DEFAULT_PROMPT_LOOKUP = 5
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
 _DRAFT_MODEL_KEYS = ("method", "num_speculative_tokens", "model", "draft_tensor_parallel_size", "disable_by_batch_size")
-_EAGLE3_KEYS = ("method", "num_speculative_tokens", "model", "disable_by_batch_size")
+_EAGLE_KEYS = ("method", "num_speculative_tokens", "model", "disable_by_batch_size")
 _INTEGER_KEYS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
                  "draft_tensor_parallel_size")
 
@@ -67,8 +69,8 @@ class SpeculativeConfig:
         if self.method not in ("ngram", *WORKER_METHODS):
             raise ValueError(f"method {self.method!r}: only {_SERVED} are served")
         if self.uses_draft_model != (self.model is not None):
-            raise ValueError("a draft model's or head's directory (model) goes with method draft_model or eagle3, "
-                             "and only with them")
+            raise ValueError("a draft model's or head's directory (model) goes with method draft_model, eagle3 "
+                             "or eagle, and only with them")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must lie in [1, {MAX_SPECULATIVE_TOKENS}]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -141,7 +143,8 @@ class SpeculativeConfig:
 
 def _keys_of(method: str) -> tuple[str, ...]:
     """The keys a method takes."""
-    return {DRAFT_MODEL_METHOD: _DRAFT_MODEL_KEYS, EAGLE3_METHOD: _EAGLE3_KEYS}.get(method, _KEYS)
+    return {DRAFT_MODEL_METHOD: _DRAFT_MODEL_KEYS, EAGLE3_METHOD: _EAGLE_KEYS, EAGLE1_METHOD: _EAGLE_KEYS}.get(
+        method, _KEYS)
 
 
 def speculative_config(text: str) -> SpeculativeConfig:
