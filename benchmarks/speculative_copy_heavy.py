@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.offline_throughput import step_timer_lines
 from benchmarks.speculative_tpot import TimedStream, spec_decode_figures, speculative_options, timed_stream
 from client import AsyncClient, Client
 from pagedserve.llm import LLM
@@ -159,6 +160,7 @@ def measure_copy(model: str | None, k: int, options: dict, args) -> dict:
     lone_chats = [copy_prompt(i) for i in range(args.num_prompts)]
     batch_chats = [lone_chats[i % len(lone_chats)] for i in range(args.concurrency)]
     with LLM(model, **options) as llm, Client(llm.target) as stats_client:
+        log = open(llm.log_path, errors="replace")  # readable after the server's exit unlinks it
         asyncio.run(_streams(llm.target, lone_chats[:1], {**sampling, "max_tokens": 16}, at_once=False))  # warm-up
         before_lone = stats_client.stats()
         lone = asyncio.run(_streams(llm.target, lone_chats, sampling, at_once=False))
@@ -169,6 +171,8 @@ def measure_copy(model: str | None, k: int, options: dict, args) -> dict:
         batch = asyncio.run(_streams(llm.target, batch_chats, sampling, at_once=True))
         wall = time.perf_counter() - started
         after_batch = stats_client.stats()
+    with log:  # where each step's time went: the scheduler's and the worker's step timers, logged at exit
+        timers = step_timer_lines(log.read())
     batch_tokens = sum(len(s.token_ids) for s in batch)
     return {
         "k": k,
@@ -179,6 +183,7 @@ def measure_copy(model: str | None, k: int, options: dict, args) -> dict:
             "median_tpot_ms": 1e3 * statistics.median(s.tpot for s in batch),
             **spec_decode_figures(after_batch, since=warm), "answers": _answers(batch)},
         "spec_decode_all_phases": spec_decode_figures(after_batch),
+        "step_timers": timers,
     }
 
 
@@ -205,7 +210,7 @@ def plot(report: dict, path: Path, batch_phase: str) -> None:
                                textcoords="offset points", xytext=(4, 6))
     lone_axis.set_xlabel("num_speculative_tokens k (0: off)")
     lone_axis.set_ylabel("lone-request TPOT, ms (median over prompts)")
-    lone_axis.set_ylim(bottom=0)
+    lone_axis.set_ylim(0, 1.2 * max(run["lone"]["tpot_ms"] for run in runs))
     lone_axis.set_xticks(ks)
     batch_axis.plot(ks, [run[batch_phase]["output_tokens_per_s"] for run in runs], marker="o", color="tab:green")
     batch_axis.set_xlabel("num_speculative_tokens k (0: off)")
@@ -224,7 +229,8 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="a .gguf file or model directory (default: the embedded one)")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5, 6, 8])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="auto", help="serve's --dtype (auto: bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--dtype", default="auto",
+                        help="serve's --dtype (auto: bfloat16 on a GPU, float32 on the CPU)")
     parser.add_argument("--num-prompts", type=int, default=len(PASSAGES), help="lone requests per k (chats in turn)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=8)
@@ -234,6 +240,8 @@ def main() -> int:
     args = parser.parse_args()
     ks = sorted(set(args.ks) | {0})  # k = 0 is the reference the others' answers must equal
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.dtype == "auto":
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
     options = {"device": args.device, "dtype": args.dtype, "max_model_len": 2048}
     batch_phase = f"concurrency_{args.concurrency}"
     report = {"model": resolve_model(args.model).name, "device": args.device, "dtype": args.dtype,
