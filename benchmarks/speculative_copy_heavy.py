@@ -10,7 +10,8 @@ honoured (the model stops itself: the tokens it made are counted), up to --max-t
 
 Per k, one engine: a warm-up request, then each prompt once alone (TPOT per request: the time from its first
 chunk to its last over the tokens after the first, median over the prompts), then --concurrency requests at once
-(the prompts in turn: output tokens per second over the wall time of the batch). The spec_decode counters of each
+(the prompts in turn, after a short warm-up batch of the same, so their prefills are prefix-cache hits: output
+tokens per second over the wall time of the batch). The spec_decode counters of each
 phase give the mean tokens per verification step (1 + accepted / drafts). Greedy verification is lossless: every
 lone answer must have the token ids of k = 0's (the script exits 1 naming the ones that differ, after writing
 its results); the concurrent answers are compared and reported too (not asserted: with a batch the steps'
