@@ -4,9 +4,9 @@ with `{"method": "ngram", "num_speculative_tokens": k}` for each k of --ks.
 
 The workload: chat requests (the model's chat template, rendered by the server) that give a paragraph of plain
 English (PASSAGES: 160-185 tokens each, prompts of about 230) and ask the model to repeat it, to fix its typos
-(the same paragraph with letters swapped in every ninth long word) or to rewrite it with one change (a name, a day, a year). The
-answer copies long spans of the prompt, which is where the n-gram proposer finds its drafts. Greedy, EOS
-honoured (the model stops itself: the tokens it made are counted), up to --max-tokens each.
+(the same paragraph with letters swapped in every ninth long word) or to rewrite it with one change (a name, a
+day, a year). The answer copies long spans of the prompt, which is where the n-gram proposer finds its drafts.
+Greedy, EOS honoured (the model stops itself: the tokens it made are counted), up to --max-tokens each.
 
 Per k, one engine: a warm-up request, then each prompt once alone (TPOT per request: the time from its first
 chunk to its last over the tokens after the first, median over the prompts), then --concurrency requests at once
