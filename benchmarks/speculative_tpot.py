@@ -38,6 +38,7 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.offline_throughput import step_timer_lines
@@ -69,25 +70,78 @@ def write_repeater(config, directory: Path, device: str, repeats: bool = True) -
     return directory
 
 
+@dataclass(frozen=True)
+class TimedStream:
+    """One generation stream as the client saw it. Why the arrival time of each chunk with its size: a chunk of a
+    verified step carries every token the step accepted, so TPOT is the time between the first and the last
+    chunk over the tokens after the first (which carries the prefill), not the number of chunks."""
+
+    arrivals: tuple[float, ...]  # time.perf_counter() at each chunk
+    chunk_sizes: tuple[int, ...]  # token ids each chunk carried
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int | None
+
+    @property
+    def tpot(self) -> float:
+        """Seconds per output token after the first chunk."""
+        return (self.arrivals[-1] - self.arrivals[0]) / max(1, sum(self.chunk_sizes[1:]))
+
+
+async def timed_stream(client: AsyncClient, prompt=None, **request) -> TimedStream:
+    """Streams one request (AsyncClient.generate_stream's arguments: a prompt or messages=, sampling keywords)."""
+    arrivals, sizes, token_ids, texts, last = [], [], [], [], None
+    async for chunk in client.generate_stream(prompt, **request):
+        arrivals.append(time.perf_counter())
+        sizes.append(len(chunk.token_ids))
+        token_ids.extend(chunk.token_ids)
+        texts.append(chunk.text)
+        last = chunk
+    return TimedStream(tuple(arrivals), tuple(sizes), tuple(token_ids), "".join(texts), last.finish_reason,
+                       last.prompt_tokens)
+
+
 async def _lone_tpot(target: str, max_tokens: int) -> float:
-    """Seconds per output token of one greedy stream (first chunk excluded: it carries the prefill)."""
-    stamps, counts = [], []
+    """Seconds per output token of one greedy stream of PROMPT, EOS ignored."""
     async with AsyncClient(target) as client:
-        async for chunk in client.generate_stream(PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
-            stamps.append(time.perf_counter())
-            counts.append(len(chunk.token_ids))
-    return (stamps[-1] - stamps[0]) / max(1, sum(counts[1:]))
+        stream = await timed_stream(client, PROMPT, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return stream.tpot
+
+
+def speculative_options(options: dict, k: int, draft: str | None = None, method: str = "draft_model",
+                        prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> dict:
+    """The LLM keywords `options` with k draft tokens (0: speculation off): `draft`'s (a draft model's or, `method`
+    eagle3, an EAGLE-3 head's directory), else n-gram ones looked up with n from `prompt_lookup_max` down to
+    `prompt_lookup_min`."""
+    if k and draft is not None:
+        return {**options, "speculative_config": {"method": method, "model": draft, "num_speculative_tokens": k}}
+    if k:
+        return {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
+                                                   "prompt_lookup_max": prompt_lookup_max,
+                                                   "prompt_lookup_min": prompt_lookup_min}}
+    return options
+
+
+def spec_decode_figures(stats, since=None) -> dict:
+    """The server's spec_decode counters (ServerStats) gained since the `since` stats (None: since it started),
+    and the mean tokens per verification step, 1 + accepted / drafts (None without drafts)."""
+    def gained(field: str) -> int:
+        return getattr(stats, field) - (getattr(since, field) if since is not None else 0)
+
+    before = since.spec_decode_num_accepted_tokens_per_pos if since is not None else ()
+    per_position = [n - (before[j] if j < len(before) else 0)
+                    for j, n in enumerate(stats.spec_decode_num_accepted_tokens_per_pos)]
+    drafts, accepted = gained("spec_decode_num_drafts"), gained("spec_decode_num_accepted_tokens")
+    return {"drafts": drafts, "draft_tokens": gained("spec_decode_num_draft_tokens"), "accepted_tokens": accepted,
+            "accepted_tokens_per_position": per_position,
+            "tokens_per_verification": 1 + accepted / drafts if drafts else None}
 
 
 def measure(model: str, k: int, options: dict, draft: str | None = None, method: str = "draft_model") -> dict:
     """One engine: k draft tokens (0: speculation off), n-gram ones or `draft`'s (a draft model's or, `method`
     eagle3, an EAGLE-3 head's directory); TPOT (median of 3 lone requests) and acceptance."""
-    if k and draft is not None:
-        options = {**options, "speculative_config": {"method": method, "model": draft,
-                                                     "num_speculative_tokens": k}}
-    elif k:
-        options = {**options, "speculative_config": {"method": "ngram", "num_speculative_tokens": k,
-                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 1}}
+    options = speculative_options(options, k, draft, method)
     with LLM(model, **options) as llm:
         log = open(llm.log_path, errors="replace")  # readable after the server's exit unlinks it
         asyncio.run(_lone_tpot(llm.target, WARMUP_LEN))  # compiles, graphs
@@ -96,12 +150,8 @@ def measure(model: str, k: int, options: dict, draft: str | None = None, method:
             stats = client.stats()
     with log:  # where each step's time went: the scheduler's and the worker's step timers, logged at exit
         timers = step_timer_lines(log.read())
-    drafts = stats.spec_decode_num_drafts
     return {"k": k, "tpot_ms": 1e3 * statistics.median(tpots), "tpot_runs_ms": [1e3 * t for t in tpots],
-            "drafts": drafts, "draft_tokens": stats.spec_decode_num_draft_tokens,
-            "accepted_tokens": stats.spec_decode_num_accepted_tokens,
-            "tokens_per_verification": 1 + stats.spec_decode_num_accepted_tokens / drafts if drafts else None,
-            "step_timers": timers}
+            **spec_decode_figures(stats), "step_timers": timers}
 
 
 def main() -> int:
