@@ -44,9 +44,13 @@ class RecordingDecodePath(DecodeGraphPath):
     def __init__(self, graphs: DecodeGraphs):
         super().__init__(graphs)
         self.runs: list[tuple[int, int, int]] = []
+        # Whether each run was under inference mode: on a GPU the captured graph's outputs are inference tensors,
+        # and the logits computed from them outside it raise ("Inference tensors cannot be saved for backward").
+        self.inference_mode: list[bool] = []
 
     def run(self, inputs, size, previous_sampled):
         self.runs.append((len(inputs.rows), size, len(inputs.pending_input_indices)))
+        self.inference_mode.append(torch.is_inference_mode_enabled())
         return super().run(inputs, size, previous_sampled)
 
 
@@ -132,7 +136,8 @@ def test_proposals_through_the_decode_buffers_equal_the_eager_passes(models):
     step_plan, drafts_sent = requests.first_plan(), {}
     into_scratch = 0
     for step in range(5):
-        results = [worker.execute(step_plan).sampled for worker in (eager, buffered)]
+        # The buffered worker as the serving loop drives it: launch, then finish (not under inference mode).
+        results = [eager.execute(step_plan).sampled, buffered.finish(buffered.launch(step_plan)).sampled]
         assert results[0] == results[1], step  # the target's tokens: the same drafts were verified
         proposed = proposals_of(results[1])
         assert proposed == proposals_of(results[0]), step
@@ -159,6 +164,7 @@ def test_proposals_through_the_decode_buffers_equal_the_eager_passes(models):
         drafts_sent["b"] = [proposed["b"][0], (proposed["b"][1] + 1) % 50]
         step_plan = requests.next_plan(drafts_sent, finished=["c"] if step == 1 else [])
     assert into_scratch >= 3
+    assert all(path.inference_mode)  # proposal passes included (Worker.finish is not under inference mode)
     taking = [(rows, bucket) for rows, bucket, taken in path.runs if taken]
     assert len(taking) == 5 * (K - 1)  # every proposal pass after each step's first
     assert all(taken in (0, rows) for rows, _, taken in path.runs)

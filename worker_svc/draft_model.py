@@ -104,6 +104,7 @@ class DraftModel:
     def after_sampling(self, batch: PersistentBatch) -> None:
         """Nothing: the draft's K/V of the step was written by `mirror`, with the target's forward pass."""
 
+    @torch.inference_mode()  # Worker.finish calls it outside inference mode; a replayed graph's outputs need it
     def propose(self, batch: PersistentBatch, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Up to `k` draft tokens to follow each row's known tokens (`rows`: rows whose newest token was sampled
         in the step just finished, so their computed tokens are all but it): greedy rows' argmax, sampled rows'
