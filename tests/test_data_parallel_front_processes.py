@@ -201,3 +201,36 @@ def test_client_processes_send_every_request_and_return_every_outcome_in_order(e
     assert [outcome.generated_text for outcome in outcomes if outcome.success] == ["Hello world"] * 3
     assert sorted(request.text for request in engine.generation.requests) == sorted(texts)
     assert len(cpu) == 2 and all(seconds > 0 for seconds in cpu) and duration >= 0.1
+
+
+def _established_to(port: int) -> int:
+    """TCP connections of this machine in ESTABLISHED state whose remote end is port `port` (client sides), over
+    IPv4 or IPv6 (gRPC may connect to 127.0.0.1 from an IPv6 socket)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and fields[2].endswith(f":{port:04X}"):
+                count += 1
+    return count
+
+
+def test_clients_with_their_own_connection_open_one_each_and_others_share_one(engines):
+    import asyncio
+
+    from client import AsyncClient
+
+    engine = engines[1]
+    engine.reset()
+
+    async def connections(own_connection: bool) -> int:
+        clients = [AsyncClient(engine.target, max_retries=0, own_connection=own_connection) for _ in range(3)]
+        for client in clients:
+            assert (await client.generate("hello")).text == "Hello world"
+        opened = _established_to(engine.port)
+        for client in clients:
+            await client.close()
+        return opened
+
+    assert asyncio.run(connections(True)) == 3
+    assert asyncio.run(connections(False)) == 1

@@ -8,8 +8,8 @@ core, less than two GPU engines serve. vLLM's benchmark has one client process; 
 How: request i goes to process i % P with its arrival offset unchanged, so the P processes together send the
 one schedule (--request-rate, --burstiness, --seed) a single process would; --max-concurrency is split between
 them (each gets its share, at least 1). Each process starts by reading its share (a JSON line on stdin), builds
-the same backend the parent uses (its own connection: with several front processes, connections spread over
-them), says it is ready, and sends its requests from the start time the parent gives once all are ready
+the same backend the parent uses (over CONNECTIONS_PER_PROCESS gRPC connections of its own: with several front
+processes, connections spread over them), says it is ready, and sends its requests from the start time the parent gives once all are ready
 (time.perf_counter: CLOCK_MONOTONIC on Linux, one clock for every process), then writes its outcomes back (a
 JSON line on stdout). The duration is from that start to the last process's last outcome. Not for multi-turn
 conversations (each turn waits on the one before: one process keeps them).
@@ -30,6 +30,10 @@ from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_MARGIN_S = 0.2  # from the last process saying ready to the common start
+# gRPC connections each client process opens (requests take them in turn). Why several: a server whose
+# processes share one port (--api-server-count) gets each connection, not each request, on one process,
+# and the kernel spreads connections at random: many connections spread the load evenly, a few do not.
+CONNECTIONS_PER_PROCESS = 4
 
 
 def concurrency_shares(max_concurrency: int | None, num_processes: int) -> list[int | None]:
@@ -83,7 +87,7 @@ async def _client_process() -> None:
     from pagedserve.bench.serve import make_backend, send_all
 
     share = json.loads(sys.stdin.readline())
-    backend = make_backend(share["backend"], share["max_concurrency"])
+    backend = make_backend(share["backend"], share["max_concurrency"], CONNECTIONS_PER_PROCESS)
     inputs = [RequestInput(**fields) for fields in share["inputs"]]
     try:
         print("ready", flush=True)

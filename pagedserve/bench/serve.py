@@ -295,11 +295,15 @@ async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offs
         await backend.close()
 
 
-def make_backend(spec: dict, max_concurrency: int | None):
+def make_backend(spec: dict, max_concurrency: int | None, connections: int = 1):
     """The request function of `spec` (backend, base_url, endpoint, api_key: a ServeTarget's, as a client
-    process gets it too); call it inside the run's event loop."""
+    process gets it too); call it inside the run's event loop. `connections` > 1: gRPC over that many
+    connections of its own (HTTP opens connections as it needs them)."""
     if spec["backend"] == "grpc":
-        return GrpcBackend(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0))
+        if connections == 1:
+            return GrpcBackend(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0))
+        return GrpcBackend(*(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0,
+                                         own_connection=True) for _ in range(connections)))
     return OpenAIStreamingBackend(spec["base_url"] + spec["endpoint"], spec["backend"] == "openai-chat",
                                   _headers(spec["api_key"]), max_concurrency)
 
