@@ -33,7 +33,7 @@ START_MARGIN_S = 0.2  # from the last process saying ready to the common start
 # gRPC connections each client process opens (requests take them in turn). Why several: a server whose
 # processes share one port (--api-server-count) gets each connection, not each request, on one process,
 # and the kernel spreads connections at random: many connections spread the load evenly, a few do not.
-CONNECTIONS_PER_PROCESS = 4
+CONNECTIONS_PER_PROCESS = 8
 
 
 def concurrency_shares(max_concurrency: int | None, num_processes: int) -> list[int | None]:
