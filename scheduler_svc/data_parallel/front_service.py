@@ -19,6 +19,8 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
   them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
   not serve (its scheduler restarting, or lost) gets no new request. On SIGTERM: NOT_SERVING, new calls
   UNAVAILABLE, streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
+- One of --api-server-count processes (--api-server-rank set; front_processes.py): the same, except that it binds
+  the shared port (SO_REUSEPORT) only once every engine has served, and its router's load bound is its share.
 """
 
 from __future__ import annotations
