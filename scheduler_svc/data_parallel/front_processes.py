@@ -16,7 +16,9 @@ What each process keeps, and what that costs:
   the process's own share of the traffic, so each process's bound is --router-load-bound / N (rounded up),
   which with connections spread evenly keeps the documented imbalance overall; round-robin alternates per
   process (even overall). GetStats (and /metrics' router counters) come from whichever process answers: the
-  engines' figures are whole, the router's counts are that process's.
+  engines' figures are whole, the router's counts are that process's. Abort still reaches every engine from
+  any process; only the ids of requests waiting for a resend (their engine lost) are per process, and the SDK
+  sends its Abort on the stream's own connection, so to the process that holds the request.
 - balancing is per connection, not per request: one gRPC channel is one HTTP/2 connection and so one front
   process. Many clients (or a client with several connections: `bench serve --num-client-processes`) spread
   over all N; a single channel, such as the gateway's, uses one of them.
