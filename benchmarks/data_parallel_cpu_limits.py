@@ -152,7 +152,8 @@ def measure(model_dir: Path, work: Path, args, api_server_count: int | None) -> 
             target = f"127.0.0.1:{port}"
             engine = stack.enter_context(started(
                 [sys.executable, "-m", "pagedserve.testing.instant_engine", "--model", str(model_dir),
-                 "--grpc-port", str(port), "--step-ms", str(args.step_ms)], work / f"engine{index}-{port}.log",
+                 "--grpc-port", str(port), "--step-ms", str(args.step_ms), "--stream-messages-per-step",
+                 str(args.stream_messages_per_step)], work / f"engine{index}-{port}.log",
                 target, f"engine {index}"))
             engine_targets.append(target)
             watched[f"engine {index}"] = [engine.pid]
@@ -188,12 +189,15 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--step-ms", type=float, default=7.0, help="the stand-in engines' time per step")
+    parser.add_argument("--stream-messages-per-step", type=int, default=16,
+                        help="the engines' stream pacing, as the scheduler's flag (its default: 16)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
     report = {"what": __doc__.splitlines()[0], "host": platform.processor() or platform.machine(),
               "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(), "shape": args.shape,
               "engines": args.engines, "num_prompts": args.num_prompts, "input_len": args.input_len,
-              "output_len": args.output_len, "step_ms": args.step_ms, "router_policy": args.router_policy,
+              "output_len": args.output_len, "step_ms": args.step_ms,
+              "stream_messages_per_step": args.stream_messages_per_step, "router_policy": args.router_policy,
               "num_client_processes": args.num_client_processes, "gpu_measured": GPU_MEASURED, "settings": []}
     with tempfile.TemporaryDirectory() as work:
         model_dir = write_config_dir(args.shape, Path(work) / args.shape)

@@ -19,8 +19,10 @@ summary (data_parallel_SHAPE.json) holds both settings and the ratio of the maxi
 `--api-server-count C [C ...]`: each size above 1 is measured once per C, served with `--api-server-count C`
 front processes (runs `dp2_api4` and so on; C = 1 keeps the name `dp2`), each with its ratio over `dp1`.
 `--num-client-processes P`: every `bench serve` (-dp 1 too, so the client is the same on both sides) sends
-from P processes, each its own connection: one client process reads about 200 256-token requests a second per
-core, and the front's processes share out connections, not requests.
+from P processes, each over its own connections: one client process reads about 200 256-token requests a
+second per core, and the front's processes share out connections, not requests. `--stream-messages-per-step K`:
+the engines' stream pacing (the scheduler's flag) on every run; fewer messages a request cost the front and the
+client less (docs/scale_out.md).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def measure(model_dir: Path, work: Path, result_dir: Path, args, data_parallel_s
     flags = [*ENGINE_FLAGS, "--data-parallel-size", str(data_parallel_size)]
     if api_server_count > 1:
         flags += ["--api-server-count", str(api_server_count)]
+    if args.stream_messages_per_step is not None:
+        flags += ["--stream-messages-per-step", str(args.stream_messages_per_step)]
     if args.device != "cuda":
         flags = [*flags[: flags.index("--device")], *flags[flags.index("--device") + 2 :], "--device", args.device,
                  "--dtype", "float32"]
@@ -87,6 +91,8 @@ def main() -> int:
     parser.add_argument("--api-server-count", type=int, nargs="+", default=[1],
                         help="front processes: each size above 1 is measured with each of these")
     parser.add_argument("--num-client-processes", type=int, default=1, help="bench serve's client processes")
+    parser.add_argument("--stream-messages-per-step", type=int, default=None,
+                        help="the engines' stream pacing on every run (default: the scheduler's)")
     args = parser.parse_args()
     if min(args.api_server_count) < 1 or args.num_client_processes < 1:
         parser.error("--api-server-count and --num-client-processes must be at least 1")
@@ -99,7 +105,8 @@ def main() -> int:
                      "gpus": torch.cuda.device_count() if on_gpu else 0,
                      "shape": args.shape, "input_len": args.input_len, "output_len": args.output_len,
                      "num_prompts": args.num_prompts, "engine_flags": ENGINE_FLAGS,
-                     "num_client_processes": args.num_client_processes, "runs": {}}
+                     "num_client_processes": args.num_client_processes,
+                     "stream_messages_per_step": args.stream_messages_per_step, "runs": {}}
     with tempfile.TemporaryDirectory() as work:
         model_dir = write_config_dir(args.shape, Path(work) / args.shape)
         write_id_word_tokenizer(model_dir, SHAPES[args.shape]["vocab_size"])
