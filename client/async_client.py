@@ -50,7 +50,11 @@ class AsyncClient:
         resume_timeout: float = 120.0,
         api_key: str | None = None,
         root_certificates: bytes | str | None = None,
+        own_connection: bool = False,
     ) -> None:
+        """`own_connection`: a TCP connection of this client's own; by default gRPC shares one between every
+        channel to the same target in a process. Several clients each with its own connection spread over the
+        processes of a server that shares its port (a data-parallel front's --api-server-count)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -62,10 +66,11 @@ class AsyncClient:
         self._reached_server = False  # any answer yet: an UNAVAILABLE after one is a lost scheduler (stream_resume.py)
         self._metadata = call_metadata(api_key)
         credentials = channel_credentials(root_certificates)
+        options = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)) if own_connection else CHANNEL_OPTIONS
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._generation = generate_pb2_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -97,7 +97,12 @@ def data_parallel_refusal(args: argparse.Namespace, visible_gpus: int | None) ->
     size = args.data_parallel_size
     if size < 1:
         return "--data-parallel-size must be >= 1"
+    if args.api_server_count < 1:
+        return f"--api-server-count must be >= 1, not {args.api_server_count}"
     if size == 1:
+        if args.api_server_count > 1:
+            return ("--api-server-count > 1 needs --data-parallel-size > 1: with one engine there is no front, the "
+                    "scheduler serves the public port itself")
         return None
     if args.worker_address is not None:
         return "--worker-address cannot go with --data-parallel-size > 1 (each engine has a private socket)"

@@ -141,16 +141,17 @@ async def run_scheduler_service(config: SchedulerConfig) -> int:
         await link.close()
 
 
-def public_grpc_server(config) -> tuple[grpc.aio.Server, str]:
+def public_grpc_server(config, reuse_port: bool = False) -> tuple[grpc.aio.Server, str]:
     """The public API's gRPC server, bound (not started) to config.host:config.port with the config's TLS, API
     key and message limit, and that address: the scheduler's, and a data-parallel front's (whose config has the
-    same fields)."""
+    same fields). `reuse_port`: one of several front processes sharing the port (front_processes.py)."""
     server = grpc.aio.server(
         interceptors=[ApiKeyInterceptor(config.api_key)] if config.api_key else [],
         # so_reuseport off: a second server started on a port in use fails to bind instead of silently
-        # sharing it (the kernel would then hand this server's clients to the other one).
+        # sharing it (the kernel would then hand this server's clients to the other one). On only for the front
+        # processes of one --api-server-count, whose supervisor checked the port was free first.
         options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", grpc_receive_limit(config.max_message_bytes)),
-                 ("grpc.so_reuseport", 0)],
+                 ("grpc.so_reuseport", int(reuse_port))],
     )
     address = f"{config.host}:{config.port}"
     if config.tls_cert_file:

@@ -262,3 +262,36 @@ def test_dp1_keeps_todays_layout_with_no_front(model, tmp_path):
         assert sum("-m scheduler_svc " in command for command in commands) == 1
         with lone.client() as client:
             assert client.stats().engines == ()
+
+
+def test_dp2_with_two_front_processes_gives_a_single_engines_greedy_tokens_over_many_connections(model, tmp_path):
+    """`--api-server-count 2`: a supervisor and two front processes on the public port; requests over
+    connections of their own (spread over both processes) get transformers' greedy tokens and reach both
+    engines; the stack stops cleanly (the harness checks every process is gone)."""
+    import asyncio
+
+    from client import AsyncClient
+
+    rng = random.Random(9)
+    prompts = [[rng.randrange(512) for _ in range(rng.randrange(20, 40))] for _ in range(8)]
+    with running_server(tmp_path, "--model", str(model), "-dp", "2", "--api-server-count", "2", "--max-model-len",
+                        "512") as server:
+        commands = _command_lines(server.children)
+        assert sum(f"-m {FRONT_MODULE} " in command for command in commands) == 3
+        assert sum("--api-server-rank" in command for command in commands) == 2
+
+        async def generate_each_on_its_own_connection():
+            clients = [AsyncClient(server.target, own_connection=True) for _ in prompts]
+            try:
+                return await asyncio.gather(*(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                              ignore_eos=True)
+                                              for client, prompt in zip(clients, prompts)))
+            finally:
+                for client in clients:
+                    await client.close()
+
+        results = asyncio.run(generate_each_on_its_own_connection())
+        finished = [entry.stats.num_finished_requests for entry in _engines(server)]  # the engines' own counts
+    for prompt, result in zip(prompts, results):
+        assert list(result.token_ids) == hf_greedy(model, prompt, MAX_TOKENS)
+    assert sum(finished) >= len(prompts) and min(finished) > 0, finished

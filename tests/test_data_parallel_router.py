@@ -350,7 +350,7 @@ def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
     def refusal(size=2, **changes):
         args = argparse.Namespace(data_parallel_size=size, tensor_parallel_size=1, device="cpu",
                                   distributed_executor_backend="mp", worker_address=None,
-                                  allow_runtime_lora_updating=False, tls_cert_file=None)
+                                  allow_runtime_lora_updating=False, tls_cert_file=None, api_server_count=1)
         return data_parallel_refusal(argparse.Namespace(**{**vars(args), **changes}), None)
 
     assert refusal() is None
@@ -361,7 +361,7 @@ def test_data_parallel_refuses_what_one_front_cannot_serve_yet():
     assert refusal(1, allow_runtime_lora_updating=True, tls_cert_file="/etc/cert.pem") is None
     assert "needs 4 GPUs" in data_parallel_refusal(argparse.Namespace(
         data_parallel_size=2, tensor_parallel_size=2, device="cuda", distributed_executor_backend="mp",
-        worker_address=None, allow_runtime_lora_updating=False, tls_cert_file=None), 2)
+        worker_address=None, allow_runtime_lora_updating=False, tls_cert_file=None, api_server_count=1), 2)
 
 
 def test_engine_ports_are_distinct_and_never_the_public_port(monkeypatch):

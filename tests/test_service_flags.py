@@ -73,6 +73,7 @@ EXAMPLES = {
         resume_timeout=10.0, grpc_api_key="grpc-key", grpc_root_cert="cert.pem"),
     FrontConfig: FrontConfig(
         engine_targets=("127.0.0.1:7001", "127.0.0.1:7002"), router_policy="least-load", router_load_bound=3,
+        api_server_count=2, api_server_rank=1,
         host="0.0.0.0", port=6000, model="some/model", tokenizer="tok/dir", chat_template="{{ messages }}",
         api_key="the-key", tls_cert_file="cert.pem", tls_key_file="key.pem", max_message_bytes=1000,
         shutdown_timeout=5.0),

@@ -137,13 +137,16 @@ class _SseStream:
 
 
 class GrpcBackend:
-    """Our server over gRPC: a chunk with token ids is output; the last chunk's usage counts the tokens."""
+    """Our server over gRPC: a chunk with token ids is output; the last chunk's usage counts the tokens. With
+    several clients (each its own connection), requests take them in turn."""
 
-    def __init__(self, client) -> None:
-        self._client = client
+    def __init__(self, *clients) -> None:
+        self._clients = clients
+        self._turn = 0
 
     async def close(self) -> None:
-        await self._client.close()
+        for client in self._clients:
+            await client.close()
 
     async def __call__(self, request: RequestInput) -> RequestOutcome:
         outcome = RequestOutcome(prompt_len=request.prompt_len)
@@ -151,9 +154,11 @@ class GrpcBackend:
         pieces = []
         last_output = None
         finish_reason = None
+        client = self._clients[self._turn]
+        self._turn = (self._turn + 1) % len(self._clients)
         outcome.start_time = time.perf_counter()
         try:
-            stream = self._client.generate_stream(request.prompt, **sampling)
+            stream = client.generate_stream(request.prompt, **sampling)
             async for chunk in stream:
                 now = time.perf_counter()
                 if chunk.token_ids:

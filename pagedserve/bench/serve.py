@@ -30,6 +30,7 @@ from tqdm import tqdm
 from client import AsyncClient, Client
 from client.errors import PagedServeError
 from pagedserve.bench.arrivals import send_offsets
+from pagedserve.bench.client_processes import send_from_processes
 from pagedserve.bench.http_client import JsonHttpClient, JsonHttpError
 from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, http_prompt_tokens
 from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
@@ -71,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0,
                         help="shape of the gamma-distributed gaps between requests: 1 Poisson, <1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--num-client-processes", type=int, default=1,
+                        help="send the measured run from this many client processes (the same schedule, split "
+                             "request by request; each its own connection), so that one client process's CPU "
+                             "does not cap a fast server (client_processes.py); not with multi-turn")
     parser.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past EOS")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -125,6 +130,13 @@ class ServeTarget:
             raise ValueError(f"--metric-percentiles {args.metric_percentiles!r}: each must be in (0, 100]")
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError("--max-concurrency must be at least 1")
+        if args.num_client_processes < 1:
+            raise ValueError(f"--num-client-processes must be at least 1, not {args.num_client_processes}")
+        if args.num_client_processes > 1 and args.dataset_name == "multi-turn":
+            raise ValueError("--num-client-processes: multi-turn conversations are sent from one process")
+        if args.max_concurrency is not None and args.max_concurrency < args.num_client_processes:
+            raise ValueError(f"--max-concurrency {args.max_concurrency} is below --num-client-processes "
+                             f"{args.num_client_processes}: each process needs at least one request in flight")
         if args.request_rate <= 0 or args.burstiness <= 0:
             raise ValueError("--request-rate and --burstiness must be positive")
         return cls(backend=backend, base_url=base_url,
@@ -167,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
     offsets = send_offsets(starts, args.request_rate, args.burstiness, np.random.default_rng(args.seed))
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        outcomes, duration, prefill = asyncio.run(_benchmark(args, target, inputs, offsets, conversations))
+        outcomes, duration, prefill, client_cpu = asyncio.run(_benchmark(args, target, inputs, offsets,
+                                                                           conversations))
     except RuntimeError as error:
         print(f"pagedserve bench serve: error: {error}", file=sys.stderr)
         return 1
@@ -178,10 +191,14 @@ def run(args: argparse.Namespace) -> int:
         for index, error in enumerate(failures[:10]):
             print(f"Error {index}: {error}")
     print("\n".join(summary_lines(metrics, settings, duration)))
+    print(f"Client CPU over the run: {sum(client_cpu):.2f} s in {len(client_cpu)} process(es), "
+          f"{1e3 * sum(client_cpu) / max(metrics.completed, 1):.2f} ms per completed request")
     if args.save_result or args.result_dir or args.result_filename:
         path = _result_path(args, target.backend, model, date)
         path.parent.mkdir(parents=True, exist_ok=True)
         record = result_record(metrics, settings, duration, date, outcomes)
+        record.update(num_client_processes=len(client_cpu), client_cpu_s=sum(client_cpu),
+                      client_cpu_s_per_process=client_cpu)
         if conversations is not None:
             record["multi_turn"] = {name: getattr(args, f"multi_turn_{name}") for name in
                                     ("num_conversations", "num_turns", "prefix_len", "input_len", "output_len")}
@@ -233,15 +250,15 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offsets: list[float],
-                     conversations: list[Conversation] | None) -> tuple[list[RequestOutcome], float, dict | None]:
+                     conversations: list[Conversation] | None
+                     ) -> tuple[list[RequestOutcome], float, dict | None, list[float]]:
     """The test request, the warm-ups and the measured run: `inputs` at `offsets`, or the `conversations`
     (their first turns' user messages alone are the test and warm-up prompts: no conversation's prefix gets
-    cached before it starts). With conversations, also the server's prefill counts over the run."""
-    if target.backend == "grpc":
-        backend = GrpcBackend(AsyncClient(target.base_url, api_key=target.api_key, max_retries=0))
-    else:
-        backend = OpenAIStreamingBackend(target.base_url + target.endpoint, target.backend == "openai-chat",
-                                         _headers(target.api_key), args.max_concurrency)
+    cached before it starts). With conversations, also the server's prefill counts over the run. Last, the CPU
+    seconds each client process spent in the measured run (every thread, gRPC's included)."""
+    backend_spec = {"backend": target.backend, "base_url": target.base_url, "endpoint": target.endpoint,
+                    "api_key": target.api_key}
+    backend = make_backend(backend_spec, args.max_concurrency)
     try:
         print("Starting initial single prompt test run...")
         test = await backend(inputs[0])
@@ -250,7 +267,7 @@ async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offs
         print("Initial test run completed.")
         if args.num_warmups > 0:
             print(f"Warming up with {args.num_warmups} requests...")
-            await _send_all(backend, [inputs[0]] * args.num_warmups, [0.0] * args.num_warmups,
+            await send_all(backend, [inputs[0]] * args.num_warmups, [0.0] * args.num_warmups,
                             args.max_concurrency, disable_tqdm=True)
             print("Warmup run completed.")
         print("Starting main benchmark run...")
@@ -258,20 +275,42 @@ async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offs
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({distribution})")
         print(f"Maximum request concurrency: {args.max_concurrency}")
+        if conversations is None and args.num_client_processes > 1:
+            print(f"Client processes: {args.num_client_processes}")
+            outcomes, duration, client_cpu = await asyncio.to_thread(
+                send_from_processes, backend_spec, inputs, offsets, args.max_concurrency, args.num_client_processes)
+            return outcomes, duration, None, client_cpu
+        cpu_before = time.process_time()
         if conversations is None:
-            return (*await _send_all(backend, inputs, offsets, args.max_concurrency, args.disable_tqdm), None)
+            outcomes, duration = await send_all(backend, inputs, offsets, args.max_concurrency, args.disable_tqdm)
+            return outcomes, duration, None, [time.process_time() - cpu_before]
         print(f"Conversations: {len(conversations)}, at most {args.max_active_conversations or 'all'} at once")
         before = await asyncio.to_thread(_prefill_counters, target)
         outcomes, duration = await send_conversations(backend, conversations, inputs[0],
                                                       args.max_active_conversations, offsets)
-        return outcomes, duration, prefill_record(before, await asyncio.to_thread(_prefill_counters, target))
+        client_cpu = [time.process_time() - cpu_before]
+        return (outcomes, duration, prefill_record(before, await asyncio.to_thread(_prefill_counters, target)),
+                client_cpu)
     finally:
         await backend.close()
 
 
-async def _send_all(backend, inputs, offsets, max_concurrency, disable_tqdm):
-    """Sends request i at offsets[i] after the start (waiting for a free slot under max_concurrency);
-    returns the outcomes in input order and the wall time from the start to the last outcome."""
+def make_backend(spec: dict, max_concurrency: int | None, connections: int = 1):
+    """The request function of `spec` (backend, base_url, endpoint, api_key: a ServeTarget's, as a client
+    process gets it too); call it inside the run's event loop. `connections` > 1: gRPC over that many
+    connections of its own (HTTP opens connections as it needs them)."""
+    if spec["backend"] == "grpc":
+        if connections == 1:
+            return GrpcBackend(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0))
+        return GrpcBackend(*(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0,
+                                         own_connection=True) for _ in range(connections)))
+    return OpenAIStreamingBackend(spec["base_url"] + spec["endpoint"], spec["backend"] == "openai-chat",
+                                  _headers(spec["api_key"]), max_concurrency)
+
+
+async def send_all(backend, inputs, offsets, max_concurrency, disable_tqdm, start: float | None = None):
+    """Sends request i at offsets[i] after `start` (perf_counter; default now), waiting for a free slot under
+    max_concurrency; returns the outcomes in input order and the wall time from the start to the last outcome."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     progress = tqdm(total=len(inputs), disable=disable_tqdm)
 
@@ -281,7 +320,7 @@ async def _send_all(backend, inputs, offsets, max_concurrency, disable_tqdm):
         progress.update(1)
         return outcome
 
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     tasks = []
     for request, offset in zip(inputs, offsets):
         delay = start + offset - time.perf_counter()

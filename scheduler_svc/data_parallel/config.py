@@ -29,6 +29,14 @@ class FrontConfig:
     router_load_bound: int = flag("--router-load-bound", default=DEFAULT_LOAD_BOUND,
                                   help="prefix policy: a request goes to the least loaded engine instead when its "
                                        "prefix's engine has more than this many in-flight requests above it")
+    # Front processes on the one public port (front_processes.py says how they share it and what each keeps).
+    api_server_count: int = flag("--api-server-count", default=1,
+                                 help="data-parallel front processes serving the public gRPC port together "
+                                      "(SO_REUSEPORT: the kernel spreads client connections over them), as "
+                                      "vLLM's API servers; more relay more streams a second (docs/scale_out.md)")
+    # Set by the front's supervisor for each of its processes: which one this is (None: started by a launcher).
+    api_server_rank: int | None = flag("--api-server-rank", default=None, hidden=True, shared=False,
+                                       help="this front process's index among --api-server-count")
     host: str = flag("--grpc-host", default="127.0.0.1", help="gRPC bind address", shared=False)
     port: int = flag("--grpc-port", default=50051, help="gRPC port", shared=False)
     model: str | None = flag("--model", default=None, shared=False, help="the served model (its tokenizer)")
@@ -51,6 +59,11 @@ class FrontConfig:
     def __post_init__(self) -> None:
         if self.router_load_bound < 0:
             raise SystemExit("--router-load-bound must be >= 0")
+        if self.api_server_count < 1:
+            raise SystemExit(f"--api-server-count must be >= 1, not {self.api_server_count}")
+        if self.api_server_rank is not None and not 0 <= self.api_server_rank < self.api_server_count:
+            raise SystemExit(f"--api-server-rank {self.api_server_rank}: must lie in [0, --api-server-count "
+                             f"{self.api_server_count})")
 
 
 def add_front_arguments(parser: argparse.ArgumentParser, *, shared_only: bool = False) -> None:

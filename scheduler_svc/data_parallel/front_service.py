@@ -19,6 +19,8 @@ validates and refuses exactly as it does alone, and the front reads a Generate r
   them), then SERVING while any engine is; engines are polled every HEALTH_POLL_SECONDS and one that does
   not serve (its scheduler restarting, or lost) gets no new request. On SIGTERM: NOT_SERVING, new calls
   UNAVAILABLE, streams in flight relayed until they end (the engines drain them) or --shutdown-timeout passes.
+- One of --api-server-count processes (--api-server-rank set; front_processes.py): the same, except that it binds
+  the shared port (SO_REUSEPORT) only once every engine has served, and its router's load bound is its share.
 """
 
 from __future__ import annotations
@@ -244,23 +246,31 @@ async def run_front(config: FrontConfig) -> int:
             credentials = grpc.ssl_channel_credentials(root_certificates=cert.read())
     engines = [EngineLink(index, target, credentials) for index, target in enumerate(config.engine_targets)]
     metadata = (("authorization", f"Bearer {config.api_key}"),) if config.api_key else ()
-    front = DataParallelFront(engines, Router(config.router_policy, len(engines), config.router_load_bound),
-                              tokenizer, metadata)
+    one_of_many = config.api_server_rank is not None  # one of --api-server-count processes (front_processes.py)
+    # Each of N processes sees about 1/N of the requests: its share of the load bound (front_processes.py).
+    load_bound = -(-config.router_load_bound // config.api_server_count)
+    front = DataParallelFront(engines, Router(config.router_policy, len(engines), load_bound), tokenizer, metadata)
     health = HealthServicer()
     await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-    server, address = public_grpc_server(config)
-    add_front_service(front, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    await server.start()
-    logger.info("gRPC listening on %s; routing (%s) over %d engines: %s", address, config.router_policy,
-                len(engines), ", ".join(config.engine_targets))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     watching = asyncio.ensure_future(front.watch_engines(health))
+    server = None
     try:
+        # One of several binds only once its engines served (gRPC listens as soon as a port is added): the
+        # kernel then never hands a connection to a process still starting.
+        while one_of_many and not front.started and not stop.is_set():
+            await asyncio.sleep(HEALTH_POLL_SECONDS / 2)
+        server, address = public_grpc_server(config, reuse_port=one_of_many)
+        add_front_service(front, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        await server.start()
+        logger.info("gRPC listening on %s%s; routing (%s) over %d engines: %s", address,
+                    f" (front process {config.api_server_rank} of {config.api_server_count})" if one_of_many else "",
+                    config.router_policy, len(engines), ", ".join(config.engine_targets))
         await stop.wait()
         front.draining = True
         deadline = loop.time() + config.shutdown_timeout + 5.0  # the engines drain for shutdown_timeout
@@ -269,6 +279,7 @@ async def run_front(config: FrontConfig) -> int:
         return 0
     finally:
         watching.cancel()
-        await server.stop(grace=1.0)
+        if server is not None:
+            await server.stop(grace=1.0)
         for engine in engines:
             await engine.channel.close()
