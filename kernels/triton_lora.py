@@ -42,6 +42,8 @@ dtype, so the interpreter's results keep the GPU's rounding points.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -51,28 +53,72 @@ from kernels.triton_numerics import dot_precision, needs_upcast
 
 MIN_RANK, MAX_RANK = 16, 128
 MAX_PARTS = 3  # q|k|v, the most parts a fused layer has
-BLOCK_M = 16  # decode-sized batches matter most
-SHRINK_BLOCK_K = 64
-EXPAND_BLOCK_N = 64
-SPLIT_K_COLUMNS = 512  # the least K a shrink slice covers
-MAX_SPLITS = 16
+DOT_BLOCK_M = 16  # tl.dot's least tile: the many-token path
+FEW_TOKENS = 8  # up to this many tokens, the few-token path (`tiles_for`)
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
 
 
-def shrink_splits(num_tokens: int, k_size: int) -> int:
+@dataclass(frozen=True)
+class LoraTiles:
+    """How one `lora_add_fused` call is cut into programs; a function of the token count alone (`tiles_for`), so
+    that a CUDA graph's bucket always runs the same kernels.
+
+    Why two paths: at a decode step's 1-8 tokens the kernels are latency, not bytes (an 8B layer's adapters are
+    0.3-0.9 MB; a call took ~7 us): what counts is how many dependent iterations a program runs and how many
+    programs run side by side. `block_m` 16 runs one `tl.dot` per slot present in a 16-token tile (its least
+    size); `block_m` 1, 2, 4 or 8 (the few-token path) multiplies and sums with `tl.sum` instead, each row with
+    its own slot's weights (no loop over slots), and the expand sums all K slices' partials in one load.
+    - `block_k`: K columns per shrink iteration; `split_columns`: the least K a shrink slice covers (a multiple
+      of `block_k`), `max_splits` the most slices (so few tokens get up to `max_splits` programs of
+      `split_columns / block_k` iterations each);
+    - `block_n`: output columns per expand iteration;
+    - `num_warps`, `num_stages`: both kernels' (a loop of one or two iterations gains nothing from stages)."""
+
+    block_m: int = DOT_BLOCK_M
+    block_k: int = 64
+    split_columns: int = 512
+    max_splits: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        powers = (self.block_m, self.block_k, self.block_n, self.max_splits, self.num_warps)
+        if any(value < 1 or value & (value - 1) for value in powers) or self.block_m > DOT_BLOCK_M:
+            raise ValueError(f"{self}: block_m (<= {DOT_BLOCK_M}), block_k, block_n, max_splits and num_warps "
+                             "must be powers of two")
+        if self.block_m == DOT_BLOCK_M and min(self.block_k, self.block_n) < 16:
+            raise ValueError(f"{self}: tl.dot needs block_k and block_n of at least 16")
+        if self.split_columns < self.block_k or self.split_columns % self.block_k or self.num_stages < 1:
+            raise ValueError(f"{self}: split_columns must be a multiple of block_k, num_stages >= 1")
+
+
+MANY_TOKEN_TILES = LoraTiles()
+# At 1-8 tokens: one token per program, 8-16 K slices of one or two 128-column iterations for a 4096-wide K.
+FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=32, block_n=64, num_warps=2,
+                            num_stages=1)
+
+
+def tiles_for(num_tokens: int) -> LoraTiles:
+    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
+    return FEW_TOKEN_TILES if num_tokens <= FEW_TOKENS else MANY_TOKEN_TILES
+
+
+def shrink_splits(num_tokens: int, k_size: int, tiles: LoraTiles) -> int:
     """K slices of the shrink for `num_tokens` tokens of width `k_size` (a function of the shapes alone): enough
-    for about SHRINK_PROGRAMS programs, each slice at least SPLIT_K_COLUMNS wide."""
-    wanted = max(1, SHRINK_PROGRAMS // triton.cdiv(num_tokens, BLOCK_M))
-    return max(1, min(MAX_SPLITS, k_size // SPLIT_K_COLUMNS, wanted))
+    for about SHRINK_PROGRAMS programs, each slice at least `tiles.split_columns` wide."""
+    wanted = max(1, SHRINK_PROGRAMS // triton.cdiv(num_tokens, tiles.block_m))
+    return max(1, min(tiles.max_splits, k_size // tiles.split_columns, wanted))
 
 
-def expand_columns(num_tokens: int, n_size: int) -> int:
-    """Output columns of one expand program (a multiple of EXPAND_BLOCK_N): about EXPAND_PROGRAMS programs, so
-    that a wide output at many tokens does not re-read each token's partials once per BLOCK_N columns."""
-    column_blocks = triton.cdiv(n_size, EXPAND_BLOCK_N)
-    blocks_per_program = max(1, triton.cdiv(column_blocks * triton.cdiv(num_tokens, BLOCK_M), EXPAND_PROGRAMS))
-    return blocks_per_program * EXPAND_BLOCK_N
+def expand_columns(num_tokens: int, n_size: int, tiles: LoraTiles) -> int:
+    """Output columns of one expand program (a multiple of `tiles.block_n`): about EXPAND_PROGRAMS programs, so
+    that a wide output at many tokens does not re-read each token's partials once per block_n columns."""
+    column_blocks = triton.cdiv(n_size, tiles.block_n)
+    token_tiles = triton.cdiv(num_tokens, tiles.block_m)
+    blocks_per_program = max(1, triton.cdiv(column_blocks * token_tiles, EXPAND_PROGRAMS))
+    return blocks_per_program * tiles.block_n
 
 
 @triton.jit
@@ -98,7 +144,8 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
                         STACKED_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """partials[split, i, :] = sum over this slice's k of x[order[i], k] A[s_i, :, k] (fp32) for the tile's sorted
-    positions i, s_i = sorted_slots[i] >= 0, one `tl.dot` per slot present in the tile."""
+    positions i, s_i = sorted_slots[i] >= 0: one `tl.dot` per slot present in a 16-token tile, or (BLOCK_M < 16)
+    each row against its own slot's A, multiplied in fp32 (bf16 products are exact there) and summed by `tl.sum`."""
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:  # base tokens sort last: a tile that starts with one holds nothing else
         return
@@ -110,36 +157,54 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
     k_start = split.to(tl.int64) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_size)
     out = partials_ptr + split.to(tl.int64) * stride_split + positions[:, None] * stride_partial + ranks[None, :]
-    last = tl.max(slots, axis=0)
-    slot = first
-    while slot <= last:
-        mine = slots == slot
-        a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks.to(tl.int64) * stride_a_rank
+    if BLOCK_M < 16:
+        mine = slots >= 0
+        a_rows = (a_ptr + tl.maximum(slots, 0).to(tl.int64)[:, None, None] * stride_a_slot
+                  + ranks.to(tl.int64)[None, None, :] * stride_a_rank)
+        a_mask = mine[:, None, None] & rank_mask[None, None, :]
         acc = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < k_end
             x = tl.load(x_rows[:, None] + cols[None, :], mask=mine[:, None] & col_mask[None, :], other=0.0)
-            a_t = tl.load(a_rows[None, :] + cols[:, None], mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                a_t = a_t.to(tl.float32)
-            acc = tl.dot(x, a_t, acc, input_precision=PRECISION)
+            a_t = tl.load(a_rows + cols[None, :, None], mask=a_mask & col_mask[None, :, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * a_t.to(tl.float32), axis=1)
         tl.store(out, acc, mask=mine[:, None])
-        slot = _next_slot(slots, slot)
+    else:
+        last = tl.max(slots, axis=0)
+        slot = first
+        while slot <= last:
+            mine = slots == slot
+            a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks.to(tl.int64) * stride_a_rank
+            acc = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_mask = cols < k_end
+                x = tl.load(x_rows[:, None] + cols[None, :], mask=mine[:, None] & col_mask[None, :], other=0.0)
+                a_t = tl.load(a_rows[None, :] + cols[:, None], mask=col_mask[:, None] & rank_mask[None, :],
+                              other=0.0)
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    a_t = a_t.to(tl.float32)
+                acc = tl.dot(x, a_t, acc, input_precision=PRECISION)
+            tl.store(out, acc, mask=mine[:, None])
+            slot = _next_slot(slots, slot)
 
 
 @triton.jit
 def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalings_ptr, y_ptr, num_tokens, n_size,
                         columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
                         stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        SPLITS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
     positions i with s_i = sorted_slots[i] >= 0 and the program's `columns_per_program` columns c (grid axis 1),
     h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
-    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. Per slot present, h is summed once
-    and one `tl.dot` per BLOCK_N columns runs against B^T loaded as [stacked rank, BLOCK_N] with column c's R
-    entries at its part's rows and zeros elsewhere, so the other parts' h add exact zeros."""
+    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
+    BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere, so the other parts' h add exact
+    zeros. BLOCK_M 16: per slot present, h summed slice by slice and one `tl.dot` per BLOCK_N columns; BLOCK_M < 16:
+    all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
+    tree), then each row against its own slot's B (a product and `tl.sum`), no loop over slots."""
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:
         return
@@ -148,40 +213,69 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     stacked = tl.arange(0, STACKED_BLOCK)
     col_start = tl.program_id(1).to(tl.int64) * columns_per_program
     col_end = tl.minimum(col_start + columns_per_program, n_size)
-    last = tl.max(slots, axis=0)
-    slot = first
-    while slot <= last:
-        mine = slots == slot
-        partials = partials_ptr + positions[:, None] * stride_partial + stacked[None, :]
-        shrunk = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
-        for _ in range(0, num_splits):
-            shrunk += tl.load(partials, mask=mine[:, None], other=0.0)
-            partials += stride_split
-        h = shrunk.to(dtype)
-        if UPCAST:
-            h = h.to(tl.float32)
-        scaling = tl.load(scalings_ptr + slot)
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
+    y_rows = y_ptr + rows * stride_y
+    if BLOCK_M < 16:
+        mine = slots >= 0
+        splits = tl.arange(0, SPLITS_BLOCK)
+        partials = tl.load(partials_ptr + splits[:, None, None].to(tl.int64) * stride_split
+                           + positions[None, :, None] * stride_partial + stacked[None, None, :],
+                           mask=(splits < num_splits)[:, None, None] & mine[None, :, None], other=0.0)
+        h = tl.sum(partials, axis=0).to(dtype).to(tl.float32)
+        slot_of_row = tl.maximum(slots, 0).to(tl.int64)
+        scaling = tl.load(scalings_ptr + slot_of_row, mask=mine, other=0.0)
+        b_rows = b_ptr + slot_of_row[:, None, None] * stride_b_slot + (stacked % RANK)[None, :, None]
         for n0 in range(col_start, col_end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_mask = cols < col_end
             col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
             b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
-            b_t = tl.load(b_slot + cols[None, :] * stride_b_col + (stacked % RANK)[:, None], mask=b_mask, other=0.0)
-            if UPCAST:
-                b_t = b_t.to(tl.float32)
-            expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
-            scaled = (expanded * scaling).to(dtype).to(tl.float32)
-            y_tile = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            b_t = tl.load(b_rows + cols[None, None, :] * stride_b_col, mask=mine[:, None, None] & b_mask[None, :, :],
+                          other=0.0)
+            expanded = tl.sum(h[:, :, None] * b_t.to(tl.float32), axis=1).to(dtype).to(tl.float32)
+            scaled = (expanded * scaling[:, None]).to(dtype).to(tl.float32)
+            y_tile = y_rows[:, None] + cols[None, :]
             mask = mine[:, None] & col_mask[None, :]
             y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
-        slot = _next_slot(slots, slot)
+    else:
+        last = tl.max(slots, axis=0)
+        slot = first
+        while slot <= last:
+            mine = slots == slot
+            partials = partials_ptr + positions[:, None] * stride_partial + stacked[None, :]
+            shrunk = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
+            for _ in range(0, num_splits):
+                shrunk += tl.load(partials, mask=mine[:, None], other=0.0)
+                partials += stride_split
+            h = shrunk.to(dtype)
+            if UPCAST:
+                h = h.to(tl.float32)
+            scaling = tl.load(scalings_ptr + slot)
+            b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
+            for n0 in range(col_start, col_end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                col_mask = cols < col_end
+                col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
+                b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
+                b_t = tl.load(b_slot + cols[None, :] * stride_b_col + (stacked % RANK)[:, None], mask=b_mask,
+                              other=0.0)
+                if UPCAST:
+                    b_t = b_t.to(tl.float32)
+                expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
+                scaled = (expanded * scaling).to(dtype).to(tl.float32)
+                y_tile = y_rows[:, None] + cols[None, :]
+                mask = mine[:, None] & col_mask[None, :]
+                y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
+            slot = _next_slot(slots, slot)
+
 
 def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor) -> None:
+                   part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor,
+                   tiles: LoraTiles | None = None) -> None:
     """kernels/lora_ref.lora_add_fused's call (its docstring states the operands; `tokens` the step's slots and
-    their order by slot). Here R must be a power of two in [16, 128]."""
+    their order by slot). Here R must be a power of two in [16, 128]. `tiles`: `tiles_for(T)` unless given (the
+    benchmark's sweep passes others)."""
     token_slots, order, sorted_slots = tokens.slots, tokens.order, tokens.sorted_slots
     check_fused_lora_shapes(y, x, lora_a, lora_b, part_rows, token_slots, scalings)
     num_tokens, k_size = x.shape
@@ -197,26 +291,29 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError("x, lora_a and lora_b need a unit last stride; token_slots and scalings contiguous")
     if num_tokens == 0 or num_slots == 0 or n_size == 0:
         return
+    tiles = tiles or tiles_for(num_tokens)
     starts = [sum(part_rows[:part]) for part in range(1, MAX_PARTS)]
     second_part, third_part = (start if part < len(part_rows) else n_size for part, start in enumerate(starts, 1))
-    splits = shrink_splits(num_tokens, k_size)
-    k_per_split = triton.cdiv(triton.cdiv(k_size, splits), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
+    splits = shrink_splits(num_tokens, k_size, tiles)
+    k_per_split = triton.cdiv(triton.cdiv(k_size, splits), tiles.block_k) * tiles.block_k
     stacked_block = triton.next_power_of_2(stacked_rank)
     partials = torch.empty((splits, num_tokens, stacked_block), dtype=torch.float32, device=x.device)
-    token_tiles = triton.cdiv(num_tokens, BLOCK_M)
+    token_tiles = triton.cdiv(num_tokens, tiles.block_m)
     upcast, precision = needs_upcast(x.dtype), dot_precision(x.dtype)
     _lora_shrink_kernel[(token_tiles, splits)](
         x, lora_a, order, sorted_slots, partials, num_tokens, k_size, k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), stacked_rank,
-        STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_K=SHRINK_BLOCK_K, UPCAST=upcast, PRECISION=precision,
-        num_warps=4)
-    columns_per_program = expand_columns(num_tokens, n_size)
+        STACKED_BLOCK=stacked_block, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, UPCAST=upcast,
+        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    columns_per_program = expand_columns(num_tokens, n_size, tiles)
     _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
         partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program, splits,
         second_part, third_part,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, UPCAST=upcast,
-        PRECISION=precision, num_warps=4)
+        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
