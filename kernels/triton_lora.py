@@ -317,7 +317,7 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slots: torch.Tensor, scalings: torch.Tensor) -> None:
+             token_slots: torch.Tensor, scalings: torch.Tensor, tiles: LoraTiles | None = None) -> None:
     """kernels/lora_ref.lora_add's call: one part (`lora_add_fused` with P = 1), the tokens sorted here."""
     check_lora_shapes(y, x, lora_a, lora_b, token_slots, scalings)
-    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), LoraTokens.of(token_slots), scalings)
+    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), LoraTokens.of(token_slots), scalings, tiles)
