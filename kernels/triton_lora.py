@@ -57,6 +57,10 @@ DOT_BLOCK_M = 16  # tl.dot's least tile: the many-token path
 FEW_TOKENS = 8  # up to this many tokens, the few-token path (`tiles_for`)
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
+# The kernels' size arguments, not specialized (Triton would otherwise compile again for a value of 1 or a multiple
+# of 16: a step of 1 token, of 16, a K slice of 256...): one compile per tiles, rank and dtype.
+SIZES = ("num_tokens", "k_size", "k_per_split", "n_size", "columns_per_program", "num_splits", "second_part",
+         "third_part", "stacked_rank")
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ def _next_slot(slots, slot):
     return tl.min(tl.where(slots > slot, slots, 1 << 30), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr, num_tokens, k_size, k_per_split,
                         stride_x, stride_a_slot, stride_a_rank, stride_split, stride_partial, stacked_rank,
                         STACKED_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -191,7 +195,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
             slot = _next_slot(slots, slot)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalings_ptr, y_ptr, num_tokens, n_size,
                         columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
                         stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
