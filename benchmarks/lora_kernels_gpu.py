@@ -194,6 +194,10 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
                                         for a, b in adapter_sets])
             timings.append({"layer": name, "tokens": num_tokens, "adapters": num_adapters, "tiles": asdict(tiles),
                             "splits": shrink_splits(num_tokens, k_size, tiles), "us": seconds * 1e6})
+        case = [timing["us"] for timing in timings if timing["tokens"] == num_tokens
+                and timing["adapters"] == num_adapters]
+        print(f"sweep {name:8s} T={num_tokens:3d} adapters={num_adapters}: {len(case)} tiles, "
+              f"{min(case):6.1f}-{max(case):6.1f} us", flush=True)
     return timings
 
 
