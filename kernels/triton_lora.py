@@ -20,22 +20,30 @@ tokens sort last, so a program loads the slot at its tile's first sorted positio
 load per program, no x, A, B, partials or y traffic.
 
 - shrink: partials[split, i, :] = x[order[i]] A[s_i]^T over the program's K slice, fp32, for sorted positions i.
-- expand: sums i's K-slice partials in slice order (fp32), rounds h to x's dtype, `tl.dot` against B^T loaded as
-  [P*R (padded to a power of two), BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere (the
-  other parts' h then add exact zeros: the same sums as one part's dot), rounds d to x's dtype, multiplies by the
-  slot's scaling in fp32, rounds again, adds to y in fp32 and rounds to y's dtype: the reference's four
-  roundings, in its order.
+- expand: sums i's K-slice partials (fp32; in slice order on the `tl.dot` path, by a fixed `tl.sum` tree over one
+  [slices, tokens, P*R] load on the few-token path), rounds h to x's dtype, multiplies it by B^T loaded as [P*R
+  (padded to a power of two), BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere (the other
+  parts' h then add exact zeros: the same sums as one part's), rounds d to x's dtype, multiplies by the slot's
+  scaling in fp32, rounds again, adds to y in fp32 and rounds to y's dtype: the reference's four roundings, in its
+  order. Sums are in a fixed order for given shapes and tiles (bit-reproducible run to run: no atomics).
+
+Two paths (`LoraTiles.block_m`, chosen by the token count alone, `tiles_for`): tiles of 16 sorted tokens and one
+`tl.dot` per slot present (prefill and large decode batches), and the few-token path of decode's 1-16 tokens:
+1-8 tokens per program, each row multiplied with its own slot's A and B in fp32 and summed by `tl.sum` (bf16
+products are exact in fp32, so only the order of the fp32 sums differs from a dot's), with no loop over the
+slots present: at one token a call is launch and dependent-load latency, not bytes (an 8B layer's adapters are
+0.3-0.9 MB), and at 16 tokens of 8 adapters the dot path's tile ran its slots one after another.
 
 Why K slices: a decode step's few tokens give the shrink one program per token tile, which alone would read a
 4096-14336-wide A through one SM (and 256 tokens sorted give only 16 tiles); cutting K into slices of at least
-SPLIT_K_COLUMNS, up to about SHRINK_PROGRAMS programs, spreads it. Partials are summed by the expand programs in
+`split_columns`, up to about SHRINK_PROGRAMS programs, spreads it. Partials are summed by the expand programs in
 a fixed order (bit-reproducible, no atomics, no third launch). Why an expand program covers several column
 blocks (`expand_columns`): each program sums its rows' partials once per slot, so at 256 tokens a gate|up
 output (28672 columns) in 64-column programs would re-read them 448 times per token tile; programs of wider
 column groups (about EXPAND_PROGRAMS of them) re-read them a few dozen times.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128 (`tl.dot` needs dimensions of at
-least 16); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
+least 16; the few-token path holds [tokens, K block, P*R] products in registers); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
 arithmetic is wrong (kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's
 dtype, so the interpreter's results keep the GPU's rounding points.
 """
@@ -54,7 +62,10 @@ from kernels.triton_numerics import dot_precision, needs_upcast
 MIN_RANK, MAX_RANK = 16, 128
 MAX_PARTS = 3  # q|k|v, the most parts a fused layer has
 DOT_BLOCK_M = 16  # tl.dot's least tile: the many-token path
-FEW_TOKENS = 8  # up to this many tokens, the few-token path (`tiles_for`)
+# Up to this many tokens, the few-token path (`tiles_for`): at 16 tokens of 8 adapters the `tl.dot` path's tile
+# runs its slots one after another (35-54 us per layer measured, against 7.5 us at one token); one token per program
+# runs each token's adapter side by side.
+FEW_TOKENS = 16
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
 # The kernels' size arguments, not specialized (Triton would otherwise compile again for a value of 1 or a multiple
@@ -99,7 +110,8 @@ class LoraTiles:
 
 
 MANY_TOKEN_TILES = LoraTiles()
-# At 1-8 tokens: one token per program, 8-16 K slices of one or two 128-column iterations for a 4096-wide K.
+# At 1-16 tokens (until the sweep says better): one token per program; for a 4096-wide K, 16 K slices of two
+# 128-column iterations at 1-8 tokens (8 at 16 tokens: about SHRINK_PROGRAMS programs).
 FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=32, block_n=64, num_warps=2,
                             num_stages=1)
 
