@@ -51,7 +51,8 @@ from benchmarks.model_shapes import SHAPES
 from benchmarks.wna16_gemm_gpu import copies_past_l2, seconds_per_call
 from kernels import lora_ref
 from kernels.lora_ref import LoraTokens
-from kernels.triton_lora import LoraTiles, expand_columns, lora_add_fused, shrink_splits, tiles_for
+from kernels.triton_lora import (LoraTiles, expand_columns, fit_registers, lora_add_fused, shrink_splits,
+                                 tiles_for)
 
 SHAPE = "llama-3.1-8b"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -65,11 +66,7 @@ SWEEP_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (16, NUM_ADAPTERS))
 # The few-token path's K cuts the sweep tries: (block_k, split_columns, max_splits), from one iteration per
 # program over many programs to a few iterations over 8-16.
 SWEEP_K_CUTS = ((64, 64, 64), (64, 256, 16), (128, 128, 32), (128, 256, 16), (256, 256, 16))
-# The most elements of a few-token program's [block_m, block_k] tile per thread (block_m * block_k / (32 *
-# warps)): beyond, the [block_m, block_k, P*R] product spills registers at q|k|v's 48 (64 padded) stacked ranks
-# (SASS of sm_90 compiled offline: 1 x 128 at 2 warps none, 1 x 256 at 2 warps 138 local stores; 2 x 64 at 2
-# warps 35, at 4 none; 4 x 64 at 4 warps 58).
-FEW_ELEMENTS_PER_THREAD = {1: 2, 2: 1, 4: 1}
+QKV_STACKED_BLOCK = 64  # q|k|v's 3 x 16 stacked ranks, padded: the widest register tiles of the four layers
 
 
 def part_rows(shape: str) -> dict[str, tuple[int, ...]]:
@@ -162,14 +159,14 @@ def bench_steps(results: list[dict], tokens_list: Sequence[int], generator: torc
 def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
     """The tiles the sweep tries at `num_tokens` tokens (about 20): `tiles_for`'s; the few-token path at 1, 2 and
     4 tokens per program (no more than the tokens, rounded up to a power of two) for each of SWEEP_K_CUTS at 2, 4
-    and 8 warps, as many as fit FEW_ELEMENTS_PER_THREAD; a wider expand and two stages for two of them; the
-    `tl.dot` path's default and a shorter K cut of it."""
+    and 8 warps, those that q|k|v runs as they are (`fit_registers`: no spilled registers); a wider expand and two
+    stages for two of them; the `tl.dot` path's default and a shorter K cut of it."""
     token_tile = 1 << (num_tokens - 1).bit_length()
     few = [LoraTiles(block_m=block_m, block_k=block_k, split_columns=columns, max_splits=splits, block_n=64,
                      num_warps=warps, num_stages=1)
-           for block_m, per_thread in FEW_ELEMENTS_PER_THREAD.items() if block_m <= token_tile
-           for block_k, columns, splits in SWEEP_K_CUTS for warps in (2, 4, 8)
-           if block_m * block_k <= 32 * warps * per_thread and (block_m > 1 or warps < 8)]
+           for block_m in (1, 2, 4) if block_m <= token_tile
+           for block_k, columns, splits in SWEEP_K_CUTS for warps in (2, 4, 8) if block_m > 1 or warps < 8]
+    few = [tiles for tiles in few if fit_registers(tiles, QKV_STACKED_BLOCK) == tiles]
     variants = [LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=16, block_n=128, num_warps=4,
                           num_stages=1),
                 LoraTiles(block_m=1, block_k=64, split_columns=128, max_splits=32, block_n=64, num_warps=2,

@@ -50,7 +50,7 @@ dtype, so the interpreter's results keep the GPU's rounding points.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -66,6 +66,10 @@ DOT_BLOCK_M = 16  # tl.dot's least tile: the many-token path
 # runs its slots one after another (35-54 us per layer measured, against 7.5 us at one token); one token per program
 # runs each token's adapter side by side.
 FEW_TOKENS = 16
+# The most fp32 values of a few-token program's product tile per thread (`fit_registers`), by tokens per program:
+# compiled offline for sm_90 at P*R = 64, [1, 128, 64] at 2 warps (128 a thread) spilled nothing, [2, 64, 64] at 2
+# warps (128) 35 local stores, at 4 warps (64) none, [1, 256, 64] at 2 warps (256) 138.
+PRODUCT_ELEMENTS_PER_THREAD = {1: 128, 2: 64, 4: 64, 8: 64}
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
 # The kernels' size arguments, not specialized (Triton would otherwise compile again for a value of 1 or a multiple
@@ -119,6 +123,20 @@ FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_split
 def tiles_for(num_tokens: int) -> LoraTiles:
     """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
     return FEW_TOKEN_TILES if num_tokens <= FEW_TOKENS else MANY_TOKEN_TILES
+
+
+def fit_registers(tiles: LoraTiles, stacked_block: int) -> LoraTiles:
+    """`tiles` with the few-token path's register tiles, [block_m, block_k, P*R] and [block_m, P*R, block_n]
+    products and [splits, block_m, P*R] partials (P*R padded to `stacked_block`), cut to at most
+    PRODUCT_ELEMENTS_PER_THREAD[block_m] values per thread (block_k, block_n and max_splits halved as needed);
+    the `tl.dot` path's unchanged. Why: rank 16 keeps every tile the sweep tries, but a q|k|v of rank 64 (P*R =
+    192, padded 256) would spill hundreds of registers to local memory on the same tiles."""
+    if tiles.block_m == DOT_BLOCK_M:
+        return tiles
+    most = PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps // (tiles.block_m * stacked_block)
+    most = 1 << max(0, most.bit_length() - 1)  # a power of two
+    return replace(tiles, block_k=min(tiles.block_k, most), block_n=min(tiles.block_n, most),
+                   max_splits=min(tiles.max_splits, most))
 
 
 def shrink_splits(num_tokens: int, k_size: int, tiles: LoraTiles) -> int:
@@ -291,7 +309,7 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
                    tiles: LoraTiles | None = None) -> None:
     """kernels/lora_ref.lora_add_fused's call (its docstring states the operands; `tokens` the step's slots and
     their order by slot). Here R must be a power of two in [16, 128]. `tiles`: `tiles_for(T)` unless given (the
-    benchmark's sweep passes others)."""
+    benchmark's sweep passes others), fitted to the registers (`fit_registers`)."""
     token_slots, order, sorted_slots = tokens.slots, tokens.order, tokens.sorted_slots
     check_fused_lora_shapes(y, x, lora_a, lora_b, part_rows, token_slots, scalings)
     num_tokens, k_size = x.shape
@@ -307,12 +325,12 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError("x, lora_a and lora_b need a unit last stride; token_slots and scalings contiguous")
     if num_tokens == 0 or num_slots == 0 or n_size == 0:
         return
-    tiles = tiles or tiles_for(num_tokens)
+    stacked_block = triton.next_power_of_2(stacked_rank)
+    tiles = fit_registers(tiles or tiles_for(num_tokens), stacked_block)
     starts = [sum(part_rows[:part]) for part in range(1, MAX_PARTS)]
     second_part, third_part = (start if part < len(part_rows) else n_size for part, start in enumerate(starts, 1))
     splits = shrink_splits(num_tokens, k_size, tiles)
     k_per_split = triton.cdiv(triton.cdiv(k_size, splits), tiles.block_k) * tiles.block_k
-    stacked_block = triton.next_power_of_2(stacked_rank)
     partials = torch.empty((splits, num_tokens, stacked_block), dtype=torch.float32, device=x.device)
     token_tiles = triton.cdiv(num_tokens, tiles.block_m)
     upcast, precision = needs_upcast(x.dtype), dot_precision(x.dtype)

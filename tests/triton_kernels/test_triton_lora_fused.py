@@ -19,7 +19,7 @@ K = 100  # not a multiple of the shrink's block_k
 # Output rows of each part: q|k|v with 4 query heads per KV head (head size 10), gate|up, one part.
 LAYOUTS = {"qkv": (40, 10, 10), "gate_up": (45, 45), "single": (70,)}
 NUM_SLOTS = 4
-ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8), 64: (16, 64, 32, 64)}  # each slot's rank within the padded rank R
+ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8), 64: (16, 64, 32, 64), 128: (16, 128, 64, 128)}  # each slot's rank within the padded rank R
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7}  # as tests/triton_kernels/test_triton_lora.py (why there)
 BF16_BIT_EQUAL = 0.98
 
@@ -147,6 +147,16 @@ def test_decode_steps_take_the_few_token_path_by_default():
     assert triton_lora.tiles_for(1).block_m < triton_lora.DOT_BLOCK_M
     assert triton_lora.tiles_for(triton_lora.FEW_TOKENS).block_m < triton_lora.DOT_BLOCK_M
     assert triton_lora.tiles_for(triton_lora.FEW_TOKENS + 1).block_m == triton_lora.DOT_BLOCK_M
+
+
+def test_the_few_token_tiles_shrink_to_fit_registers_at_a_large_rank_and_still_match_the_reference():
+    tiles = triton_lora.tiles_for(3)
+    assert triton_lora.fit_registers(tiles, 64) == tiles  # rank 16 q|k|v: as chosen
+    fitted = triton_lora.fit_registers(tiles, 512)  # rank 128 q|k|v: 384 stacked ranks, padded
+    most = triton_lora.PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps
+    assert max(fitted.block_k, fitted.block_n, fitted.max_splits) * 512 <= most < tiles.block_k * 512
+    got, expected, before, slots = run_both("qkv", 128, 3, torch.float32, seed=17, slots=decode_slots(3, True))
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
 
 
 @pytest.mark.parametrize("tiles", list(dict.fromkeys(tiles for num_tokens, _ in SWEEP_CASES
