@@ -30,7 +30,8 @@ path's tokens per program, K slices and warps, and the 16-token `tl.dot` path), 
 (graph replays: timed eagerly, each call's two launches would cost more host time than the kernels take, so
 events around eager calls would time Python). The JSON's "sweep" holds every timing, and per case the tiles of
 least time summed over the four layers (one `LoraTiles` serves a step's every layer), against
-`tiles_for`'s choice; the table prints each candidate's sum per case.
+`tiles_for`'s choice; the table prints each candidate's sum per case. Each candidate's result is also checked
+against kernels/lora_ref.py (relative error below ERROR_BOUND, else left out of the choice and the exit status 1).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -160,7 +161,8 @@ def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
     """The tiles the sweep tries at `num_tokens` tokens (about 20): `tiles_for`'s; the few-token path at 1, 2 and
     4 tokens per program (no more than the tokens, rounded up to a power of two) for each of SWEEP_K_CUTS at 2, 4
     and 8 warps, those that q|k|v runs as they are (`fit_registers`: no spilled registers); a wider expand and two
-    stages for two of them; the `tl.dot` path's default and a shorter K cut of it."""
+    stages for two of them; the `tl.dot` path's default and a shorter K cut of it; and the expand launched while
+    the shrink runs (`pdl`) for `tiles_for`'s and the one-token tiles at 2 warps."""
     token_tile = 1 << (num_tokens - 1).bit_length()
     few = [LoraTiles(block_m=block_m, block_k=block_k, split_columns=columns, max_splits=splits, block_n=64,
                      num_warps=warps, num_stages=1)
@@ -172,7 +174,9 @@ def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
                 LoraTiles(block_m=1, block_k=64, split_columns=128, max_splits=32, block_n=64, num_warps=2,
                           num_stages=2)]
     dot = [LoraTiles(), LoraTiles(block_k=64, split_columns=128, max_splits=32, num_stages=2)]
-    return list(dict.fromkeys([tiles_for(num_tokens), *few, *variants, *dot]))
+    launched_early = [replace(tiles, pdl=True) for tiles in (tiles_for(num_tokens), *few)
+                      if tiles.block_m == 1 and tiles.num_warps == 2]
+    return list(dict.fromkeys([tiles_for(num_tokens), *few, *variants, *dot, *launched_early]))
 
 
 def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], generator: torch.Generator
@@ -186,11 +190,24 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
         x = torch.randn(num_tokens, k_size, device="cuda", generator=generator, dtype=torch.bfloat16)
         tokens = LoraTokens.of(torch.arange(num_tokens, device="cuda") % num_adapters)
         y = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        fresh = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        expected = fresh.clone()  # y has the timed calls' updates added
+        lora_ref.lora_add_fused(expected, x, *adapter_sets[0], rows, tokens, scalings)
         for tiles in candidate_tiles(num_tokens):
-            seconds = seconds_per_call([lambda a=a, b=b: lora_add_fused(y, x, a, b, rows, tokens, scalings, tiles)
-                                        for a, b in adapter_sets])
+            try:
+                seconds = seconds_per_call([lambda a=a, b=b: lora_add_fused(y, x, a, b, rows, tokens, scalings,
+                                                                             tiles) for a, b in adapter_sets])
+                got = fresh.clone()
+                lora_add_fused(got, x, *adapter_sets[0], rows, tokens, scalings, tiles)
+                error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+            except Exception as failure:  # e.g. a launch option the driver refuses: the others still get timed
+                print(f"sweep {name} T={num_tokens} {tiles}: {failure!r:.300}", flush=True)
+                seconds, error = float("nan"), float("inf")
             timings.append({"layer": name, "tokens": num_tokens, "adapters": num_adapters, "tiles": asdict(tiles),
-                            "splits": shrink_splits(num_tokens, k_size, tiles), "us": seconds * 1e6})
+                            "splits": shrink_splits(num_tokens, k_size, tiles), "us": seconds * 1e6,
+                            "relative_error": error, "ok": error < ERROR_BOUND})
+            if error >= ERROR_BOUND:
+                print(f"sweep {name} T={num_tokens} {tiles}: relative error {error:.1e} (bound {ERROR_BOUND})")
         case = [timing["us"] for timing in timings if timing["tokens"] == num_tokens
                 and timing["adapters"] == num_adapters]
         print(f"sweep {name:8s} T={num_tokens:3d} adapters={num_adapters}: {len(case)} tiles, "
@@ -200,30 +217,37 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
 
 def sweep_summary(timings: list[dict]) -> list[dict]:
     """Per case: each candidate's time summed over the layers, the least one and `tiles_for`'s; prints the
-    table (candidates as rows, cases as columns)."""
+    table (candidates as rows, cases as columns). A candidate whose result missed the reference at some layer is
+    left out of that case."""
+    def key(timing: dict) -> tuple[str, tuple]:
+        return f"T={timing['tokens']} a={timing['adapters']}", tuple(timing["tiles"].values())
+
+    missed = {key(timing) for timing in timings if not timing["ok"]}
     totals: dict[tuple, dict[str, float]] = {}
     for timing in timings:
-        case = f"T={timing['tokens']} a={timing['adapters']}"
-        tiles = tuple(timing["tiles"].values())
-        totals.setdefault(tiles, {}).setdefault(case, 0.0)
-        totals[tiles][case] += timing["us"]
+        case, tiles = key(timing)
+        if (case, tiles) not in missed:
+            totals.setdefault(tiles, {}).setdefault(case, 0.0)
+            totals[tiles][case] += timing["us"]
     cases = [f"T={tokens} a={adapters}" for tokens, adapters in SWEEP_CASES]
     fields = ", ".join(LoraTiles.__dataclass_fields__)
     print(f"sweep: us per call summed over {', '.join(PROJECTIONS)}; tiles ({fields})")
-    print(f"{'tiles':34s}" + "".join(f"{case:>11s}" for case in cases))
+    print(f"{'tiles':40s}" + "".join(f"{case:>11s}" for case in cases))
     for tiles, per_case in totals.items():
-        print(f"{str(tiles):34s}" + "".join(f"{per_case[case]:11.1f}" if case in per_case else f"{'-':>11s}"
+        print(f"{str(tiles):40s}" + "".join(f"{per_case[case]:11.1f}" if case in per_case else f"{'-':>11s}"
                                              for case in cases))
     best = []
     for (num_tokens, _), case in zip(SWEEP_CASES, cases):
         timed = {tiles: per_case[case] for tiles, per_case in totals.items() if case in per_case}
+        if not timed:
+            continue
         fastest = min(timed, key=timed.get)
-        default = tuple(asdict(tiles_for(num_tokens)).values())
+        default_us = timed.get(tuple(asdict(tiles_for(num_tokens)).values()))
+        saving = None if default_us is None else NUM_LAYERS * (default_us - timed[fastest])
         best.append({"case": case, "best_tiles": dict(zip(LoraTiles.__dataclass_fields__, fastest)),
-                     "best_us": timed[fastest], "default_us": timed[default],
-                     "step_saving_us": NUM_LAYERS * (timed[default] - timed[fastest])})
-        print(f"best {case:10s} {fastest} {timed[fastest]:7.1f} us (tiles_for {timed[default]:7.1f} us: "
-              f"{best[-1]['step_saving_us']:6.1f} us per {NUM_LAYERS}-layer step to gain)", flush=True)
+                     "best_us": timed[fastest], "default_us": default_us, "step_saving_us": saving})
+        print(f"best {case:10s} {fastest} {timed[fastest]:7.1f} us (tiles_for {default_us} us: "
+              f"{saving} us per {NUM_LAYERS}-layer step to gain)", flush=True)
     return best
 
 
@@ -249,11 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.perf_counter()
         timings = [timing for name in args.layers
                    for timing in sweep_layer(name, *shapes[name], parts[name], generator)]
-        report.update(sweep=sweep_summary(timings), timings=timings, seconds=time.perf_counter() - started)
+        report.update(sweep=sweep_summary(timings), timings=timings, seconds=time.perf_counter() - started,
+                      error_bound=ERROR_BOUND, ok=all(timing["ok"] for timing in timings))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))
         print(f"swept in {report['seconds']:.0f} s; wrote {args.out}")
-        return 0
+        return 0 if report["ok"] else 1
     results = [row for name in args.layers
                for row in bench_layer(name, *shapes[name], parts[name], args.tokens, generator)]
     steps = bench_steps(results, args.tokens, generator)

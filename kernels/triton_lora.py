@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_ref import LoraTokens, check_fused_lora_shapes, check_lora_shapes
-from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_numerics import dot_precision, is_interpreting, needs_upcast
 
 MIN_RANK, MAX_RANK = 16, 128
 MAX_PARTS = 3  # q|k|v, the most parts a fused layer has
@@ -92,7 +92,11 @@ class LoraTiles:
       of `block_k`), `max_splits` the most slices (so few tokens get up to `max_splits` programs of
       `split_columns / block_k` iterations each);
     - `block_n`: output columns per expand iteration;
-    - `num_warps`, `num_stages`: both kernels' (a loop of one or two iterations gains nothing from stages)."""
+    - `num_warps`, `num_stages`: both kernels' (a loop of one or two iterations gains nothing from stages);
+    - `pdl`: programmatic dependent launch (Hopper): the expand is launched while the shrink runs, and its programs
+      wait (griddepcontrol.wait) only before reading the partials, so the second launch's latency overlaps the
+      first kernel. What the expand reads before the wait (the step's slots and order) was written before the
+      shrink began, which waited for everything before it. Not in the interpreter (no grid dependency there)."""
 
     block_m: int = DOT_BLOCK_M
     block_k: int = 64
@@ -101,6 +105,7 @@ class LoraTiles:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         powers = (self.block_m, self.block_k, self.block_n, self.max_splits, self.num_warps)
@@ -176,10 +181,13 @@ def _next_slot(slots, slot):
 def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr, num_tokens, k_size, k_per_split,
                         stride_x, stride_a_slot, stride_a_rank, stride_split, stride_partial, stacked_rank,
                         STACKED_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """partials[split, i, :] = sum over this slice's k of x[order[i], k] A[s_i, :, k] (fp32) for the tile's sorted
     positions i, s_i = sorted_slots[i] >= 0: one `tl.dot` per slot present in a 16-token tile, or (BLOCK_M < 16)
-    each row against its own slot's A, multiplied in fp32 (bf16 products are exact there) and summed by `tl.sum`."""
+    each row against its own slot's A, multiplied in fp32 (bf16 products are exact there) and summed by `tl.sum`.
+    PDL: lets the expand launch at once (`LoraTiles.pdl`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:  # base tokens sort last: a tile that starts with one holds nothing else
         return
@@ -230,7 +238,7 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
                         columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
                         stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
                         SPLITS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
     positions i with s_i = sorted_slots[i] >= 0 and the program's `columns_per_program` columns c (grid axis 1),
     h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
@@ -238,7 +246,8 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere, so the other parts' h add exact
     zeros. BLOCK_M 16: per slot present, h summed slice by slice and one `tl.dot` per BLOCK_N columns; BLOCK_M < 16:
     all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
-    tree), then each row against its own slot's B (a product and `tl.sum`), no loop over slots."""
+    tree), then each row against its own slot's B (a product and `tl.sum`), no loop over slots. PDL: waits for the
+    shrink (`LoraTiles.pdl`) before the first read of the partials."""
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:
         return
@@ -248,6 +257,8 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     col_start = tl.program_id(1).to(tl.int64) * columns_per_program
     col_end = tl.minimum(col_start + columns_per_program, n_size)
     y_rows = y_ptr + rows * stride_y
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if BLOCK_M < 16:
         mine = slots >= 0
         splits = tl.arange(0, SPLITS_BLOCK)
@@ -334,11 +345,12 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     partials = torch.empty((splits, num_tokens, stacked_block), dtype=torch.float32, device=x.device)
     token_tiles = triton.cdiv(num_tokens, tiles.block_m)
     upcast, precision = needs_upcast(x.dtype), dot_precision(x.dtype)
+    pdl = tiles.pdl and not is_interpreting()
     _lora_shrink_kernel[(token_tiles, splits)](
         x, lora_a, order, sorted_slots, partials, num_tokens, k_size, k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), stacked_rank,
         STACKED_BLOCK=stacked_block, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, UPCAST=upcast,
-        PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     columns_per_program = expand_columns(num_tokens, n_size, tiles)
     _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
         partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program, splits,
@@ -346,8 +358,8 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1,
         BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}))
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
