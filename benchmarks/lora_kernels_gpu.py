@@ -23,6 +23,15 @@ And per token count, `sort_us`: `LoraTokens.of` (the step's one sort of its toke
 
 Run on an H100/H200 (not in CI): `python -m benchmarks.lora_kernels_gpu --out lora_kernels_gpu.json`. Exits 1
 when the check fails.
+
+`--sweep` (instead of the above; about a minute, most of it Triton compiles): `lora_add_fused` of the four layers
+at 1, 2, 4, 8 and 16 tokens on one adapter and at 16 tokens on 8, for each of `candidate_tiles` (the few-token
+path's tokens per program, K slices and warps, and the 16-token `tl.dot` path), timed the same way as `lora_us`
+(graph replays: timed eagerly, each call's two launches would cost more host time than the kernels take, so
+events around eager calls would time Python). The JSON's "sweep" holds every timing, and per case the tiles of
+least time summed over the four layers (one `LoraTiles` serves a step's every layer), against
+`tiles_for`'s choice; the table prints each candidate's sum per case. Each candidate's result is also checked
+against kernels/lora_ref.py (relative error below ERROR_BOUND, else left out of the choice and the exit status 1).
 """
 
 from __future__ import annotations
@@ -30,7 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,7 +52,8 @@ from benchmarks.model_shapes import SHAPES
 from benchmarks.wna16_gemm_gpu import copies_past_l2, seconds_per_call
 from kernels import lora_ref
 from kernels.lora_ref import LoraTokens
-from kernels.triton_lora import expand_columns, lora_add_fused, shrink_splits
+from kernels.triton_lora import (LoraTiles, expand_columns, fit_registers, lora_add_fused, shrink_splits,
+                                 tiles_for)
 
 SHAPE = "llama-3.1-8b"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -50,6 +62,12 @@ NUM_LAYERS = 32
 NUM_ADAPTERS, RANK = 8, 16
 ALPHA = 32.0
 ERROR_BOUND = 1e-2
+# The sweep's cases: (tokens, adapters the tokens use).
+SWEEP_CASES = ((1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (16, NUM_ADAPTERS))
+# The few-token path's K cuts the sweep tries: (block_k, split_columns, max_splits), from one iteration per
+# program over many programs to a few iterations over 8-16.
+SWEEP_K_CUTS = ((64, 64, 64), (64, 256, 16), (128, 128, 32), (128, 256, 16), (256, 256, 16))
+QKV_STACKED_BLOCK = 64  # q|k|v's 3 x 16 stacked ranks, padded: the widest register tiles of the four layers
 
 
 def part_rows(shape: str) -> dict[str, tuple[int, ...]]:
@@ -105,8 +123,10 @@ def bench_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], toke
         got, expected = fresh.clone(), fresh.clone()  # y has had the timed calls' updates added
         lora_add_fused(got, x, lora_a, lora_b, rows, tokens, scalings)
         lora_ref.lora_add_fused(expected, x, lora_a, lora_b, rows, tokens, scalings)
+        tiles = tiles_for(num_tokens)
         row = {"layer": name, "k": k_size, "n": n_size, "parts": list(rows), "tokens": num_tokens,
-               "splits": shrink_splits(num_tokens, k_size), "expand_columns": expand_columns(num_tokens, n_size),
+               "tiles": asdict(tiles), "splits": shrink_splits(num_tokens, k_size, tiles),
+               "expand_columns": expand_columns(num_tokens, n_size, tiles),
                "lora_us": lora_s * 1e6, "per_part_us": per_part_s * 1e6, "base_us": base_s * 1e6,
                "base_rows_us": base_rows_s * 1e6, "overhead": lora_s / base_s,
                "relative_error": ((got.float() - expected.float()).norm() / expected.float().norm()).item(),
@@ -137,11 +157,107 @@ def bench_steps(results: list[dict], tokens_list: Sequence[int], generator: torc
     return steps
 
 
+def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
+    """The tiles the sweep tries at `num_tokens` tokens (about 20): `tiles_for`'s; the few-token path at 1, 2 and
+    4 tokens per program (no more than the tokens, rounded up to a power of two) for each of SWEEP_K_CUTS at 2, 4
+    and 8 warps, those that q|k|v runs as they are (`fit_registers`: no spilled registers); a wider expand and two
+    stages for two of them; the `tl.dot` path's default and a shorter K cut of it; and the expand launched while
+    the shrink runs (`pdl`) for `tiles_for`'s and the one-token tiles at 2 warps."""
+    token_tile = 1 << (num_tokens - 1).bit_length()
+    few = [LoraTiles(block_m=block_m, block_k=block_k, split_columns=columns, max_splits=splits, block_n=64,
+                     num_warps=warps, num_stages=1)
+           for block_m in (1, 2, 4) if block_m <= token_tile
+           for block_k, columns, splits in SWEEP_K_CUTS for warps in (2, 4, 8) if block_m > 1 or warps < 8]
+    few = [tiles for tiles in few if fit_registers(tiles, QKV_STACKED_BLOCK) == tiles]
+    variants = [LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=16, block_n=128, num_warps=4,
+                          num_stages=1),
+                LoraTiles(block_m=1, block_k=64, split_columns=128, max_splits=32, block_n=64, num_warps=2,
+                          num_stages=2)]
+    dot = [LoraTiles(), LoraTiles(block_k=64, split_columns=128, max_splits=32, num_stages=2)]
+    launched_early = [replace(tiles, pdl=True) for tiles in (tiles_for(num_tokens), *few)
+                      if tiles.block_m == 1 and tiles.num_warps == 2]
+    return list(dict.fromkeys([tiles_for(num_tokens), *few, *variants, *dot, *launched_early]))
+
+
+def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], generator: torch.Generator
+                ) -> list[dict]:
+    """Every candidate's time of `name`'s `lora_add_fused` in each of SWEEP_CASES."""
+    adapter_bytes = NUM_ADAPTERS * RANK * (len(rows) * k_size + n_size) * 2
+    adapter_sets = [stacked_adapters(k_size, rows, generator) for _ in range(copies_past_l2(adapter_bytes))]
+    scalings = torch.full((NUM_ADAPTERS,), ALPHA / RANK, device="cuda")
+    timings = []
+    for num_tokens, num_adapters in SWEEP_CASES:
+        x = torch.randn(num_tokens, k_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        tokens = LoraTokens.of(torch.arange(num_tokens, device="cuda") % num_adapters)
+        y = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        fresh = torch.randn(num_tokens, n_size, device="cuda", generator=generator, dtype=torch.bfloat16)
+        expected = fresh.clone()  # y has the timed calls' updates added
+        lora_ref.lora_add_fused(expected, x, *adapter_sets[0], rows, tokens, scalings)
+        for tiles in candidate_tiles(num_tokens):
+            try:
+                seconds = seconds_per_call([lambda a=a, b=b: lora_add_fused(y, x, a, b, rows, tokens, scalings,
+                                                                             tiles) for a, b in adapter_sets])
+                got = fresh.clone()
+                lora_add_fused(got, x, *adapter_sets[0], rows, tokens, scalings, tiles)
+                error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+            except Exception as failure:  # e.g. a launch option the driver refuses: the others still get timed
+                print(f"sweep {name} T={num_tokens} {tiles}: {failure!r:.300}", flush=True)
+                seconds, error = float("nan"), float("inf")
+            timings.append({"layer": name, "tokens": num_tokens, "adapters": num_adapters, "tiles": asdict(tiles),
+                            "splits": shrink_splits(num_tokens, k_size, tiles), "us": seconds * 1e6,
+                            "relative_error": error, "ok": error < ERROR_BOUND})
+            if error >= ERROR_BOUND:
+                print(f"sweep {name} T={num_tokens} {tiles}: relative error {error:.1e} (bound {ERROR_BOUND})")
+        case = [timing["us"] for timing in timings if timing["tokens"] == num_tokens
+                and timing["adapters"] == num_adapters]
+        print(f"sweep {name:8s} T={num_tokens:3d} adapters={num_adapters}: {len(case)} tiles, "
+              f"{min(case):6.1f}-{max(case):6.1f} us", flush=True)
+    return timings
+
+
+def sweep_summary(timings: list[dict]) -> list[dict]:
+    """Per case: each candidate's time summed over the layers, the least one and `tiles_for`'s; prints the
+    table (candidates as rows, cases as columns). A candidate whose result missed the reference at some layer is
+    left out of that case."""
+    def key(timing: dict) -> tuple[str, tuple]:
+        return f"T={timing['tokens']} a={timing['adapters']}", tuple(timing["tiles"].values())
+
+    missed = {key(timing) for timing in timings if not timing["ok"]}
+    totals: dict[tuple, dict[str, float]] = {}
+    for timing in timings:
+        case, tiles = key(timing)
+        if (case, tiles) not in missed:
+            totals.setdefault(tiles, {}).setdefault(case, 0.0)
+            totals[tiles][case] += timing["us"]
+    cases = [f"T={tokens} a={adapters}" for tokens, adapters in SWEEP_CASES]
+    fields = ", ".join(LoraTiles.__dataclass_fields__)
+    print(f"sweep: us per call summed over {', '.join(PROJECTIONS)}; tiles ({fields})")
+    print(f"{'tiles':40s}" + "".join(f"{case:>11s}" for case in cases))
+    for tiles, per_case in totals.items():
+        print(f"{str(tiles):40s}" + "".join(f"{per_case[case]:11.1f}" if case in per_case else f"{'-':>11s}"
+                                             for case in cases))
+    best = []
+    for (num_tokens, _), case in zip(SWEEP_CASES, cases):
+        timed = {tiles: per_case[case] for tiles, per_case in totals.items() if case in per_case}
+        if not timed:
+            continue
+        fastest = min(timed, key=timed.get)
+        default_us = timed.get(tuple(asdict(tiles_for(num_tokens)).values()))
+        saving = None if default_us is None else NUM_LAYERS * (default_us - timed[fastest])
+        best.append({"case": case, "best_tiles": dict(zip(LoraTiles.__dataclass_fields__, fastest)),
+                     "best_us": timed[fastest], "default_us": default_us, "step_saving_us": saving})
+        print(f"best {case:10s} {fastest} {timed[fastest]:7.1f} us (tiles_for {default_us} us: "
+              f"{saving} us per {NUM_LAYERS}-layer step to gain)", flush=True)
+    return best
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON report")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts to time")
     parser.add_argument("--layers", nargs="+", choices=PROJECTIONS, default=list(PROJECTIONS))
+    parser.add_argument("--sweep", action="store_true",
+                        help="only sweep the kernels' tiles at decode's few tokens (candidate_tiles, SWEEP_CASES)")
     return parser.parse_args(argv)
 
 
@@ -151,12 +267,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     generator = torch.Generator(device="cuda").manual_seed(0)
     shapes, parts = projections(SHAPE), part_rows(SHAPE)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "shape": SHAPE, "num_adapters": NUM_ADAPTERS, "rank": RANK}
+    if args.sweep:
+        started = time.perf_counter()
+        timings = [timing for name in args.layers
+                   for timing in sweep_layer(name, *shapes[name], parts[name], generator)]
+        report.update(sweep=sweep_summary(timings), timings=timings, seconds=time.perf_counter() - started,
+                      error_bound=ERROR_BOUND, ok=all(timing["ok"] for timing in timings))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        print(f"swept in {report['seconds']:.0f} s; wrote {args.out}")
+        return 0 if report["ok"] else 1
     results = [row for name in args.layers
                for row in bench_layer(name, *shapes[name], parts[name], args.tokens, generator)]
     steps = bench_steps(results, args.tokens, generator)
-    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "shape": SHAPE, "num_adapters": NUM_ADAPTERS, "rank": RANK, "error_bound": ERROR_BOUND,
-              "results": results, "steps": steps, "ok": all(row["ok"] for row in results)}
+    report.update(error_bound=ERROR_BOUND, results=results, steps=steps, ok=all(row["ok"] for row in results))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
 """The gateway's FastAPI application: routes, the API-key check, and every failure in OpenAI's error shape.
 
 Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter (the scheduler refuses them without
---allow-runtime-lora-updating), /tokenize and /detokenize (all behind `--api-key` when set), GET /health and
+/v1/load_lora_adapter and /v1/unload_lora_adapter (404 without --allow-runtime-lora-updating, as vLLM, which
+registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING: `_runtime_lora_update`), /tokenize and /detokenize (all behind `--api-key` when set), GET /health and
 /ping (200 once the scheduler is SERVING, else 503: the readiness probe), GET /version and GET /metrics
 (Prometheus; open, as probes and scrapers carry no key). Every response echoes the request id in `X-Request-Id`
 (request_ids.py). Everything the app uses hangs off the one Backend made here, so two apps in one process (tests)
@@ -12,7 +12,10 @@ share nothing.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
+
+import grpc
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -76,12 +79,12 @@ def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-        await backend.client.load_lora_adapter(body.lora_name, body.lora_path)
+        await _runtime_lora_update(backend.client.load_lora_adapter(body.lora_name, body.lora_path))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @v1.post("/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-        await backend.client.unload_lora_adapter(body.lora_name)
+        await _runtime_lora_update(backend.client.unload_lora_adapter(body.lora_name))
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     app.include_router(v1)
@@ -125,6 +128,19 @@ def build_app(config: GatewayConfig, drain: DrainState | None = None) -> FastAPI
     if drain is not None:
         app.add_middleware(DrainGate, state=drain, retry_after_s=config.retry_after_s)  # outermost
     return app
+
+
+async def _runtime_lora_update(call: Awaitable[None]) -> None:
+    """Awaits a LoadLoraAdapter / UnloadLoraAdapter call. Why a 404 when the scheduler answers FAILED_PRECONDITION
+    (runtime updating off, or no --enable-lora): vLLM does not register these two routes without
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING, so its clients see an unknown path; this answers as this app does for one
+    (gRPC callers keep FAILED_PRECONDITION, which says why)."""
+    try:
+        await call
+    except PagedServeError as error:
+        if error.code == grpc.StatusCode.FAILED_PRECONDITION:
+            raise StarletteHTTPException(404, "Not Found") from error
+        raise
 
 
 def _api_key_check(api_key: str | None):

@@ -20,59 +20,144 @@ tokens sort last, so a program loads the slot at its tile's first sorted positio
 load per program, no x, A, B, partials or y traffic.
 
 - shrink: partials[split, i, :] = x[order[i]] A[s_i]^T over the program's K slice, fp32, for sorted positions i.
-- expand: sums i's K-slice partials in slice order (fp32), rounds h to x's dtype, `tl.dot` against B^T loaded as
-  [P*R (padded to a power of two), BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere (the
-  other parts' h then add exact zeros: the same sums as one part's dot), rounds d to x's dtype, multiplies by the
-  slot's scaling in fp32, rounds again, adds to y in fp32 and rounds to y's dtype: the reference's four
-  roundings, in its order.
+- expand: sums i's K-slice partials (fp32; in slice order on the `tl.dot` path, by a fixed `tl.sum` tree over one
+  [slices, tokens, P*R] load on the few-token path), rounds h to x's dtype, multiplies it by B^T loaded as [P*R
+  (padded to a power of two), BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere (the other
+  parts' h then add exact zeros: the same sums as one part's), rounds d to x's dtype, multiplies by the slot's
+  scaling in fp32, rounds again, adds to y in fp32 and rounds to y's dtype: the reference's four roundings, in its
+  order. Sums are in a fixed order for given shapes and tiles (bit-reproducible run to run: no atomics).
+
+Two paths (`LoraTiles.block_m`, chosen by the token count alone, `tiles_for`): tiles of 16 sorted tokens and one
+`tl.dot` per slot present (prefill and large decode batches), and the few-token path of decode's 1-16 tokens:
+1-8 tokens per program, each row multiplied with its own slot's A and B in fp32 and summed by `tl.sum` (bf16
+products are exact in fp32, so only the order of the fp32 sums differs from a dot's), with no loop over the
+slots present: at one token a call is launch and dependent-load latency, not bytes (an 8B layer's adapters are
+0.3-0.9 MB), and at 16 tokens of 8 adapters the dot path's tile ran its slots one after another.
 
 Why K slices: a decode step's few tokens give the shrink one program per token tile, which alone would read a
 4096-14336-wide A through one SM (and 256 tokens sorted give only 16 tiles); cutting K into slices of at least
-SPLIT_K_COLUMNS, up to about SHRINK_PROGRAMS programs, spreads it. Partials are summed by the expand programs in
+`split_columns`, up to about SHRINK_PROGRAMS programs, spreads it. Partials are summed by the expand programs in
 a fixed order (bit-reproducible, no atomics, no third launch). Why an expand program covers several column
 blocks (`expand_columns`): each program sums its rows' partials once per slot, so at 256 tokens a gate|up
 output (28672 columns) in 64-column programs would re-read them 448 times per token tile; programs of wider
 column groups (about EXPAND_PROGRAMS of them) re-read them a few dozen times.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128 (`tl.dot` needs dimensions of at
-least 16); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
+least 16; the few-token path holds [tokens, K block, P*R] products in registers); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
 arithmetic is wrong (kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's
 dtype, so the interpreter's results keep the GPU's rounding points.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.lora_ref import LoraTokens, check_fused_lora_shapes, check_lora_shapes
-from kernels.triton_numerics import dot_precision, needs_upcast
+from kernels.triton_numerics import dot_precision, is_interpreting, needs_upcast
 
 MIN_RANK, MAX_RANK = 16, 128
 MAX_PARTS = 3  # q|k|v, the most parts a fused layer has
-BLOCK_M = 16  # decode-sized batches matter most
-SHRINK_BLOCK_K = 64
-EXPAND_BLOCK_N = 64
-SPLIT_K_COLUMNS = 512  # the least K a shrink slice covers
-MAX_SPLITS = 16
+DOT_BLOCK_M = 16  # tl.dot's least tile: the many-token path
+# Up to this many tokens, the few-token path (`tiles_for`): at 16 tokens of 8 adapters the `tl.dot` path's tile
+# runs its slots one after another (35-54 us per layer measured, against 7.5 us at one token); one token per program
+# runs each token's adapter side by side.
+FEW_TOKENS = 16
+# The most fp32 values of a few-token program's product tile per thread (`fit_registers`), by tokens per program:
+# compiled offline for sm_90 at P*R = 64, [1, 128, 64] at 2 warps (128 a thread) spilled nothing, [2, 64, 64] at 2
+# warps (128) 35 local stores, at 4 warps (64) none, [1, 256, 64] at 2 warps (256) 138.
+PRODUCT_ELEMENTS_PER_THREAD = {1: 128, 2: 64, 4: 64, 8: 64}
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
+# The kernels' size arguments, not specialized (Triton would otherwise compile again for a value of 1 or a multiple
+# of 16: a step of 1 token, of 16, a K slice of 256...): one compile per tiles, rank and dtype.
+SIZES = ("num_tokens", "k_size", "k_per_split", "n_size", "columns_per_program", "num_splits", "second_part",
+         "third_part", "stacked_rank")
 
 
-def shrink_splits(num_tokens: int, k_size: int) -> int:
+@dataclass(frozen=True)
+class LoraTiles:
+    """How one `lora_add_fused` call is cut into programs; a function of the token count alone (`tiles_for`), so
+    that a CUDA graph's bucket always runs the same kernels.
+
+    Why two paths: at a decode step's 1-8 tokens the kernels are latency, not bytes (an 8B layer's adapters are
+    0.3-0.9 MB; a call took ~7 us): what counts is how many dependent iterations a program runs and how many
+    programs run side by side. `block_m` 16 runs one `tl.dot` per slot present in a 16-token tile (its least
+    size); `block_m` 1, 2, 4 or 8 (the few-token path) multiplies and sums with `tl.sum` instead, each row with
+    its own slot's weights (no loop over slots), and the expand sums all K slices' partials in one load.
+    - `block_k`: K columns per shrink iteration; `split_columns`: the least K a shrink slice covers (a multiple
+      of `block_k`), `max_splits` the most slices (so few tokens get up to `max_splits` programs of
+      `split_columns / block_k` iterations each);
+    - `block_n`: output columns per expand iteration;
+    - `num_warps`, `num_stages`: both kernels' (a loop of one or two iterations gains nothing from stages);
+    - `pdl`: programmatic dependent launch (Hopper): the expand is launched while the shrink runs, and its programs
+      wait (griddepcontrol.wait) only before reading the partials, so the second launch's latency overlaps the
+      first kernel. What the expand reads before the wait (the step's slots and order) was written before the
+      shrink began, which waited for everything before it. Not in the interpreter (no grid dependency there)."""
+
+    block_m: int = DOT_BLOCK_M
+    block_k: int = 64
+    split_columns: int = 512
+    max_splits: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        powers = (self.block_m, self.block_k, self.block_n, self.max_splits, self.num_warps)
+        if any(value < 1 or value & (value - 1) for value in powers) or self.block_m > DOT_BLOCK_M:
+            raise ValueError(f"{self}: block_m (<= {DOT_BLOCK_M}), block_k, block_n, max_splits and num_warps "
+                             "must be powers of two")
+        if self.block_m == DOT_BLOCK_M and min(self.block_k, self.block_n) < 16:
+            raise ValueError(f"{self}: tl.dot needs block_k and block_n of at least 16")
+        if self.split_columns < self.block_k or self.split_columns % self.block_k or self.num_stages < 1:
+            raise ValueError(f"{self}: split_columns must be a multiple of block_k, num_stages >= 1")
+
+
+MANY_TOKEN_TILES = LoraTiles()
+# At 1-16 tokens (until the sweep says better): one token per program; for a 4096-wide K, 16 K slices of two
+# 128-column iterations at 1-8 tokens (8 at 16 tokens: about SHRINK_PROGRAMS programs).
+FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=32, block_n=64, num_warps=2,
+                            num_stages=1)
+
+
+def tiles_for(num_tokens: int) -> LoraTiles:
+    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
+    return FEW_TOKEN_TILES if num_tokens <= FEW_TOKENS else MANY_TOKEN_TILES
+
+
+def fit_registers(tiles: LoraTiles, stacked_block: int) -> LoraTiles:
+    """`tiles` with the few-token path's register tiles, [block_m, block_k, P*R] and [block_m, P*R, block_n]
+    products and [splits, block_m, P*R] partials (P*R padded to `stacked_block`), cut to at most
+    PRODUCT_ELEMENTS_PER_THREAD[block_m] values per thread (block_k, block_n and max_splits halved as needed);
+    the `tl.dot` path's unchanged. Why: rank 16 keeps every tile the sweep tries, but a q|k|v of rank 64 (P*R =
+    192, padded 256) would spill hundreds of registers to local memory on the same tiles."""
+    if tiles.block_m == DOT_BLOCK_M:
+        return tiles
+    most = PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps // (tiles.block_m * stacked_block)
+    most = 1 << max(0, most.bit_length() - 1)  # a power of two
+    return replace(tiles, block_k=min(tiles.block_k, most), block_n=min(tiles.block_n, most),
+                   max_splits=min(tiles.max_splits, most))
+
+
+def shrink_splits(num_tokens: int, k_size: int, tiles: LoraTiles) -> int:
     """K slices of the shrink for `num_tokens` tokens of width `k_size` (a function of the shapes alone): enough
-    for about SHRINK_PROGRAMS programs, each slice at least SPLIT_K_COLUMNS wide."""
-    wanted = max(1, SHRINK_PROGRAMS // triton.cdiv(num_tokens, BLOCK_M))
-    return max(1, min(MAX_SPLITS, k_size // SPLIT_K_COLUMNS, wanted))
+    for about SHRINK_PROGRAMS programs, each slice at least `tiles.split_columns` wide."""
+    wanted = max(1, SHRINK_PROGRAMS // triton.cdiv(num_tokens, tiles.block_m))
+    return max(1, min(tiles.max_splits, k_size // tiles.split_columns, wanted))
 
 
-def expand_columns(num_tokens: int, n_size: int) -> int:
-    """Output columns of one expand program (a multiple of EXPAND_BLOCK_N): about EXPAND_PROGRAMS programs, so
-    that a wide output at many tokens does not re-read each token's partials once per BLOCK_N columns."""
-    column_blocks = triton.cdiv(n_size, EXPAND_BLOCK_N)
-    blocks_per_program = max(1, triton.cdiv(column_blocks * triton.cdiv(num_tokens, BLOCK_M), EXPAND_PROGRAMS))
-    return blocks_per_program * EXPAND_BLOCK_N
+def expand_columns(num_tokens: int, n_size: int, tiles: LoraTiles) -> int:
+    """Output columns of one expand program (a multiple of `tiles.block_n`): about EXPAND_PROGRAMS programs, so
+    that a wide output at many tokens does not re-read each token's partials once per block_n columns."""
+    column_blocks = triton.cdiv(n_size, tiles.block_n)
+    token_tiles = triton.cdiv(num_tokens, tiles.block_m)
+    blocks_per_program = max(1, triton.cdiv(column_blocks * token_tiles, EXPAND_PROGRAMS))
+    return blocks_per_program * tiles.block_n
 
 
 @triton.jit
@@ -92,13 +177,17 @@ def _next_slot(slots, slot):
     return tl.min(tl.where(slots > slot, slots, 1 << 30), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr, num_tokens, k_size, k_per_split,
                         stride_x, stride_a_slot, stride_a_rank, stride_split, stride_partial, stacked_rank,
                         STACKED_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """partials[split, i, :] = sum over this slice's k of x[order[i], k] A[s_i, :, k] (fp32) for the tile's sorted
-    positions i, s_i = sorted_slots[i] >= 0, one `tl.dot` per slot present in the tile."""
+    positions i, s_i = sorted_slots[i] >= 0: one `tl.dot` per slot present in a 16-token tile, or (BLOCK_M < 16)
+    each row against its own slot's A, multiplied in fp32 (bf16 products are exact there) and summed by `tl.sum`.
+    PDL: lets the expand launch at once (`LoraTiles.pdl`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:  # base tokens sort last: a tile that starts with one holds nothing else
         return
@@ -110,36 +199,55 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
     k_start = split.to(tl.int64) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_size)
     out = partials_ptr + split.to(tl.int64) * stride_split + positions[:, None] * stride_partial + ranks[None, :]
-    last = tl.max(slots, axis=0)
-    slot = first
-    while slot <= last:
-        mine = slots == slot
-        a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks.to(tl.int64) * stride_a_rank
+    if BLOCK_M < 16:
+        mine = slots >= 0
+        a_rows = (a_ptr + tl.maximum(slots, 0).to(tl.int64)[:, None, None] * stride_a_slot
+                  + ranks.to(tl.int64)[None, None, :] * stride_a_rank)
+        a_mask = mine[:, None, None] & rank_mask[None, None, :]
         acc = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < k_end
             x = tl.load(x_rows[:, None] + cols[None, :], mask=mine[:, None] & col_mask[None, :], other=0.0)
-            a_t = tl.load(a_rows[None, :] + cols[:, None], mask=col_mask[:, None] & rank_mask[None, :], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                a_t = a_t.to(tl.float32)
-            acc = tl.dot(x, a_t, acc, input_precision=PRECISION)
+            a_t = tl.load(a_rows + cols[None, :, None], mask=a_mask & col_mask[None, :, None], other=0.0)
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * a_t.to(tl.float32), axis=1)
         tl.store(out, acc, mask=mine[:, None])
-        slot = _next_slot(slots, slot)
+    else:
+        last = tl.max(slots, axis=0)
+        slot = first
+        while slot <= last:
+            mine = slots == slot
+            a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks.to(tl.int64) * stride_a_rank
+            acc = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
+            for k0 in range(k_start, k_end, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_mask = cols < k_end
+                x = tl.load(x_rows[:, None] + cols[None, :], mask=mine[:, None] & col_mask[None, :], other=0.0)
+                a_t = tl.load(a_rows[None, :] + cols[:, None], mask=col_mask[:, None] & rank_mask[None, :],
+                              other=0.0)
+                if UPCAST:
+                    x = x.to(tl.float32)
+                    a_t = a_t.to(tl.float32)
+                acc = tl.dot(x, a_t, acc, input_precision=PRECISION)
+            tl.store(out, acc, mask=mine[:, None])
+            slot = _next_slot(slots, slot)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalings_ptr, y_ptr, num_tokens, n_size,
                         columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
                         stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                        SPLITS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
     positions i with s_i = sorted_slots[i] >= 0 and the program's `columns_per_program` columns c (grid axis 1),
     h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
-    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. Per slot present, h is summed once
-    and one `tl.dot` per BLOCK_N columns runs against B^T loaded as [stacked rank, BLOCK_N] with column c's R
-    entries at its part's rows and zeros elsewhere, so the other parts' h add exact zeros."""
+    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
+    BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere, so the other parts' h add exact
+    zeros. BLOCK_M 16: per slot present, h summed slice by slice and one `tl.dot` per BLOCK_N columns; BLOCK_M < 16:
+    all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
+    tree), then each row against its own slot's B (a product and `tl.sum`), no loop over slots. PDL: waits for the
+    shrink (`LoraTiles.pdl`) before the first read of the partials."""
     first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
     if first < 0:
         return
@@ -148,40 +256,71 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     stacked = tl.arange(0, STACKED_BLOCK)
     col_start = tl.program_id(1).to(tl.int64) * columns_per_program
     col_end = tl.minimum(col_start + columns_per_program, n_size)
-    last = tl.max(slots, axis=0)
-    slot = first
-    while slot <= last:
-        mine = slots == slot
-        partials = partials_ptr + positions[:, None] * stride_partial + stacked[None, :]
-        shrunk = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
-        for _ in range(0, num_splits):
-            shrunk += tl.load(partials, mask=mine[:, None], other=0.0)
-            partials += stride_split
-        h = shrunk.to(dtype)
-        if UPCAST:
-            h = h.to(tl.float32)
-        scaling = tl.load(scalings_ptr + slot)
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
+    y_rows = y_ptr + rows * stride_y
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    if BLOCK_M < 16:
+        mine = slots >= 0
+        splits = tl.arange(0, SPLITS_BLOCK)
+        partials = tl.load(partials_ptr + splits[:, None, None].to(tl.int64) * stride_split
+                           + positions[None, :, None] * stride_partial + stacked[None, None, :],
+                           mask=(splits < num_splits)[:, None, None] & mine[None, :, None], other=0.0)
+        h = tl.sum(partials, axis=0).to(dtype).to(tl.float32)
+        slot_of_row = tl.maximum(slots, 0).to(tl.int64)
+        scaling = tl.load(scalings_ptr + slot_of_row, mask=mine, other=0.0)
+        b_rows = b_ptr + slot_of_row[:, None, None] * stride_b_slot + (stacked % RANK)[None, :, None]
         for n0 in range(col_start, col_end, BLOCK_N):
             cols = n0 + tl.arange(0, BLOCK_N)
             col_mask = cols < col_end
             col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
             b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
-            b_t = tl.load(b_slot + cols[None, :] * stride_b_col + (stacked % RANK)[:, None], mask=b_mask, other=0.0)
-            if UPCAST:
-                b_t = b_t.to(tl.float32)
-            expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
-            scaled = (expanded * scaling).to(dtype).to(tl.float32)
-            y_tile = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            b_t = tl.load(b_rows + cols[None, None, :] * stride_b_col, mask=mine[:, None, None] & b_mask[None, :, :],
+                          other=0.0)
+            expanded = tl.sum(h[:, :, None] * b_t.to(tl.float32), axis=1).to(dtype).to(tl.float32)
+            scaled = (expanded * scaling[:, None]).to(dtype).to(tl.float32)
+            y_tile = y_rows[:, None] + cols[None, :]
             mask = mine[:, None] & col_mask[None, :]
             y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
-        slot = _next_slot(slots, slot)
+    else:
+        last = tl.max(slots, axis=0)
+        slot = first
+        while slot <= last:
+            mine = slots == slot
+            partials = partials_ptr + positions[:, None] * stride_partial + stacked[None, :]
+            shrunk = tl.zeros((BLOCK_M, STACKED_BLOCK), dtype=tl.float32)
+            for _ in range(0, num_splits):
+                shrunk += tl.load(partials, mask=mine[:, None], other=0.0)
+                partials += stride_split
+            h = shrunk.to(dtype)
+            if UPCAST:
+                h = h.to(tl.float32)
+            scaling = tl.load(scalings_ptr + slot)
+            b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
+            for n0 in range(col_start, col_end, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                col_mask = cols < col_end
+                col_part = (cols >= second_part).to(tl.int32) + (cols >= third_part).to(tl.int32)
+                b_mask = (stacked[:, None] // RANK == col_part[None, :]) & col_mask[None, :]
+                b_t = tl.load(b_slot + cols[None, :] * stride_b_col + (stacked % RANK)[:, None], mask=b_mask,
+                              other=0.0)
+                if UPCAST:
+                    b_t = b_t.to(tl.float32)
+                expanded = tl.dot(h, b_t, input_precision=PRECISION).to(dtype).to(tl.float32)
+                scaled = (expanded * scaling).to(dtype).to(tl.float32)
+                y_tile = y_rows[:, None] + cols[None, :]
+                mask = mine[:, None] & col_mask[None, :]
+                y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
+                tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
+            slot = _next_slot(slots, slot)
+
 
 def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor) -> None:
+                   part_rows: tuple[int, ...], tokens: LoraTokens, scalings: torch.Tensor,
+                   tiles: LoraTiles | None = None) -> None:
     """kernels/lora_ref.lora_add_fused's call (its docstring states the operands; `tokens` the step's slots and
-    their order by slot). Here R must be a power of two in [16, 128]."""
+    their order by slot). Here R must be a power of two in [16, 128]. `tiles`: `tiles_for(T)` unless given (the
+    benchmark's sweep passes others), fitted to the registers (`fit_registers`)."""
     token_slots, order, sorted_slots = tokens.slots, tokens.order, tokens.sorted_slots
     check_fused_lora_shapes(y, x, lora_a, lora_b, part_rows, token_slots, scalings)
     num_tokens, k_size = x.shape
@@ -197,30 +336,34 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError("x, lora_a and lora_b need a unit last stride; token_slots and scalings contiguous")
     if num_tokens == 0 or num_slots == 0 or n_size == 0:
         return
+    stacked_block = triton.next_power_of_2(stacked_rank)
+    tiles = fit_registers(tiles or tiles_for(num_tokens), stacked_block)
     starts = [sum(part_rows[:part]) for part in range(1, MAX_PARTS)]
     second_part, third_part = (start if part < len(part_rows) else n_size for part, start in enumerate(starts, 1))
-    splits = shrink_splits(num_tokens, k_size)
-    k_per_split = triton.cdiv(triton.cdiv(k_size, splits), SHRINK_BLOCK_K) * SHRINK_BLOCK_K
-    stacked_block = triton.next_power_of_2(stacked_rank)
+    splits = shrink_splits(num_tokens, k_size, tiles)
+    k_per_split = triton.cdiv(triton.cdiv(k_size, splits), tiles.block_k) * tiles.block_k
     partials = torch.empty((splits, num_tokens, stacked_block), dtype=torch.float32, device=x.device)
-    token_tiles = triton.cdiv(num_tokens, BLOCK_M)
+    token_tiles = triton.cdiv(num_tokens, tiles.block_m)
     upcast, precision = needs_upcast(x.dtype), dot_precision(x.dtype)
+    pdl = tiles.pdl and not is_interpreting()
     _lora_shrink_kernel[(token_tiles, splits)](
         x, lora_a, order, sorted_slots, partials, num_tokens, k_size, k_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), stacked_rank,
-        STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_K=SHRINK_BLOCK_K, UPCAST=upcast, PRECISION=precision,
-        num_warps=4)
-    columns_per_program = expand_columns(num_tokens, n_size)
+        STACKED_BLOCK=stacked_block, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, UPCAST=upcast,
+        PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    columns_per_program = expand_columns(num_tokens, n_size, tiles)
     _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
         partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program, splits,
         second_part, third_part,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, STACKED_BLOCK=stacked_block, BLOCK_M=BLOCK_M, BLOCK_N=EXPAND_BLOCK_N, UPCAST=upcast,
-        PRECISION=precision, num_warps=4)
+        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}))
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             token_slots: torch.Tensor, scalings: torch.Tensor) -> None:
+             token_slots: torch.Tensor, scalings: torch.Tensor, tiles: LoraTiles | None = None) -> None:
     """kernels/lora_ref.lora_add's call: one part (`lora_add_fused` with P = 1), the tokens sorted here."""
     check_lora_shapes(y, x, lora_a, lora_b, token_slots, scalings)
-    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), LoraTokens.of(token_slots), scalings)
+    lora_add_fused(y, x, lora_a, lora_b, (y.shape[1],), LoraTokens.of(token_slots), scalings, tiles)

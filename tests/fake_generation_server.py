@@ -29,6 +29,8 @@ STATS = generate_pb2.GetStatsResponse(**{
     if field.name not in DATA_PARALLEL_FIELDS
 })
 
+RUNTIME_LORA_OFF = "loading and unloading LoRA adapters at run time needs --allow-runtime-lora-updating"
+
 
 class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     """Prompt text -> behaviour: "invalid" / "overloaded" / "oversized" / "over the limit" / "unavailable" fail; "unavailable twice" fails
@@ -36,7 +38,8 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
     fails UNAVAILABLE; "endless" streams until cancelled and then sets `cancelled`; "gated" sends one chunk,
     waits for `gate`, then finishes; a chat streams `script` when it is set (one token per piece: the model's
     text, scripted by the test; finishing with "length" if `script_ends_by_length`); anything else streams
-    NORMAL_CHUNKS and finishes with "stop"."""
+    NORMAL_CHUNKS and finishes with "stop". LoadLoraAdapter / UnloadLoraAdapter are refused as without
+    --allow-runtime-lora-updating."""
 
     def __init__(self) -> None:
         self.reset()
@@ -120,6 +123,15 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         if any(token_id >= MODEL_INFO.vocab_size for token_id in request.token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: ids must lie in [0, 32000)")
         return generate_pb2.DetokenizeResponse(text=" ".join(f"t{i}" for i in request.token_ids))
+
+    async def LoadLoraAdapter(self, request, context):
+        """Refused as by a scheduler started without --allow-runtime-lora-updating."""
+        self.requests.append(request)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, RUNTIME_LORA_OFF)
+
+    async def UnloadLoraAdapter(self, request, context):
+        self.requests.append(request)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, RUNTIME_LORA_OFF)
 
 
 def _prompt_logprobs(top: int) -> list[generate_pb2.TokenLogprobs]:

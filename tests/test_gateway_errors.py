@@ -140,6 +140,18 @@ def test_an_unknown_model_is_a_404(fake, gateway_url, openai_client):
         openai_client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
 
 
+def test_runtime_lora_updates_refused_by_the_scheduler_are_a_404_as_an_unknown_path(fake, gateway_url):
+    # vLLM registers /v1/load_lora_adapter and /v1/unload_lora_adapter only with VLLM_ALLOW_RUNTIME_LORA_UPDATING;
+    # the stand-in scheduler refuses both (FAILED_PRECONDITION), as one without --allow-runtime-lora-updating.
+    unknown_path = post(gateway_url, "/v1/no_such_route", {"lora_name": "sql"})
+    assert unknown_path[0] == 404
+    for path, body in (("/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": "/adapters/sql"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "sql"})):
+        status, _, reply = post(gateway_url, path, body)
+        assert (status, reply) == (404, unknown_path[2])
+    assert [request.lora_name for request in fake.requests] == ["sql", "sql"]
+
+
 def test_a_missing_or_wrong_key_is_a_401_but_probes_need_none(fake, gateway_url):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         status, response_headers, reply = post(gateway_url, "/v1/completions", {"prompt": "hi"}, headers)

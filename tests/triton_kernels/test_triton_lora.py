@@ -1,7 +1,7 @@
 """The batched multi-LoRA kernels (kernels/triton_lora.py) against the torch reference (kernels/lora_ref.py): fp32
 and bf16; 1, 3, 17 and 40 tokens; one and three adapter slots with ranks 8 and 16 padded into R = 16 and 32; K and
 N that are not block multiples; slots mixing -1 and several adapters; y a column slice of a wider output; the
-shrink's K cut into slices (decode) and not; and the padded ranks it refuses."""
+shrink's K cut into slices (decode) and not, on the default tiles of each token count (`tiles_for`); and the padded ranks it refuses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from kernels import lora_ref, triton_lora
 
-K, N = 100, 70  # neither a multiple of SHRINK_BLOCK_K nor of EXPAND_BLOCK_N
+K, N = 100, 70  # neither a multiple of the shrink's block_k nor of the expand's block_n
 LEFT, RIGHT = 5, 11  # the fused output's columns either side of y's slice
 # Bounds on the largest difference, relative to the output's largest magnitude. fp32: the same math summed in
 # another order. bf16: h, d and the scaled d are rounded to bf16 at the reference's points, but a sum in another
@@ -46,7 +46,7 @@ def mixed_slots(num_tokens: int, num_slots: int, slot_dtype: torch.dtype, genera
     return slots.to(slot_dtype)
 
 
-def run_both(num_tokens, num_slots, padded_rank, dtype, slot_dtype, seed):
+def run_both(num_tokens, num_slots, padded_rank, dtype, slot_dtype, seed, tiles=None):
     """(kernel's fused output, reference's fused output, the output before, slots), y a column slice of both."""
     generator = torch.Generator().manual_seed(seed)
     lora_a, lora_b, scalings = adapters(num_slots, padded_rank, dtype, generator)
@@ -58,7 +58,7 @@ def run_both(num_tokens, num_slots, padded_rank, dtype, slot_dtype, seed):
     x[slots < 0] = float("nan")  # nor a padding row's input
     fused = torch.randn(num_tokens, LEFT + N + RIGHT, generator=generator).to(dtype)
     got, expected = fused.clone(), fused.clone()
-    triton_lora.lora_add(got[:, LEFT:LEFT + N], x, lora_a, lora_b, slots, scalings)
+    triton_lora.lora_add(got[:, LEFT:LEFT + N], x, lora_a, lora_b, slots, scalings, tiles)
     lora_ref.lora_add(expected[:, LEFT:LEFT + N], x, lora_a, lora_b, slots, scalings)
     return got, expected, fused, slots
 
@@ -91,11 +91,11 @@ def test_matches_the_reference(dtype, padded_rank, num_slots, num_tokens):
 
 @pytest.mark.parametrize("num_tokens", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(monkeypatch, dtype, num_tokens):
-    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)  # K = 100: 3 slices, the last one partly masked
-    assert triton_lora.shrink_splits(num_tokens, K) == 3
-    assert triton_lora.shrink_splits(triton_lora.BLOCK_M * triton_lora.SHRINK_PROGRAMS, K) == 1
-    got, expected, before, slots = run_both(num_tokens, 3, 16, dtype, torch.int32, seed=num_tokens)
+def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(dtype, num_tokens):
+    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
+    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
+    assert triton_lora.shrink_splits(tiles.block_m * triton_lora.SHRINK_PROGRAMS, K, tiles) == 1
+    got, expected, before, slots = run_both(num_tokens, 3, 16, dtype, torch.int32, seed=num_tokens, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 
 

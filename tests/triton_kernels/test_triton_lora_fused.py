@@ -2,21 +2,24 @@
 (kernels/lora_ref.lora_add_fused): fused layouts q|k|v with GQA sizes, gate|up and one part, with part boundaries
 that are not multiples of the expand's column tile; adapters of ranks 8 and 16 padded into R = 16 and 32; 1, 17
 and 300 tokens mixing base rows (slot -1) and several slots, in fp32 and bf16; the shrink cut into K slices and
-expand programs of several column blocks; a step of base rows only; and the step's order of tokens by slot (kernels/lora_ref.LoraTokens)."""
+expand programs of several column blocks; the few-token path (1, 2 or 4 tokens per program, no `tl.dot`) at 1-16
+tokens, with every tile configuration the GPU sweep tries; a step of base rows only; and the step's order of tokens
+by slot (kernels/lora_ref.LoraTokens)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from benchmarks.lora_kernels_gpu import SWEEP_CASES, candidate_tiles
 from kernels import lora_ref, triton_lora
 from kernels.lora_ref import LoraTokens
 
-K = 100  # not a multiple of SHRINK_BLOCK_K
+K = 100  # not a multiple of the shrink's block_k
 # Output rows of each part: q|k|v with 4 query heads per KV head (head size 10), gate|up, one part.
 LAYOUTS = {"qkv": (40, 10, 10), "gate_up": (45, 45), "single": (70,)}
 NUM_SLOTS = 4
-ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8)}  # each slot's rank within the padded rank R
+ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8), 64: (16, 64, 32, 64), 128: (16, 128, 64, 128)}  # each slot's rank within the padded rank R
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7}  # as tests/triton_kernels/test_triton_lora.py (why there)
 BF16_BIT_EQUAL = 0.98
 
@@ -34,7 +37,7 @@ def stacked_adapters(part_rows, padded_rank, dtype, generator):
     return lora_a.to(dtype), lora_b.to(dtype), torch.rand(NUM_SLOTS, generator=generator) + 0.5
 
 
-def run_both(layout, padded_rank, num_tokens, dtype, seed, slots=None):
+def run_both(layout, padded_rank, num_tokens, dtype, seed, slots=None, tiles=None):
     """(kernel's y, reference's y, y before, slots) for random slots in -1 .. S-2 (slot S-1 unused, NaN: a
     kernel that reads it fails), NaN inputs on base rows."""
     part_rows = LAYOUTS[layout]
@@ -50,7 +53,7 @@ def run_both(layout, padded_rank, num_tokens, dtype, seed, slots=None):
     before = torch.randn(num_tokens, sum(part_rows), generator=generator).to(dtype)
     got, expected = before.clone(), before.clone()
     tokens = LoraTokens.of(slots)
-    triton_lora.lora_add_fused(got, x, lora_a, lora_b, part_rows, tokens, scalings)
+    triton_lora.lora_add_fused(got, x, lora_a, lora_b, part_rows, tokens, scalings, tiles)
     lora_ref.lora_add_fused(expected, x, lora_a, lora_b, part_rows, tokens, scalings)
     return got, expected, before, slots
 
@@ -83,10 +86,10 @@ def test_a_padded_rank_of_32_matches_the_reference(layout):
 
 @pytest.mark.parametrize("num_tokens", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(monkeypatch, dtype, num_tokens):
-    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)  # K = 100: 3 slices, the last one partly masked
-    assert triton_lora.shrink_splits(num_tokens, K) == 3
-    got, expected, before, slots = run_both("qkv", 16, num_tokens, dtype, seed=7)
+def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(dtype, num_tokens):
+    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
+    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
+    got, expected, before, slots = run_both("qkv", 16, num_tokens, dtype, seed=7, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 
 
@@ -96,13 +99,79 @@ def test_many_tokens_with_k_slices_and_expand_programs_of_several_column_blocks_
         monkeypatch, dtype, layout):
     # As at 256 tokens of a wide layer on a GPU: the shrink's K cut into 3 slices beyond one token tile, and each
     # expand program covering 32-column blocks across the parts' boundaries.
-    monkeypatch.setattr(triton_lora, "SPLIT_K_COLUMNS", 32)
-    monkeypatch.setattr(triton_lora, "EXPAND_BLOCK_N", 32)
+    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32, block_n=32)
     monkeypatch.setattr(triton_lora, "EXPAND_PROGRAMS", 8)
-    assert triton_lora.shrink_splits(300, K) == 3
-    assert triton_lora.expand_columns(300, sum(LAYOUTS[layout])) > 32
-    got, expected, before, slots = run_both(layout, 16, 300, dtype, seed=11)
+    assert triton_lora.shrink_splits(300, K, tiles) == 3
+    assert triton_lora.expand_columns(300, sum(LAYOUTS[layout]), tiles) > 32
+    got, expected, before, slots = run_both(layout, 16, 300, dtype, seed=11, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
+
+
+# The few-token path at 1 and 4 tokens per program with K = 100 in 3 slices of 48 columns (the last partly masked),
+# summed by the expand in one [4, block_m, P*R] load (its fourth slice masked), and 32-column expand blocks that
+# cross the parts' boundaries.
+FEW_TOKEN_TILES = [triton_lora.LoraTiles(block_m=block_m, block_k=16, split_columns=32, max_splits=4, block_n=32,
+                                         num_warps=2, num_stages=1) for block_m in (1, 4)]
+
+
+def decode_slots(num_tokens, several_slots):
+    """A decode step's slots: every token on slot 2, or on slots 0-2 in turn; from 2 tokens on, the second is a
+    base row (slot -1)."""
+    slots = torch.arange(num_tokens) % 3 if several_slots else torch.full((num_tokens,), 2)
+    if num_tokens > 1:
+        slots[1] = -1
+    return slots
+
+
+@pytest.mark.parametrize("tiles", FEW_TOKEN_TILES, ids=lambda tiles: f"block_m{tiles.block_m}")
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 16])
+@pytest.mark.parametrize("several_slots", [False, True], ids=["one-slot", "several-slots"])
+@pytest.mark.parametrize("layout", ["single", "qkv"])
+@pytest.mark.parametrize("padded_rank", [16, 64])
+def test_the_few_token_path_matches_the_reference(padded_rank, layout, several_slots, num_tokens, tiles):
+    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
+    got, expected, before, slots = run_both(layout, padded_rank, num_tokens, torch.float32, seed=num_tokens,
+                                            slots=decode_slots(num_tokens, several_slots), tiles=tiles)
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("tiles", FEW_TOKEN_TILES, ids=lambda tiles: f"block_m{tiles.block_m}")
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_the_few_token_path_keeps_the_bf16_rounding_points(num_tokens, tiles):
+    got, expected, before, slots = run_both("qkv", 16, num_tokens, torch.bfloat16, seed=3,
+                                            slots=decode_slots(num_tokens, True), tiles=tiles)
+    assert_matches(got, expected, before, slots, BOUND[torch.bfloat16])
+
+
+def test_decode_steps_take_the_few_token_path_by_default():
+    assert triton_lora.tiles_for(1).block_m < triton_lora.DOT_BLOCK_M
+    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS).block_m < triton_lora.DOT_BLOCK_M
+    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS + 1).block_m == triton_lora.DOT_BLOCK_M
+
+
+def test_the_few_token_tiles_shrink_to_fit_registers_at_a_large_rank_and_still_match_the_reference():
+    tiles = triton_lora.tiles_for(3)
+    assert triton_lora.fit_registers(tiles, 64) == tiles  # rank 16 q|k|v: as chosen
+    fitted = triton_lora.fit_registers(tiles, 512)  # rank 128 q|k|v: 384 stacked ranks, padded
+    most = triton_lora.PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps
+    assert max(fitted.block_k, fitted.block_n, fitted.max_splits) * 512 <= most < tiles.block_k * 512
+    got, expected, before, slots = run_both("qkv", 128, 3, torch.float32, seed=17, slots=decode_slots(3, True))
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("tiles", list(dict.fromkeys(tiles for num_tokens, _ in SWEEP_CASES
+                                                     for tiles in candidate_tiles(num_tokens))), ids=str)
+def test_every_tile_configuration_the_gpu_sweep_times_matches_the_reference(tiles):
+    got, expected, before, slots = run_both("qkv", 16, 5, torch.float32, seed=13, slots=decode_slots(5, True),
+                                            tiles=tiles)
+    assert_matches(got, expected, before, slots, BOUND[torch.float32])
+
+
+@pytest.mark.parametrize("fields", [dict(block_m=3), dict(block_m=32), dict(block_k=8), dict(split_columns=96),
+                                    dict(num_warps=3), dict(block_m=1, block_k=128, split_columns=64)])
+def test_refuses_tiles_the_kernels_cannot_run(fields):
+    with pytest.raises(ValueError):
+        triton_lora.LoraTiles(**fields)
 
 
 def test_slot_runs_meeting_inside_a_token_tile_each_get_their_own_adapter():
