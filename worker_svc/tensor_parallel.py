@@ -106,7 +106,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str | None, de
     """Joins the engine's process group (NCCL on CUDA, gloo on the CPU) at `init_method` (a tcp://host:port
     every rank reaches); world_size 1 joins nothing. On CUDA, with `custom_all_reduce`, all-reduces of `dtype`
     up to a few MiB go through symmetric memory (worker_svc/symmetric_all_reduce.py says why)."""
-    if device.type == "cuda":  # alone too: a -dp engine's rank on cuda:1 captures graphs on its own device's stream
+    # Alone too: a -dp engine's rank on cuda:1 captures graphs on its own device's stream. A bare "cuda" names the
+    # current device (torch refuses set_device without an index).
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     if world_size == 1:
         return SINGLE_RANK
