@@ -129,12 +129,14 @@ class EagleHead:
         activations of one pass of the largest bucket, which the KV sizing's profile does not see, the head being
         unprofiled), as a bound: per row the logits (a target-vocabulary-wide row in the model's dtype and in
         float32, at most) and forty hidden-wide and four MLP-wide rows of intermediates (the head's layers'), plus
-        a 2 MiB allocator segment per captured bucket."""
+        the caching allocator's segments: a 2 MiB one per captured bucket (small blocks) and a 20 MiB one (blocks
+        of 1 to 10 MB, such as an 8 row x 128k float32 logits)."""
         itemsize = torch.empty(0, dtype=self._dtype).element_size()
         config = self.model_config
         layer_bytes = (40 * config.hidden_size + 4 * config.intermediate_size) * itemsize
         per_row = target_vocab_size * (itemsize + 4) + config.num_hidden_layers * layer_bytes
-        return bucket_sizes(max_rows)[-1] * per_row + len(bucket_sizes(max_rows)) * 2 * 2**20
+        buckets = bucket_sizes(max_rows)
+        return buckets[-1] * per_row + (len(buckets) * 2 + 20) * 2**20
 
     def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
                target_output: torch.Tensor) -> torch.Tensor:
