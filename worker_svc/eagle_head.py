@@ -24,7 +24,9 @@ positions that are now accepted (a chunk's all; a verified row's last known toke
 with the next token; rejected positions are rewritten by a later step. The head's K/V is then valid exactly
 where the target's is. The head's output at each row's last position gives proposal 1; `propose` feeds each
 proposal back with the head's own output state for the next, k - 1 more single-token passes, whose K/V lies past
-the row's computed tokens (its own blocks where it has them, else its scratch blocks). Since the step's tokens
+the row's computed tokens (its own blocks where it has them, else its scratch blocks). On a GPU without
+--enforce-eager those passes replay CUDA graphs of the head's own (`graphs`, eagle_graphs.py), tokens and states
+staying on the device; the catch-up pass (a variable number of tokens per row) stays eager. Since the step's tokens
 must be on the host before the next step is launched, a worker with a head never overlaps steps.
 
 A prefix-cache hit reuses the head's K/V of the cached blocks as written for the request that filled them: at
