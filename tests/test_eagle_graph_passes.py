@@ -45,12 +45,15 @@ def target(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("target"), "llama", seed=3, num_hidden_layers=5)
 
 
-def make_worker(target, head, method: str) -> Worker:
-    worker = Worker(WorkerConfig(scheduler_address="", model=str(target), num_kv_blocks=96, swap_space=0.01))
-    setup = worker_pb2.WorkerSetup(block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=256,
-                                   max_model_len=MAX_MODEL_LEN)
-    setup.draft_model.CopyFrom(worker_pb2.DraftModelSetup(model=str(head), num_speculative_tokens=K, method=method,
-                                                          max_proposing_rows=MAX_NUM_SEQS))
+def make_worker(target, head, method: str, k: int = K, block_size: int = BLOCK, max_num_seqs: int = MAX_NUM_SEQS,
+                max_model_len: int = MAX_MODEL_LEN, max_proposing_rows: int = MAX_NUM_SEQS, **config) -> Worker:
+    """A worker serving `target` with the head at `head` (`config`: WorkerConfig's fields beyond the defaults)."""
+    worker = Worker(WorkerConfig(scheduler_address="", model=str(target), swap_space=0.01,
+                                 **{"num_kv_blocks": 96, **config}))
+    setup = worker_pb2.WorkerSetup(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                                   max_model_len=max_model_len)
+    setup.draft_model.CopyFrom(worker_pb2.DraftModelSetup(model=str(head), num_speculative_tokens=k, method=method,
+                                                          max_proposing_rows=max_proposing_rows))
     worker.setup(setup)
     return worker
 

@@ -13,10 +13,9 @@ import torch
 from pagedserve.testing.tiny_eagle1 import make_echo_eagle1_head, make_tiny_eagle1_head
 from pagedserve.testing.tiny_eagle3 import make_echo_eagle3_head, make_tiny_eagle3_head
 from pagedserve.testing.tiny_models import make_repeater_model, make_tiny_model
-from protos.pagedserve.v1 import worker_pb2
 from tests.gpu.test_draft_graphs_gpu import (BLOCK, K, MAX_MODEL_LEN, MAX_NUM_SEQS, PROMPTS, VERIFYING_STEPS,
                                              serve)
-from worker_svc.config import WorkerConfig
+from tests.test_eagle_graph_passes import make_worker as make_cpu_test_worker
 from worker_svc.decode_graphs import bucket_sizes
 from worker_svc.persistent_batch import PersistentBatch
 from worker_svc.worker import Worker
@@ -35,15 +34,10 @@ def targets(tmp_path_factory):
 
 
 def make_worker(target, head, method: str, cuda_graphs: bool) -> Worker:
-    worker = Worker(WorkerConfig(scheduler_address="", model=str(target), device="cuda", dtype="float32",
-                                 num_kv_blocks=len(PROMPTS) * (MAX_MODEL_LEN // BLOCK), swap_space=0.01,
-                                 cuda_graphs=cuda_graphs))
-    setup = worker_pb2.WorkerSetup(block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512,
-                                   max_model_len=MAX_MODEL_LEN)
-    setup.draft_model.CopyFrom(worker_pb2.DraftModelSetup(model=str(head), num_speculative_tokens=K, method=method,
-                                                          max_proposing_rows=MAX_PROPOSING_ROWS))
-    worker.setup(setup)
-    return worker
+    return make_cpu_test_worker(target, head, method, k=K, block_size=BLOCK, max_num_seqs=MAX_NUM_SEQS,
+                                max_model_len=MAX_MODEL_LEN, max_proposing_rows=MAX_PROPOSING_ROWS, device="cuda",
+                                dtype="float32", num_kv_blocks=len(PROMPTS) * (MAX_MODEL_LEN // BLOCK),
+                                cuda_graphs=cuda_graphs)
 
 
 def serve_both_ways(target, head, method: str) -> tuple[dict[str, list[int]], int, int]:
