@@ -22,6 +22,8 @@ over them eagerly, so the buffer handling, padding included, is exercised withou
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,6 +37,25 @@ logger = logging.getLogger(__name__)
 def bucket_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sorted({min(size, max_num_seqs) for size in sizes})
+
+
+def capture_graphs(sizes: list[int], forward: Callable[[int], Any]) -> dict[int, tuple[torch.cuda.CUDAGraph, Any]]:
+    """Each size's CUDA graph of `forward(size)` (a pass over static buffers) and the static output it returns.
+    Warms up every size eagerly first (each is its own kernel variant), then captures largest first so the smaller
+    graphs reuse its memory pool. The caller holds inference mode (a replayed graph's outputs are inference
+    tensors)."""
+    for size in sizes:
+        forward(size)
+    torch.cuda.synchronize()
+    captured, pool = {}, None
+    for size in sorted(sizes, reverse=True):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            output = forward(size)
+        pool = graph.pool() if pool is None else pool
+        captured[size] = (graph, output)
+    torch.cuda.synchronize()
+    return captured
 
 
 class DecodeGraphs:
@@ -61,7 +82,6 @@ class DecodeGraphs:
         self.num_replays = 0  # steps run from a captured graph (the logs and tests read it)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._pool = None
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -76,19 +96,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warms up every bucket eagerly (each is its own kernel variant), then captures, largest first so
-        the smaller graphs reuse its memory pool."""
-        for size in self.buckets:
-            self._forward(size)
-        torch.cuda.synchronize()
-        for size in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[size] = self._forward(size)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
+        for size, (graph, output) in capture_graphs(self.buckets, self._forward).items():
+            self._graphs[size], self._outputs[size] = graph, output
         logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
 
     def _forward(self, size: int) -> torch.Tensor:

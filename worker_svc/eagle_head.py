@@ -24,7 +24,9 @@ positions that are now accepted (a chunk's all; a verified row's last known toke
 with the next token; rejected positions are rewritten by a later step. The head's K/V is then valid exactly
 where the target's is. The head's output at each row's last position gives proposal 1; `propose` feeds each
 proposal back with the head's own output state for the next, k - 1 more single-token passes, whose K/V lies past
-the row's computed tokens (its own blocks where it has them, else its scratch blocks). Since the step's tokens
+the row's computed tokens (its own blocks where it has them, else its scratch blocks). On a GPU without
+--enforce-eager those passes replay CUDA graphs of the head's own (`graphs`, eagle_graphs.py), tokens and states
+staying on the device; the catch-up pass (a variable number of tokens per row) stays eager. Since the step's tokens
 must be on the host before the next step is launched, a worker with a head never overlaps steps.
 
 A prefix-cache hit reuses the head's K/V of the cached blocks as written for the request that filled them: at
@@ -41,6 +43,8 @@ from kernels.attention_metadata import AttentionMetadata
 from protos.pagedserve.v1 import worker_pb2
 from service_runtime.load_refusal import LoadRefused
 from service_runtime.model_source import resolve_model
+from worker_svc.decode_graphs import bucket_sizes
+from worker_svc.eagle_graphs import EagleProposalGraphs
 from worker_svc.host_to_device import to_device
 from worker_svc.model_config import ModelConfig
 from worker_svc.models.eagle1 import load_eagle1_head
@@ -96,9 +100,13 @@ class EagleHead:
         self._embed = head.embed_tokens if head.embed_tokens is not None else target_model.model.embed_tokens
         self.target_layers_read = tuple(sorted(layers))
         self._hidden_size = config.hidden_size
+        self._dtype = dtype
         self.num_speculative_tokens = setup.num_speculative_tokens
         self.device = device
         self.pool = ProposerKVPool(config, setup.num_speculative_tokens, device, tensor_parallel)
+        # How `propose`'s passes after the first run: CUDA graphs (set by the model runner once the pool exists, on a
+        # GPU without --enforce-eager: `capture_graphs`), or eagerly (None).
+        self.graphs: EagleProposalGraphs | None = None
         # Proposals are the head's argmax: point masses, verified by sample-and-match (no draft distribution q
         # for the rejection rule, unlike a sampling draft model: draft_model.py `proposed`).
         self.proposed = None
@@ -117,6 +125,20 @@ class EagleHead:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         kept = 2 * len(self.target_layers_read) + 1
         return kept * max_num_batched_tokens * self._hidden_size * itemsize
+
+    def proposal_graph_bytes(self, max_rows: int, target_vocab_size: int) -> int:
+        """Memory the proposal passes' CUDA graphs hold for good beside the KV pool (their private pool: the
+        activations of one pass of the largest bucket, which the KV sizing's profile does not see, the head being
+        unprofiled), as a bound: per row the logits (a target-vocabulary-wide row in the model's dtype and in
+        float32, at most) and forty hidden-wide and four MLP-wide rows of intermediates (the head's layers'), plus
+        the caching allocator's segments: a 2 MiB one per captured bucket (small blocks) and a 20 MiB one (blocks
+        of 1 to 10 MB, such as an 8 row x 128k float32 logits)."""
+        itemsize = torch.empty(0, dtype=self._dtype).element_size()
+        config = self.model_config
+        layer_bytes = (40 * config.hidden_size + 4 * config.intermediate_size) * itemsize
+        per_row = target_vocab_size * (itemsize + 4) + config.num_hidden_layers * layer_bytes
+        buckets = bucket_sizes(max_rows)
+        return buckets[-1] * per_row + (len(buckets) * 2 + 20) * 2**20
 
     def mirror(self, inputs: StepInputs, previous_sampled: torch.Tensor | None,
                target_output: torch.Tensor) -> torch.Tensor:
@@ -187,10 +209,22 @@ class EagleHead:
         first = num_tokens - 1  # the first uncomputed position: the next pass writes it
         tables = self.pool.block_tables(batch, rows, first + counts - 1) if num_passes > 1 else None
         proposals = torch.zeros((len(rows), num_passes), dtype=torch.long, device=self.device)
-        active = np.arange(len(rows))
         token_ids = self.model.greedy_target_ids(normed)
         proposals[:, 0] = token_ids
-        for step in range(1, num_passes):
+        size = self.graphs.bucket_for(len(rows)) if self.graphs is not None and num_passes > 1 else None
+        if size is not None:
+            self.graphs.run(token_ids, state, tables, first, counts, proposals, size)
+        else:
+            self._eager_passes(token_ids, state, tables, first, counts, proposals)
+        host = proposals.cpu().numpy()
+        return counts, host[np.arange(num_passes) < counts[:, None]]
+
+    def _eager_passes(self, token_ids: torch.Tensor, state: torch.Tensor, tables: np.ndarray | None,
+                      first: np.ndarray, counts: np.ndarray, proposals: torch.Tensor) -> None:
+        """Passes 1.. of a proposal, eagerly (what the graphs replay: eagle_graphs.py), the rows still proposing
+        in each."""
+        active = np.arange(len(counts))
+        for step in range(1, proposals.shape[1]):
             keep = counts[active] > step
             if not keep.all():
                 active = active[keep]
@@ -208,16 +242,25 @@ class EagleHead:
                 block_size=block_size,
                 num_decode_seqs=len(active),
             )
-            normed, state = self._forward(token_ids, state, positions, metadata)
-            token_ids = self.model.greedy_target_ids(normed)
+            token_ids, state = self.proposal_pass(token_ids, state, to_device(positions, self.device, torch.long),
+                                                  metadata)
             proposals[to_device(active, self.device, torch.long), step] = token_ids
-        host = proposals.cpu().numpy()
-        return counts, host[np.arange(num_passes) < counts[:, None]]
 
-    def _forward(self, input_ids, states: torch.Tensor, positions: np.ndarray,
+    def proposal_pass(self, token_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
+                      metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One single-token pass of a proposal (eager, or captured by eagle_graphs.py): each row's proposed target
+        id after its input token and state, and the output state to feed back."""
+        normed, output = self.model(self._embed(token_ids), states, positions, self.pool.layers, metadata)
+        return self.model.greedy_target_ids(normed), output
+
+    def capture_graphs(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        """Proposal passes from CUDA graphs for up to `max_rows` rows (the pool must exist)."""
+        self.graphs = EagleProposalGraphs(self.proposal_pass, self._hidden_size, self._dtype,
+                                          max_rows, max_blocks_per_seq, self.pool.block_size, self.device)
+        self.graphs.capture()
+
+    def _forward(self, input_ids: np.ndarray, states: torch.Tensor, positions: np.ndarray,
                  metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head pass: (normed states for the logits, output states to feed back)."""
-        if not isinstance(input_ids, torch.Tensor):
-            input_ids = to_device(input_ids, self.device, torch.long)
-        return self.model(self._embed(input_ids), states, to_device(positions, self.device, torch.long),
-                          self.pool.layers, metadata)
+        """The catch-up pass: (normed states for the logits, output states to feed back)."""
+        return self.model(self._embed(to_device(input_ids, self.device, torch.long)), states,
+                          to_device(positions, self.device, torch.long), self.pool.layers, metadata)

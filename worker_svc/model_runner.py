@@ -161,6 +161,9 @@ class ModelRunner:
             reserved = self.draft.pool.num_scratch_blocks(setup.block_size, setup.max_num_seqs) * draft_block_bytes
             if isinstance(self.draft, EagleHead):  # the target's wider output, switched on after the profile
                 reserved += self.draft.target_state_bytes(setup.max_num_batched_tokens, self.dtype)
+                if self._captures_graphs:  # and its proposal graphs' pool, captured after the KV pool's
+                    reserved += self.draft.proposal_graph_bytes(_max_proposing_rows(setup),
+                                                                self.model_config.vocab_size)
             else:  # sampled proposals' q, kept until their verification
                 reserved += self.draft.sampled_draft_bytes(setup.max_num_seqs)
             draft_pool = DraftPool(profiled, self.draft.model_config, draft_block_bytes, reserved,
@@ -193,6 +196,12 @@ class ModelRunner:
                                                  with_lora=False)
             logger.info("rank %d: the draft model's passes run by %s", config.rank,
                         ", ".join(path.name for path in self.draft.graphs.paths))
+        if isinstance(self.draft, EagleHead):
+            if self._captures_graphs:  # after the target's graphs, over the head's pool
+                self.draft.capture_graphs(_max_proposing_rows(setup), max_blocks_per_seq)
+            logger.info("rank %d: the EAGLE head's proposal passes after the first run %s", config.rank,
+                        "eagerly" if self.draft.graphs is None
+                        else f"from CUDA graphs for {self.draft.graphs.buckets} rows")
         if self.on_gpu:
             warn_on_compiles_while_serving()
         logger.info("rank %d: %d KV blocks, %d swap blocks", config.rank, blocks, swap_blocks)
@@ -318,6 +327,11 @@ class ModelRunner:
         if len(rows) == logits.shape[0]:
             return logits
         return logits[to_device(rows, self.device, torch.long)]
+
+
+def _max_proposing_rows(setup: worker_pb2.WorkerSetup) -> int:
+    """The most rows a step proposes for: speculation's disable_by_batch_size (0: unset), at most max_num_seqs."""
+    return min(setup.draft_model.max_proposing_rows or setup.max_num_seqs, setup.max_num_seqs)
 
 
 def pack_sampler_output(out: SamplerOutput) -> torch.Tensor:
