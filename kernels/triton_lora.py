@@ -43,9 +43,10 @@ output (28672 columns) in 64-column programs would re-read them 448 times per to
 column groups (about EXPAND_PROGRAMS of them) re-read them a few dozen times.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128 (`tl.dot` needs dimensions of at
-least 16; the few-token path holds [tokens, K block, P*R] products in registers); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
-arithmetic is wrong (kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's
-dtype, so the interpreter's results keep the GPU's rounding points.
+least 16; the few-token path holds [tokens, K block, P*R] products in registers, `fit_registers`); at most
+MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit arithmetic is wrong
+(kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's dtype, so the
+interpreter's results keep the GPU's rounding points.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class LoraTiles:
     """How one `lora_add_fused` call is cut into programs; a function of the token count alone (`tiles_for`), so
     that a CUDA graph's bucket always runs the same kernels.
 
-    Why two paths: at a decode step's 1-8 tokens the kernels are latency, not bytes (an 8B layer's adapters are
+    Why two paths: at a decode step's 1-16 tokens the kernels are latency, not bytes (an 8B layer's adapters are
     0.3-0.9 MB; a call took ~7 us): what counts is how many dependent iterations a program runs and how many
     programs run side by side. `block_m` 16 runs one `tl.dot` per slot present in a 16-token tile (its least
     size); `block_m` 1, 2, 4 or 8 (the few-token path) multiplies and sums with `tl.sum` instead, each row with
@@ -244,9 +245,8 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
     positions i with s_i = sorted_slots[i] >= 0 and the program's BLOCK_N x `column_blocks_per_program` columns c
-    (grid axis 1),
-    h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
-    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
+    (grid axis 1), h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0
+    below `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
     BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere, so the other parts' h add exact
     zeros. BLOCK_M 16: per slot present, h summed slice by slice and one `tl.dot` per BLOCK_N columns; BLOCK_M < 16:
     all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
@@ -357,13 +357,12 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
         STACKED_BLOCK=stacked_block, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, UPCAST=upcast,
         PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     columns_per_program = expand_columns(num_tokens, n_size, tiles)
+    splits_block = triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1
     _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
         partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program // tiles.block_n,
-        splits,
-        second_part, third_part,
+        splits, second_part, third_part,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1,
-        BLOCK_M=tiles.block_m,
+        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=splits_block, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}))
 
