@@ -2,7 +2,8 @@
 
 Routes: GET /v1/models and /v1/models/{id}, POST /v1/completions, /v1/chat/completions, vLLM's
 /v1/load_lora_adapter and /v1/unload_lora_adapter (404 without --allow-runtime-lora-updating, as vLLM, which
-registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING: `_runtime_lora_update`), /tokenize and /detokenize (all behind `--api-key` when set), GET /health and
+registers them only with VLLM_ALLOW_RUNTIME_LORA_UPDATING: `_runtime_lora_update`), /tokenize and /detokenize
+(all behind `--api-key` when set), GET /health and
 /ping (200 once the scheduler is SERVING, else 503: the readiness probe), GET /version and GET /metrics
 (Prometheus; open, as probes and scrapers carry no key). Every response echoes the request id in `X-Request-Id`
 (request_ids.py). Everything the app uses hangs off the one Backend made here, so two apps in one process (tests)

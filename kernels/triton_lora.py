@@ -43,9 +43,10 @@ output (28672 columns) in 64-column programs would re-read them 448 times per to
 column groups (about EXPAND_PROGRAMS of them) re-read them a few dozen times.
 
 Requirements: R (the padded rank, max_lora_rank) a power of two, 16 <= R <= 128 (`tl.dot` needs dimensions of at
-least 16; the few-token path holds [tokens, K block, P*R] products in registers); at most MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit
-arithmetic is wrong (kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's
-dtype, so the interpreter's results keep the GPU's rounding points.
+least 16; the few-token path holds [tokens, K block, P*R] products in registers, `fit_registers`); at most
+MAX_PARTS parts, contiguous in y's columns. Offsets are int64. Under TRITON_INTERPRET=1, 16-bit arithmetic is wrong
+(kernels/triton_numerics.py): `UPCAST` takes operands to fp32 after each rounding to x's dtype, so the
+interpreter's results keep the GPU's rounding points.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ FEW_TOKENS = 16
 PRODUCT_ELEMENTS_PER_THREAD = {1: 128, 2: 64, 4: 64, 8: 64}
 SHRINK_PROGRAMS = 128  # token tiles x K slices aimed at (about one per SM)
 EXPAND_PROGRAMS = 512  # token tiles x column groups aimed at
-# The kernels' size arguments, not specialized (Triton would otherwise compile again for a value of 1 or a multiple
-# of 16: a step of 1 token, of 16, a K slice of 256...): one compile per tiles, rank and dtype.
-SIZES = ("num_tokens", "k_size", "k_per_split", "n_size", "columns_per_program", "num_splits", "second_part",
-         "third_part", "stacked_rank")
+# The kernels' arguments that change with the token count, not specialized (Triton would otherwise compile again
+# when one is 1 or a multiple of 16): one compile per tiles and layer shape. The K slice and the expand's column
+# group come in blocks (times BLOCK_K or BLOCK_N inside), so the kernels still know them to be multiples of the
+# block: unspecialized widths made every load of A scalar (sm_90 SASS: 130 LDG.E.U16 in place of vector loads).
+SIZES = ("num_tokens", "k_blocks_per_split", "column_blocks_per_program", "num_splits")
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class LoraTiles:
     """How one `lora_add_fused` call is cut into programs; a function of the token count alone (`tiles_for`), so
     that a CUDA graph's bucket always runs the same kernels.
 
-    Why two paths: at a decode step's 1-8 tokens the kernels are latency, not bytes (an 8B layer's adapters are
+    Why two paths: at a decode step's 1-16 tokens the kernels are latency, not bytes (an 8B layer's adapters are
     0.3-0.9 MB; a call took ~7 us): what counts is how many dependent iterations a program runs and how many
     programs run side by side. `block_m` 16 runs one `tl.dot` per slot present in a 16-token tile (its least
     size); `block_m` 1, 2, 4 or 8 (the few-token path) multiplies and sums with `tl.sum` instead, each row with
@@ -178,7 +180,8 @@ def _next_slot(slots, slot):
 
 
 @triton.jit(do_not_specialize=SIZES)
-def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr, num_tokens, k_size, k_per_split,
+def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr, num_tokens, k_size,
+                        k_blocks_per_split,
                         stride_x, stride_a_slot, stride_a_rank, stride_split, stride_partial, stacked_rank,
                         STACKED_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -196,6 +199,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
     ranks = tl.arange(0, STACKED_BLOCK)
     rank_mask = ranks < stacked_rank
     x_rows = x_ptr + rows * stride_x
+    k_per_split = k_blocks_per_split * BLOCK_K
     k_start = split.to(tl.int64) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, k_size)
     out = partials_ptr + split.to(tl.int64) * stride_split + positions[:, None] * stride_partial + ranks[None, :]
@@ -235,14 +239,14 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
 
 @triton.jit(do_not_specialize=SIZES)
 def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalings_ptr, y_ptr, num_tokens, n_size,
-                        columns_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
+                        column_blocks_per_program, num_splits, second_part, third_part, stride_split, stride_partial,
                         stride_b_slot, stride_b_col, stride_y, RANK: tl.constexpr, STACKED_BLOCK: tl.constexpr,
                         SPLITS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """y[order[i], c] += round(round(round(h_i[p(c)]) B[s_i, c, :]^T) * scalings[s_i]) for the tile's sorted
-    positions i with s_i = sorted_slots[i] >= 0 and the program's `columns_per_program` columns c (grid axis 1),
-    h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0 below
-    `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
+    positions i with s_i = sorted_slots[i] >= 0 and the program's BLOCK_N x `column_blocks_per_program` columns c
+    (grid axis 1), h_i the sum of the shrink's K-slice partials and h_i[p] its R entries of column c's part p(c) (0
+    below `second_part`, 1 below `third_part`, else 2); rounding to x's (= B's) dtype. B^T is loaded as [stacked rank,
     BLOCK_N] with column c's R entries at its part's rows and zeros elsewhere, so the other parts' h add exact
     zeros. BLOCK_M 16: per slot present, h summed slice by slice and one `tl.dot` per BLOCK_N columns; BLOCK_M < 16:
     all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
@@ -254,6 +258,7 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     positions, rows, slots = _sorted_tile(order_ptr, sorted_slots_ptr, num_tokens, BLOCK_M)
     dtype = b_ptr.dtype.element_ty
     stacked = tl.arange(0, STACKED_BLOCK)
+    columns_per_program = column_blocks_per_program * BLOCK_N
     col_start = tl.program_id(1).to(tl.int64) * columns_per_program
     col_end = tl.minimum(col_start + columns_per_program, n_size)
     y_rows = y_ptr + rows * stride_y
@@ -341,23 +346,23 @@ def lora_add_fused(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_
     starts = [sum(part_rows[:part]) for part in range(1, MAX_PARTS)]
     second_part, third_part = (start if part < len(part_rows) else n_size for part, start in enumerate(starts, 1))
     splits = shrink_splits(num_tokens, k_size, tiles)
-    k_per_split = triton.cdiv(triton.cdiv(k_size, splits), tiles.block_k) * tiles.block_k
+    k_blocks_per_split = triton.cdiv(triton.cdiv(k_size, splits), tiles.block_k)
     partials = torch.empty((splits, num_tokens, stacked_block), dtype=torch.float32, device=x.device)
     token_tiles = triton.cdiv(num_tokens, tiles.block_m)
     upcast, precision = needs_upcast(x.dtype), dot_precision(x.dtype)
     pdl = tiles.pdl and not is_interpreting()
     _lora_shrink_kernel[(token_tiles, splits)](
-        x, lora_a, order, sorted_slots, partials, num_tokens, k_size, k_per_split,
+        x, lora_a, order, sorted_slots, partials, num_tokens, k_size, k_blocks_per_split,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partials.stride(0), partials.stride(1), stacked_rank,
         STACKED_BLOCK=stacked_block, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k, UPCAST=upcast,
         PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     columns_per_program = expand_columns(num_tokens, n_size, tiles)
+    splits_block = triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1
     _lora_expand_kernel[(token_tiles, triton.cdiv(n_size, columns_per_program))](
-        partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program, splits,
-        second_part, third_part,
+        partials, lora_b, order, sorted_slots, scalings, y, num_tokens, n_size, columns_per_program // tiles.block_n,
+        splits, second_part, third_part,
         partials.stride(0), partials.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=triton.next_power_of_2(splits) if tiles.block_m < DOT_BLOCK_M else 1,
-        BLOCK_M=tiles.block_m,
+        RANK=rank, STACKED_BLOCK=stacked_block, SPLITS_BLOCK=splits_block, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, UPCAST=upcast, PRECISION=precision, PDL=pdl, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **({"launch_pdl": True} if pdl else {}))
 

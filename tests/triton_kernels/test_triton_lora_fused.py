@@ -19,7 +19,8 @@ K = 100  # not a multiple of the shrink's block_k
 # Output rows of each part: q|k|v with 4 query heads per KV head (head size 10), gate|up, one part.
 LAYOUTS = {"qkv": (40, 10, 10), "gate_up": (45, 45), "single": (70,)}
 NUM_SLOTS = 4
-ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8), 64: (16, 64, 32, 64), 128: (16, 128, 64, 128)}  # each slot's rank within the padded rank R
+# Each slot's rank within the padded rank R.
+ADAPTER_RANKS = {16: (8, 16, 8, 16), 32: (16, 8, 32, 8), 64: (16, 64, 32, 64), 128: (16, 128, 64, 128)}
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-7}  # as tests/triton_kernels/test_triton_lora.py (why there)
 BF16_BIT_EQUAL = 0.98
 
