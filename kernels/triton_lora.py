@@ -121,15 +121,23 @@ class LoraTiles:
 
 
 MANY_TOKEN_TILES = LoraTiles()
-# At 1-16 tokens (until the sweep says better): one token per program; for a 4096-wide K, 16 K slices of two
-# 128-column iterations at 1-8 tokens (8 at 16 tokens: about SHRINK_PROGRAMS programs).
-FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=32, block_n=64, num_warps=2,
-                            num_stages=1)
+# At 1-16 tokens, from the H200 sweep (`python -m benchmarks.lora_kernels_gpu --sweep`, Llama-3.1-8B's four fused
+# layers at rank 16, summed; benchmarks/results/lora/h200_tile_sweep): one token per program throughout; at 1-2
+# tokens 64 K slices of one 64-column iteration each (22.8 us at 1 token against 32.5 us for the first guess,
+# block_k 128 over 256-column slices at 2 warps); at 3-4 tokens 32 slices of one 128-column iteration (28.4 us);
+# at 5-16 tokens 16 slices of one 256-column iteration, which also holds up with 8 adapters in the 16 tokens
+# (64.5 us, where the `tl.dot` path's 16-token tile walks its slots one after another: 205-322 us).
+FEW_TOKEN_TILES = (
+    (2, LoraTiles(block_m=1, block_k=64, split_columns=64, max_splits=64, block_n=64, num_warps=4, num_stages=1)),
+    (4, LoraTiles(block_m=1, block_k=128, split_columns=128, max_splits=32, block_n=64, num_warps=4, num_stages=1)),
+    (FEW_TOKENS, LoraTiles(block_m=1, block_k=256, split_columns=256, max_splits=16, block_n=64, num_warps=4,
+                           num_stages=1)),
+)
 
 
 def tiles_for(num_tokens: int) -> LoraTiles:
     """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
-    return FEW_TOKEN_TILES if num_tokens <= FEW_TOKENS else MANY_TOKEN_TILES
+    return next((tiles for most, tiles in FEW_TOKEN_TILES if num_tokens <= most), MANY_TOKEN_TILES)
 
 
 def fit_registers(tiles: LoraTiles, stacked_block: int) -> LoraTiles:
