@@ -8,7 +8,8 @@ not fit). A feature that adds a way adds a `ForwardPath` to the tuple, not a bra
 
 Multi-LoRA: with --enable-lora the graphs are captured with the adapters' delta (`with_lora`), reading each
 token's slot from their static buffers, so steps with adapter rows replay them too; graphs captured without it
-take no step with adapter tokens (their `bucket_for` says None), which then runs eagerly.
+take no step with adapter tokens (their `bucket_for` says None), which then runs eagerly. A second, small set of
+decode graphs without the delta takes the base-only decode steps of up to BASE_ONLY_DECODE_ROWS rows.
 
 Ownership: the model runner owns the target's dispatcher, and a draft model (draft_model.py) one of its own over
 its model and pool, captured the same way; a dispatcher owns the captured graphs and builds the
@@ -32,6 +33,13 @@ from worker_svc.mixed_graphs import MixedGraphs, supports_mixed_graphs
 from worker_svc.persistent_batch import StepInputs
 
 logger = logging.getLogger(__name__)
+
+
+# With --enable-lora, decode steps of at most this many rows and no adapter row replay a second set of decode
+# graphs captured without the LoRA delta. Why: captured with it, a base-only step still launches two kernels per
+# fused layer that exit at once (128 launches a step on an 8B model), which cost a lone base request 7% of its
+# TPOT on an H200; small batches are where a request may run alone, and their graphs take little memory.
+BASE_ONLY_DECODE_ROWS = 16
 
 
 class ForwardPath(Protocol):
@@ -60,6 +68,11 @@ class GraphDispatcher:
         decode = DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, block_size, device, with_lora)
         decode.capture()
         paths: tuple[ForwardPath, ...] = (DecodeGraphPath(decode),)
+        if with_lora:  # small base-only decode steps replay graphs without the delta kernels (taken first)
+            base = DecodeGraphs(model, kv_caches, min(max_num_seqs, BASE_ONLY_DECODE_ROWS), max_blocks_per_seq,
+                                block_size, device, with_lora=False)
+            base.capture()
+            paths = (DecodeGraphPath(base), *paths)
         mixed = _capture_mixed_graphs(model, kv_caches, block_size, device, world_size, rank, with_lora)
         if mixed is not None:
             paths += (_MixedGraphPath(mixed, block_size, device),)

@@ -28,6 +28,7 @@ from tests.gpu.graph_steps import (
 )
 from kernels.attention_metadata import AttentionMetadata
 from worker_svc.decode_graphs import DecodeGraphs, take_pending_tokens
+from worker_svc.graph_dispatcher import BASE_ONLY_DECODE_ROWS, GraphDispatcher
 from worker_svc.host_to_device import to_device
 from worker_svc.layers.attention import Attention
 from worker_svc.lora_adapters import LoraAdapterSlots
@@ -144,3 +145,28 @@ def test_steps_with_prefill_through_the_piecewise_graphs_with_adapter_rows_give_
         padded = eager_hidden(model, kv_caches, step, num_tokens=bucket, lora_token_slots=token_slots)
         alone = eager_hidden(model, kv_caches, step, lora_token_slots=token_slots)
         assert_replay_is_eager(replayed, padded, alone, f"{num_tokens} tokens with adapters in bucket {bucket}")
+
+
+def test_the_dispatcher_replays_base_only_decode_steps_without_the_delta_kernels(captured):
+    """GraphDispatcher.captured with LoRA: a small step without adapter rows takes the decode graphs captured without
+    the delta (and gives the eager base forward), a step with adapter rows the graphs captured with it, and a base
+    step above BASE_ONLY_DECODE_ROWS the LoRA graphs too."""
+    model, config, _, kv_caches, _, _, _ = captured
+    dispatcher = GraphDispatcher.captured(model, kv_caches, BLOCK_SIZE, DEVICE, 2 * BASE_ONLY_DECODE_ROWS,
+                                          MAX_BLOCKS_PER_SEQ, 1, 0, with_lora=True)
+    rng = np.random.default_rng(3)
+    for num_seqs, bucket in ((1, 1), (6, 8), (BASE_ONLY_DECODE_ROWS, BASE_ONLY_DECODE_ROWS)):
+        step, _ = lora_step(config, rng, num_seqs, with_adapters=False)
+        path, size = dispatcher.choose(step.inputs)
+        assert (path.name, path.graphs.with_lora, size) == ("decode graph", False, bucket)
+        with torch.inference_mode():
+            replayed = dispatcher.forward(step.inputs, step.previous_sampled).clone()
+        padded = eager_hidden(model, kv_caches, step, num_tokens=bucket, num_seqs=bucket,
+                              table_width=MAX_BLOCKS_PER_SEQ)
+        assert_replay_is_eager(replayed, padded, eager_hidden(model, kv_caches, step), f"base step of {num_seqs}")
+        with_adapters, _ = lora_step(config, rng, num_seqs, with_adapters=True)
+        path, size = dispatcher.choose(with_adapters.inputs)
+        assert (path.name, path.graphs.with_lora, size) == ("decode graph", True, bucket)
+    above, _ = lora_step(config, rng, BASE_ONLY_DECODE_ROWS + 1, with_adapters=False)
+    path, _ = dispatcher.choose(above.inputs)
+    assert path.graphs.with_lora
