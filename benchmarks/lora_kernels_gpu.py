@@ -217,8 +217,9 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
 
 def sweep_summary(timings: list[dict]) -> list[dict]:
     """Per case: each candidate's time summed over the layers, the least one and `tiles_for`'s; prints the
-    table (candidates as rows, cases as columns). A candidate whose result missed the reference at some layer is
-    left out of that case."""
+    table (candidates as rows, cases as columns) and, per token count, the tiles of least time over its cases as
+    kernels/triton_lora.py's TILES_BY_TOKENS (to paste). A candidate whose result missed the reference at some
+    layer is left out of that case."""
     def key(timing: dict) -> tuple[str, tuple]:
         return f"T={timing['tokens']} a={timing['adapters']}", tuple(timing["tiles"].values())
 
@@ -248,6 +249,14 @@ def sweep_summary(timings: list[dict]) -> list[dict]:
                      "best_us": timed[fastest], "default_us": default_us, "step_saving_us": saving})
         print(f"best {case:10s} {fastest} {timed[fastest]:7.1f} us (tiles_for {default_us} us: "
               f"{saving} us per {NUM_LAYERS}-layer step to gain)", flush=True)
+    by_tokens = []  # per token count, the tiles of least time summed over its cases (16 tokens: 1 and 8 adapters)
+    for num_tokens in sorted({tokens for tokens, _ in SWEEP_CASES}):
+        own = [case for (tokens, _), case in zip(SWEEP_CASES, cases) if tokens == num_tokens]
+        complete = {tiles: sum(per_case[case] for case in own) for tiles, per_case in totals.items()
+                    if all(case in per_case for case in own)}
+        if complete:
+            by_tokens.append((num_tokens, LoraTiles(*min(complete, key=complete.get))))
+    print(f"kernels/triton_lora.py TILES_BY_TOKENS = {tuple(by_tokens)}", flush=True)
     return best
 
 

@@ -126,11 +126,15 @@ MANY_TOKEN_TILES = LoraTiles()
 # 128-column iterations at 1-8 tokens (8 at 16 tokens: about SHRINK_PROGRAMS programs).
 FEW_TOKEN_TILES = LoraTiles(block_m=1, block_k=128, split_columns=256, max_splits=32, block_n=64, num_warps=2,
                             num_stages=1)
+# (most tokens, tiles) in increasing order: a call of T tokens takes the first pair with T <= its bound, so the
+# fastest tiles of each token count `lora_kernels_gpu --sweep` reports (1, 2, 4, 8, 16: the decode graphs'
+# buckets) go in as one pair each. The last bound is FEW_TOKENS; more tokens take MANY_TOKEN_TILES.
+TILES_BY_TOKENS = ((FEW_TOKENS, FEW_TOKEN_TILES),)
 
 
 def tiles_for(num_tokens: int) -> LoraTiles:
-    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
-    return FEW_TOKEN_TILES if num_tokens <= FEW_TOKENS else MANY_TOKEN_TILES
+    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others (TILES_BY_TOKENS)."""
+    return next((tiles for most, tiles in TILES_BY_TOKENS if num_tokens <= most), MANY_TOKEN_TILES)
 
 
 def fit_registers(tiles: LoraTiles, stacked_block: int) -> LoraTiles:
