@@ -158,7 +158,7 @@ def bench_steps(results: list[dict], tokens_list: Sequence[int], generator: torc
 
 
 def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
-    """The tiles the sweep tries at `num_tokens` tokens (about 20): `tiles_for`'s; the few-token path at 1, 2 and
+    """The tiles the sweep tries at `num_tokens` tokens (14-27): `tiles_for`'s; the few-token path at 1, 2 and
     4 tokens per program (no more than the tokens, rounded up to a power of two) for each of SWEEP_K_CUTS at 2, 4
     and 8 warps, those that q|k|v runs as they are (`fit_registers`: no spilled registers); a wider expand and two
     stages for two of them; the `tl.dot` path's default and a shorter K cut of it; and the expand launched while
