@@ -24,8 +24,8 @@ And per token count, `sort_us`: `LoraTokens.of` (the step's one sort of its toke
 Run on an H100/H200 (not in CI): `python -m benchmarks.lora_kernels_gpu --out lora_kernels_gpu.json`. Exits 1
 when the check fails.
 
-`--sweep` (instead of the above; one to two minutes, most of it ~130 Triton compiles): `lora_add_fused` of the four layers
-at 1, 2, 4, 8 and 16 tokens on one adapter and at 16 tokens on 8, for each of `candidate_tiles` (the few-token
+`--sweep` (instead of the above; one to two minutes, most of it ~130 Triton compiles): `lora_add_fused` of the
+four layers at 1, 2, 4, 8 and 16 tokens on one adapter and at 16 tokens on 8, for each of `candidate_tiles` (the few-token
 path's tokens per program, K slices and warps, and the 16-token `tl.dot` path), timed the same way as `lora_us`
 (graph replays: timed eagerly, each call's two launches would cost more host time than the kernels take, so
 events around eager calls would time Python). The JSON's "sweep" holds every timing, and per case the tiles of
