@@ -24,8 +24,8 @@ And per token count, `sort_us`: `LoraTokens.of` (the step's one sort of its toke
 Run on an H100/H200 (not in CI): `python -m benchmarks.lora_kernels_gpu --out lora_kernels_gpu.json`. Exits 1
 when the check fails.
 
-`--sweep` (instead of the above; about a minute, most of it Triton compiles): `lora_add_fused` of the four layers
-at 1, 2, 4, 8 and 16 tokens on one adapter and at 16 tokens on 8, for each of `candidate_tiles` (the few-token
+`--sweep` (instead of the above; one to two minutes, most of it ~130 Triton compiles): `lora_add_fused` of the
+four layers at 1, 2, 4, 8 and 16 tokens on one adapter and at 16 tokens on 8, for each of `candidate_tiles` (the few-token
 path's tokens per program, K slices and warps, and the 16-token `tl.dot` path), timed the same way as `lora_us`
 (graph replays: timed eagerly, each call's two launches would cost more host time than the kernels take, so
 events around eager calls would time Python). The JSON's "sweep" holds every timing, and per case the tiles of
@@ -158,7 +158,7 @@ def bench_steps(results: list[dict], tokens_list: Sequence[int], generator: torc
 
 
 def candidate_tiles(num_tokens: int) -> list[LoraTiles]:
-    """The tiles the sweep tries at `num_tokens` tokens (about 20): `tiles_for`'s; the few-token path at 1, 2 and
+    """The tiles the sweep tries at `num_tokens` tokens (14-27): `tiles_for`'s; the few-token path at 1, 2 and
     4 tokens per program (no more than the tokens, rounded up to a power of two) for each of SWEEP_K_CUTS at 2, 4
     and 8 warps, those that q|k|v runs as they are (`fit_registers`: no spilled registers); a wider expand and two
     stages for two of them; the `tl.dot` path's default and a shorter K cut of it; and the expand launched while
@@ -217,8 +217,9 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
 
 def sweep_summary(timings: list[dict]) -> list[dict]:
     """Per case: each candidate's time summed over the layers, the least one and `tiles_for`'s; prints the
-    table (candidates as rows, cases as columns). A candidate whose result missed the reference at some layer is
-    left out of that case."""
+    table (candidates as rows, cases as columns) and, per token count, the tiles of least time over its cases as
+    kernels/triton_lora.py's TILES_BY_TOKENS (to paste). A candidate whose result missed the reference at some
+    layer is left out of that case."""
     def key(timing: dict) -> tuple[str, tuple]:
         return f"T={timing['tokens']} a={timing['adapters']}", tuple(timing["tiles"].values())
 
@@ -248,6 +249,14 @@ def sweep_summary(timings: list[dict]) -> list[dict]:
                      "best_us": timed[fastest], "default_us": default_us, "step_saving_us": saving})
         print(f"best {case:10s} {fastest} {timed[fastest]:7.1f} us (tiles_for {default_us} us: "
               f"{saving} us per {NUM_LAYERS}-layer step to gain)", flush=True)
+    by_tokens = []  # per token count, the tiles of least time summed over its cases (16 tokens: 1 and 8 adapters)
+    for num_tokens in sorted({tokens for tokens, _ in SWEEP_CASES}):
+        own = [case for (tokens, _), case in zip(SWEEP_CASES, cases) if tokens == num_tokens]
+        complete = {tiles: sum(per_case[case] for case in own) for tiles, per_case in totals.items()
+                    if all(case in per_case for case in own)}
+        if complete:
+            by_tokens.append((num_tokens, LoraTiles(*min(complete, key=complete.get))))
+    print(f"kernels/triton_lora.py TILES_BY_TOKENS = {tuple(by_tokens)}", flush=True)
     return best
 
 

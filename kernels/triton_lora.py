@@ -16,8 +16,9 @@ sorted by LoRA, written our own way: no segment table, the slots present are rea
 Each token is in one tile, so each output row is written by one program per column tile: no races.
 
 Steps without adapter rows (all slots -1, as the CUDA graphs captured with LoRA run for base-only steps): base
-tokens sort last, so a program loads the slot at its tile's first sorted position and returns when it is -1: one
-load per program, no x, A, B, partials or y traffic.
+tokens sort last, so a program loads its tile's sorted slots and rows (together: one round trip, where loading
+the first slot alone before the rest made every program wait for two) and returns when none is >= 0: no x, A, B,
+partials or y traffic.
 
 - shrink: partials[split, i, :] = x[order[i]] A[s_i]^T over the program's K slice, fp32, for sorted positions i.
 - expand: sums i's K-slice partials (fp32; in slice order on the `tl.dot` path, by a fixed `tl.sum` tree over one
@@ -121,13 +122,16 @@ class LoraTiles:
 
 
 MANY_TOKEN_TILES = LoraTiles()
-# At 1-16 tokens, from the H200 sweep (`python -m benchmarks.lora_kernels_gpu --sweep`, Llama-3.1-8B's four fused
-# layers at rank 16, summed; benchmarks/results/lora/h200_tile_sweep): one token per program throughout; at 1-2
-# tokens 64 K slices of one 64-column iteration each (22.8 us at 1 token against 32.5 us for the first guess,
-# block_k 128 over 256-column slices at 2 warps); at 3-4 tokens 32 slices of one 128-column iteration (28.4 us);
-# at 5-16 tokens 16 slices of one 256-column iteration, which also holds up with 8 adapters in the 16 tokens
-# (64.5 us, where the `tl.dot` path's 16-token tile walks its slots one after another: 205-322 us).
-FEW_TOKEN_TILES = (
+# (most tokens, tiles) in increasing order: a call of T tokens takes the first pair with T <= its bound; the last
+# bound is FEW_TOKENS, more tokens take MANY_TOKEN_TILES. From the H200 sweep (`python -m benchmarks.lora_kernels_gpu
+# --sweep`, Llama-3.1-8B's four fused layers at rank 16, summed; benchmarks/results/lora/h200_tile_sweep): one token
+# per program throughout; at 1-2 tokens 64 K slices of one 64-column iteration each (22.8 us at 1 token against
+# 32.5 us for the first guess, block_k 128 over 256-column slices at 2 warps); at 3-4 tokens 32 slices of one
+# 128-column iteration (28.4 us); at 5-16 tokens 16 slices of one 256-column iteration, which also holds up with 8
+# adapters in the 16 tokens (64.5 us, where the `tl.dot` path's 16-token tile walks its slots one after another:
+# 205-322 us). A second sweep after the shrink's loads were vectorized (h200_tile_sweep/lora_sweep_after.json)
+# found these within 1 us of the best at 1-4 tokens.
+TILES_BY_TOKENS = (
     (2, LoraTiles(block_m=1, block_k=64, split_columns=64, max_splits=64, block_n=64, num_warps=4, num_stages=1)),
     (4, LoraTiles(block_m=1, block_k=128, split_columns=128, max_splits=32, block_n=64, num_warps=4, num_stages=1)),
     (FEW_TOKENS, LoraTiles(block_m=1, block_k=256, split_columns=256, max_splits=16, block_n=64, num_warps=4,
@@ -136,8 +140,8 @@ FEW_TOKEN_TILES = (
 
 
 def tiles_for(num_tokens: int) -> LoraTiles:
-    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others."""
-    return next((tiles for most, tiles in FEW_TOKEN_TILES if num_tokens <= most), MANY_TOKEN_TILES)
+    """The tiles `lora_add_fused` uses for `num_tokens` tokens unless told others (TILES_BY_TOKENS)."""
+    return next((tiles for most, tiles in TILES_BY_TOKENS if num_tokens <= most), MANY_TOKEN_TILES)
 
 
 def fit_registers(tiles: LoraTiles, stacked_block: int) -> LoraTiles:
@@ -199,10 +203,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
     PDL: lets the expand launch at once (`LoraTiles.pdl`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
-    if first < 0:  # base tokens sort last: a tile that starts with one holds nothing else
-        return
     positions, rows, slots = _sorted_tile(order_ptr, sorted_slots_ptr, num_tokens, BLOCK_M)
+    last = tl.max(slots, axis=0)
+    if last < 0:  # base tokens sort last: a tile that starts with one holds nothing else
+        return
     split = tl.program_id(1)
     ranks = tl.arange(0, STACKED_BLOCK)
     rank_mask = ranks < stacked_rank
@@ -225,8 +229,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, order_ptr, sorted_slots_ptr, partials_ptr,
             acc += tl.sum(x.to(tl.float32)[:, :, None] * a_t.to(tl.float32), axis=1)
         tl.store(out, acc, mask=mine[:, None])
     else:
-        last = tl.max(slots, axis=0)
-        slot = first
+        slot = _next_slot(slots, -1)  # the tile's first
         while slot <= last:
             mine = slots == slot
             a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks.to(tl.int64) * stride_a_rank
@@ -260,10 +263,10 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
     all slices' partials in one [SPLITS_BLOCK, BLOCK_M, stacked] load summed in registers (`tl.sum`, a fixed
     tree), then each row against its own slot's B (a product and `tl.sum`), no loop over slots. PDL: waits for the
     shrink (`LoraTiles.pdl`) before the first read of the partials."""
-    first = tl.load(sorted_slots_ptr + tl.program_id(0).to(tl.int64) * BLOCK_M)
-    if first < 0:
-        return
     positions, rows, slots = _sorted_tile(order_ptr, sorted_slots_ptr, num_tokens, BLOCK_M)
+    last = tl.max(slots, axis=0)
+    if last < 0:
+        return
     dtype = b_ptr.dtype.element_ty
     stacked = tl.arange(0, STACKED_BLOCK)
     columns_per_program = column_blocks_per_program * BLOCK_N
@@ -296,8 +299,7 @@ def _lora_expand_kernel(partials_ptr, b_ptr, order_ptr, sorted_slots_ptr, scalin
             y = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
             tl.store(y_tile, (y + scaled).to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        last = tl.max(slots, axis=0)
-        slot = first
+        slot = _next_slot(slots, -1)  # the tile's first
         while slot <= last:
             mine = slots == slot
             partials = partials_ptr + positions[:, None] * stride_partial + stacked[None, :]

@@ -145,9 +145,11 @@ def test_the_few_token_path_keeps_the_bf16_rounding_points(num_tokens, tiles):
 
 
 def test_decode_steps_take_the_few_token_path_by_default():
-    assert triton_lora.tiles_for(1).block_m < triton_lora.DOT_BLOCK_M
-    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS).block_m < triton_lora.DOT_BLOCK_M
-    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS + 1).block_m == triton_lora.DOT_BLOCK_M
+    bounds = [most for most, _ in triton_lora.TILES_BY_TOKENS]
+    assert bounds == sorted(bounds) and bounds[-1] == triton_lora.FEW_TOKENS
+    for num_tokens in range(1, triton_lora.FEW_TOKENS + 1):
+        assert triton_lora.tiles_for(num_tokens).block_m < triton_lora.DOT_BLOCK_M
+    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS + 1) == triton_lora.MANY_TOKEN_TILES
 
 
 def test_the_few_token_tiles_shrink_to_fit_registers_at_a_large_rank_and_still_match_the_reference():
