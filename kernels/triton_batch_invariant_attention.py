@@ -358,7 +358,8 @@ class BatchInvariantTritonBackend:
         variants, the rest the prefill variant: the same math for every token. With `output` (like `query`), the
         result goes there and rows of tokens outside every sequence keep what they held, as in
         kernels/triton_backend.py (a piecewise CUDA graph's buffer: worker_svc/mixed_graphs.py). An fp8 cache is
-        dequantized elementwise with `kv_scales` as it is loaded, which keeps every token's result invariant."""
+        read exactly in fp16 with `kv_scales` applied to the dots (kernels/triton_paged_kv.py), the same for every
+        token whatever kernel variant runs it, which keeps every token's result invariant."""
         assert query.dtype == kv_cache.dtype or is_fp8(kv_cache.dtype), "query and KV cache must share a dtype"
         if output is None:
             output = torch.zeros_like(query)

@@ -252,7 +252,7 @@ def decode_attention(
     `sliding_window` W: the query sees its last W keys only, and only they are read (the split-KV segments
     cut the window, not the context). `logit_softcap` c: scores become `c * tanh(s / c)`. Each is a
     constexpr variant (HAS_WINDOW, HAS_SOFTCAP); without them the kernel is the plain one. An fp8 `kv_cache`
-    (KV_FP8) is dequantized with `kv_scales` to the query's dtype as it is loaded.
+    (KV_FP8) is read exactly in fp16 with `kv_scales` applied to the dots (kernels/triton_paged_kv.py).
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:

@@ -19,8 +19,8 @@ numerically identical and the traps handled in one place:
   conversion is one packed cvt per two values, where dequantizing each element to the query's dtype
   (`float(x) * scale`, rounded) cost about three instructions per value and left the fp8 kernel slower than the
   bf16 one it halves the bytes of (H200, 8B shape, 256 rows: 5.6 vs 5.0 ms of attention per step). The query
-  (and P) go to fp16 for those dots: exact for a bf16 query in fp16's range (|q| < 65504; below 2^-14 fp16
-  keeps fewer bits, which no score can notice), and P rounded to fp16 is finer than to bf16. The numbers are
+  (and P) go to fp16 for those dots: exact for a bf16 query in fp16's range (|q| <= 65504, beyond it clamped
+  there rather than turned into inf; below 2^-14 fp16 keeps fewer bits, which no score can notice), and P rounded to fp16 is finer than to bf16. The numbers are
   the reference's (kernels/kv_quant.py: dequantized elements rounded to the query's dtype) within that dtype's
   rounding (tests/triton_kernels/test_triton_fp8_kv.py).
 
@@ -186,7 +186,7 @@ def attend_paged_tile(
         key = key.to(exact)
         value = value.to(exact)
         if not UPCAST:  # upcast (the interpreter), the query is already fp32 and the dots run in fp32
-            query = query.to(exact)
+            query = tl.clamp(query.to(tl.float32), -65504.0, 65504.0).to(exact)  # fp16's range: never inf
         scale_log2 = scale_log2 * k_scale
     return online_softmax_step(
         query, key, value, visible, running_max, running_sum, acc, scale_log2, softcap_log2, v_scale,

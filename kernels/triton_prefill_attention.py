@@ -261,7 +261,7 @@ def prefill_attention(
     tuning knobs (benchmarks/kernel_bench.py --sweep). `sliding_window` W and `logit_softcap` c are
     constexpr variants (HAS_WINDOW, HAS_SOFTCAP) as in decode_attention; with a window a tile reads the
     keys from its first row's window start on (O(W + BLOCK_M) keys, not the whole prefix). An fp8 `kv_cache`
-    (KV_FP8) is dequantized with `kv_scales` to the query's dtype as it is loaded.
+    (KV_FP8) is read exactly in fp16 with `kv_scales` applied to the dots (kernels/triton_paged_kv.py).
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0:

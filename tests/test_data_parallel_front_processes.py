@@ -147,9 +147,11 @@ def _front(*flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_the_front_refuses_a_bad_count_and_a_port_another_server_holds():
+def test_the_front_refuses_a_bad_count_port_0_and_a_port_another_server_holds():
     refused = _front("--api-server-count", "0", "--engine-targets", "127.0.0.1:1")
     assert refused.returncode != 0 and "--api-server-count must be >= 1, not 0" in refused.stderr
+    refused = _front("--api-server-count", "2", "--grpc-port", "0", "--engine-targets", "127.0.0.1:1")
+    assert refused.returncode != 0 and "--api-server-count > 1 needs a fixed --grpc-port" in refused.stderr
     with socket.create_server(("127.0.0.1", 0)) as holder:
         port = holder.getsockname()[1]
         refused = _front("--api-server-count", "2", "--grpc-port", str(port), "--engine-targets", "127.0.0.1:1")
@@ -234,3 +236,9 @@ def test_clients_with_their_own_connection_open_one_each_and_others_share_one(en
 
     assert asyncio.run(connections(True)) == 3
     assert asyncio.run(connections(False)) == 1
+
+
+def test_a_front_process_killed_by_a_signal_exits_the_supervisor_as_a_shell_reports_it():
+    from scheduler_svc.data_parallel.front_processes import _exit_status
+
+    assert (_exit_status(-9), _exit_status(-15), _exit_status(3), _exit_status(0)) == (137, 143, 3, 1)

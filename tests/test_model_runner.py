@@ -178,3 +178,24 @@ def test_a_verification_step_as_decodes_computes_the_hidden_states_of_the_chunke
     chunked = eager.run(inputs, len(inputs.input_ids), None)
     as_decodes = eager.run(view, len(view.input_ids), None)
     torch.testing.assert_close(as_decodes, chunked, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lora_engine_gives_small_base_only_decode_steps_to_the_graphs_without_the_delta():
+    """graph_dispatcher.decode_graph_paths: base-only decode steps of up to BASE_ONLY_DECODE_ROWS rows take the graphs
+    captured without LoRA (no delta launches); steps with an adapter row, and larger ones, the LoRA graphs (buffers
+    only here: nothing is captured or run on the CPU)."""
+    from worker_svc.decode_graphs import DecodeGraphs
+    from worker_svc.graph_dispatcher import BASE_ONLY_DECODE_ROWS, decode_graph_paths
+
+    cpu = torch.device("cpu")
+    lora = DecodeGraphs(None, [], 2 * BASE_ONLY_DECODE_ROWS, 4, 16, cpu, with_lora=True)
+    base = DecodeGraphs(None, [], BASE_ONLY_DECODE_ROWS, 4, 16, cpu, with_lora=False)
+    dispatcher = GraphDispatcher(None, [], 16, cpu, paths=decode_graph_paths(lora, base))
+    for rows in (1, 5, BASE_ONLY_DECODE_ROWS, BASE_ONLY_DECODE_ROWS + 1):
+        inputs = step_inputs([1] * rows)
+        path, _ = dispatcher.choose(inputs)
+        assert path.graphs is (base if rows <= BASE_ONLY_DECODE_ROWS else lora), rows
+        with_adapter = dataclasses.replace(inputs, lora_token_slots=np.asarray([0] + [-1] * (rows - 1)))
+        assert dispatcher.choose(with_adapter)[0].graphs is lora, rows
+    without_lora = GraphDispatcher(None, [], 16, cpu, paths=decode_graph_paths(lora, None))
+    assert without_lora.choose(step_inputs([1]))[0].graphs is lora

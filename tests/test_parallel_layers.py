@@ -202,3 +202,16 @@ def test_sizes_the_model_cannot_split_evenly_are_refused_naming_the_flag(tmp_pat
     moe = ModelConfig.from_path(make_tiny_model(tmp_path, "qwen3_moe", moe_intermediate_size=34))
     assert shard_refusal(moe, 2) is None
     assert "moe_intermediate_size 34" in shard_refusal(moe, 4)
+
+
+def test_a_lone_rank_makes_an_indexed_cuda_device_current_and_leaves_a_bare_cuda_alone(monkeypatch):
+    """A -dp engine's lone rank on cuda:1 must make it current (its graphs capture on that device's stream); a bare
+    "cuda" names the current device, which torch.cuda.set_device refuses."""
+    from worker_svc.tensor_parallel import SINGLE_RANK, init_tensor_parallel
+
+    made_current = []
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+    assert init_tensor_parallel(0, 1, None, torch.device("cuda")) is SINGLE_RANK
+    assert made_current == []
+    assert init_tensor_parallel(0, 1, None, torch.device("cuda:1")) is SINGLE_RANK
+    assert made_current == [torch.device("cuda:1")]

@@ -67,12 +67,9 @@ class GraphDispatcher:
         with the LoRA delta when `with_lora`: the model's layers hold adapter slots)."""
         decode = DecodeGraphs(model, kv_caches, max_num_seqs, max_blocks_per_seq, block_size, device, with_lora)
         decode.capture()
-        paths: tuple[ForwardPath, ...] = (DecodeGraphPath(decode),)
-        if with_lora:  # small base-only decode steps replay graphs without the delta kernels (taken first)
-            base = DecodeGraphs(model, kv_caches, min(max_num_seqs, BASE_ONLY_DECODE_ROWS), max_blocks_per_seq,
-                                block_size, device, with_lora=False)
-            base.capture()
-            paths = (DecodeGraphPath(base), *paths)
+        base = (_capture_base_only_decode_graphs(model, kv_caches, block_size, device, max_num_seqs,
+                                                 max_blocks_per_seq, rank) if with_lora else None)
+        paths = decode_graph_paths(decode, base)
         mixed = _capture_mixed_graphs(model, kv_caches, block_size, device, world_size, rank, with_lora)
         if mixed is not None:
             paths += (_MixedGraphPath(mixed, block_size, device),)
@@ -92,6 +89,13 @@ class GraphDispatcher:
         inputs = inputs.as_single_token_decodes() or inputs  # a verification step runs as decodes
         path, size = self.choose(inputs)
         return path.run(inputs, size, previous_sampled)
+
+
+def decode_graph_paths(decode: DecodeGraphs, base_only: DecodeGraphs | None) -> tuple[ForwardPath, ...]:
+    """The decode graphs' paths in the order they are tried: a LoRA engine's base-only graphs (captured without the
+    delta, up to BASE_ONLY_DECODE_ROWS rows; they refuse steps with adapter rows) before the graphs every decode
+    step fits."""
+    return (*(() if base_only is None else (DecodeGraphPath(base_only),)), DecodeGraphPath(decode))
 
 
 def attention_metadata(inputs: StepInputs, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -162,6 +166,21 @@ class _MixedGraphPath:
         input_ids = _input_ids(inputs, self._device, previous_sampled)
         return self.graphs.run(input_ids, inputs.positions, metadata, inputs.slot_mapping, size,
                                inputs.lora_token_slots)
+
+
+def _capture_base_only_decode_graphs(model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,
+                                     max_num_seqs: int, max_blocks_per_seq: int, rank: int) -> DecodeGraphs | None:
+    """A LoRA engine's decode graphs without the delta for base-only steps of up to BASE_ONLY_DECODE_ROWS rows; None
+    where their (small) memory pool does not fit beside the KV pool (those steps then replay the LoRA graphs)."""
+    graphs = DecodeGraphs(model, kv_caches, min(max_num_seqs, BASE_ONLY_DECODE_ROWS), max_blocks_per_seq, block_size,
+                          device, with_lora=False)
+    try:
+        graphs.capture()
+    except torch.cuda.OutOfMemoryError:
+        logger.warning("rank %d: no memory left for base-only decode graphs; base steps replay the LoRA graphs", rank)
+        torch.cuda.empty_cache()
+        return None
+    return graphs
 
 
 def _capture_mixed_graphs(model, kv_caches: list[torch.Tensor], block_size: int, device: torch.device,

@@ -61,6 +61,9 @@ class FrontConfig:
             raise SystemExit("--router-load-bound must be >= 0")
         if self.api_server_count < 1:
             raise SystemExit(f"--api-server-count must be >= 1, not {self.api_server_count}")
+        if self.api_server_count > 1 and self.port == 0:  # each process would bind a port of its own
+            raise SystemExit("--api-server-count > 1 needs a fixed --grpc-port (0 picks one per front process, "
+                             "so they would not share it)")
         if self.api_server_rank is not None and not 0 <= self.api_server_rank < self.api_server_count:
             raise SystemExit(f"--api-server-rank {self.api_server_rank}: must lie in [0, --api-server-count "
                              f"{self.api_server_count})")

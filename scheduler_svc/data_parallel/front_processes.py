@@ -100,7 +100,13 @@ def run_front_processes(config: FrontConfig) -> int:
             stop(signal.SIGTERM, None)
             for process in processes:
                 process.wait()
-            return exited[0].returncode or 1
+            return _exit_status(exited[0].returncode)
         time.sleep(POLL_S)
     codes = [process.wait() for process in processes]
-    return next((code for code in codes if code), 0)
+    return next((_exit_status(code) for code in codes if code), 0)
+
+
+def _exit_status(code: int) -> int:
+    """A front process's exit as the supervisor's: a signal's death (-N) as a shell reports it (128 + N), any other
+    failure as itself (1 if it said 0 while dying first)."""
+    return 128 - code if code < 0 else code or 1

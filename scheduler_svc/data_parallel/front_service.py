@@ -264,6 +264,8 @@ async def run_front(config: FrontConfig) -> int:
         # kernel then never hands a connection to a process still starting.
         while one_of_many and not front.started and not stop.is_set():
             await asyncio.sleep(HEALTH_POLL_SECONDS / 2)
+        if stop.is_set():  # stopped before it bound: it never opens the shared port
+            return 0
         server, address = public_grpc_server(config, reuse_port=one_of_many)
         add_front_service(front, server)
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
