@@ -451,11 +451,17 @@ class Engine:
         return self._scheduler.get_request(request_id) is None
 
     def fail_all(self, failure: BaseException) -> None:
-        """Ends every request in flight with `failure` (gRPC: UNAVAILABLE) and refuses new ones."""
+        """Ends every request in flight with `failure` (gRPC: UNAVAILABLE) and refuses new ones, each stream after
+        what stream pacing held back of it (the tokens publishing each step would have streamed)."""
         self._failure = failure
         logger.error("engine stopped: %s", failure)
         for group in self._groups.values():
-            group.queue.put_nowait(failure)
+            try:
+                group.publish()
+            except Exception:  # the engine is stopping on an error of its own: the failure still ends the stream
+                logger.exception("publishing held-back tokens of %s failed", group.root.request_id)
+            if not group.finished:  # else what it held back ended it (a stop string): its stream is complete
+                group.queue.put_nowait(failure)
         self._groups.clear()
 
 

@@ -326,3 +326,39 @@ def test_a_request_failed_after_worker_losses_streams_every_token_before_its_fai
     assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
     _, token_ids, logprobs, ending = summary(paced[0])
     assert ending[0] is RequestFailedError and len(token_ids) == len(logprobs) == num_outputs - 1
+
+
+async def read_until_failure(queue) -> list:
+    """A stream's items up to the failure that ends it (kept, last), as the service reads them."""
+    items = []
+    while not isinstance(item := await queue.get(), BaseException):
+        items.append(item)
+    return [*items, item]
+
+
+def run_until_the_engine_stops(tokenizer, words, max_messages_per_step: int, params: SamplingParams,
+                               num_outputs: int) -> list[list]:
+    """Runs streams on a worker that dies at r0's `num_outputs`-th token; the engine then stops for good
+    (`fail_all`, as the service does when no restart is left)."""
+    async def main():
+        engine, _ = make_engine(tokenizer, words, max_messages_per_step,
+                                lambda sample: CrashingWorkerLink(sample, num_outputs))
+        queues = [engine.submit(f"r{i}", ValidatedRequest([words[i], words[i + 1], 5], params))[0]
+                  for i in range(NUM_STREAMS)]
+        readers = asyncio.gather(*(read_until_failure(queue) for queue in queues))
+        with pytest.raises(WorkerFailure):
+            await asyncio.wait_for(engine.run(), 60)
+        engine.fail_all(WorkerFailure("the worker is gone for good"))
+        return await asyncio.wait_for(readers, 60)
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("num_outputs", [13, 16])
+def test_an_engine_that_stops_streams_every_token_before_its_failure_as_unpaced(tokenizer, words, num_outputs):
+    params = SamplingParams(max_tokens=30, seed=1)
+    unpaced = run_until_the_engine_stops(tokenizer, words, NUM_STREAMS, params, num_outputs)
+    paced = run_until_the_engine_stops(tokenizer, words, 3, params, num_outputs)
+    assert [summary(items) for items in paced] == [summary(items) for items in unpaced]
+    _, token_ids, _, ending = summary(paced[0])
+    assert ending[0] is WorkerFailure and len(token_ids) == num_outputs - 1
