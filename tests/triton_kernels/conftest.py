@@ -102,6 +102,7 @@ def language_patched_once_a_launch():
     if triton is None or not triton.knobs.runtime.interpret:
         yield
         return
+    import functools
     import inspect
 
     import triton.language as tl
@@ -110,8 +111,10 @@ def language_patched_once_a_launch():
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     patched_by_launch: list[set[int]] = []  # per launch in progress: ids of the language modules it patched
 
-    def languages_of(fn) -> set[int]:
-        return {id(value) for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)}
+    @functools.cache  # a module's imports do not change once it has run
+    def languages_of(fn) -> frozenset[int]:
+        return frozenset(id(value) for value in fn.__globals__.values()
+                         if inspect.ismodule(value) and value in (tl, tl.core))
 
     def patch_lang_unless_patched(fn):
         if patched_by_launch and languages_of(fn) <= patched_by_launch[-1]:
