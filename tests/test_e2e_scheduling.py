@@ -32,6 +32,14 @@ def qwen2(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models"), "qwen2", seed=12)
 
 
+@pytest.fixture(scope="module")
+def llama_server(llama, tmp_path_factory):
+    """The tiny Llama with the default flags, for the tests that need no flag of their own (beam search, explicit
+    aborts): one server start instead of one a test; each of them waits until every block is free again."""
+    with running_server(tmp_path_factory.mktemp("logs"), "--model", str(llama)) as server:
+        yield server
+
+
 def _shared_prefix_prompts(count: int, prefix_len: int = 40, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(512) for _ in range(prefix_len)]
@@ -128,7 +136,7 @@ def test_n_sequences_share_the_prompts_full_blocks(llama, tmp_path):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_beam_search_equals_transformers(llama, tmp_path):
+def test_beam_search_equals_transformers(llama, llama_server):
     rng = random.Random(6)
     prompt = [rng.randrange(512) for _ in range(21)]
     model = _load(str(llama))
@@ -137,11 +145,11 @@ def test_beam_search_equals_transformers(llama, tmp_path):
                                   num_beams=4, do_sample=False, max_new_tokens=12, min_new_tokens=12,
                                   length_penalty=1.0, early_stopping=False, eos_token_id=None, pad_token_id=0,
                                   temperature=None, top_p=None, top_k=None)[0, len(prompt):].tolist()
-    with running_server(tmp_path, "--model", str(llama)) as server:
-        with server.client() as client:
-            result = client.generate(prompt, beam_width=4, max_tokens=12, temperature=0.0, length_penalty=1.0)
-            both = client.generate(prompt, beam_width=4, n=2, max_tokens=12, temperature=0.0)
-        stats = server.wait_all_blocks_free()
+    server = llama_server
+    with server.client() as client:
+        result = client.generate(prompt, beam_width=4, max_tokens=12, temperature=0.0, length_penalty=1.0)
+        both = client.generate(prompt, beam_width=4, n=2, max_tokens=12, temperature=0.0)
+    stats = server.wait_all_blocks_free()
     assert list(result.token_ids) == expected
     assert both.outputs[0].token_ids == result.token_ids and len(both.outputs) == 2
     assert both.outputs[0].cumulative_logprob >= both.outputs[1].cumulative_logprob
@@ -218,27 +226,27 @@ def test_priority_orders_admission(llama, tmp_path):
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(n=3, temperature=1.0), dict(beam_width=3, temperature=0.0)],
                          ids=["single", "n3", "beams"])
-def test_explicit_abort_ends_every_sequence_and_frees_blocks(llama, tmp_path, kwargs):
-    with running_server(tmp_path, "--model", str(llama)) as server:
-        chunks = []
+def test_explicit_abort_ends_every_sequence_and_frees_blocks(llama_server, kwargs):
+    server = llama_server
+    chunks = []
 
-        def consume():
-            with server.client() as client:
-                chunks.extend(client.generate_stream([5] * 30, max_tokens=400, ignore_eos=True, request_id="victim",
-                                                     **kwargs))
-
-        consumer = threading.Thread(target=consume)
-        consumer.start()
+    def consume():
         with server.client() as client:
-            deadline = time.monotonic() + 30
-            while client.stats().num_running == 0 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.3)
-            assert client.abort("victim")
-            consumer.join(timeout=30)
-            assert not consumer.is_alive()
-            assert not client.abort("victim")
-        stats = server.wait_all_blocks_free()
+            chunks.extend(client.generate_stream([5] * 30, max_tokens=400, ignore_eos=True, request_id="victim",
+                                                 **kwargs))
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    with server.client() as client:
+        deadline = time.monotonic() + 30
+        while client.stats().num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert client.abort("victim")
+        consumer.join(timeout=30)
+        assert not consumer.is_alive()
+        assert not client.abort("victim")
+    stats = server.wait_all_blocks_free()
     finals = [c for c in chunks if c.finish_reason is not None]
     expected_sequences = kwargs.get("n", 1)
     assert sorted(c.index for c in finals) == list(range(expected_sequences))
