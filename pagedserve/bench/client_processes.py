@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
+from pagedserve.bench.request_sender import make_backend, send_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_MARGIN_S = 0.2  # from the last process saying ready to the common start
@@ -84,8 +85,6 @@ def send_from_processes(backend_spec: dict, inputs: list[RequestInput], offsets:
 
 
 async def _client_process() -> None:
-    from pagedserve.bench.serve import make_backend, send_all
-
     share = json.loads(sys.stdin.readline())
     backend = make_backend(share["backend"], share["max_concurrency"], CONNECTIONS_PER_PROCESS)
     inputs = [RequestInput(**fields) for fields in share["inputs"]]

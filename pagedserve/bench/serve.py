@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -25,17 +24,17 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from client import AsyncClient, Client
+from client import Client
 from client.errors import PagedServeError
 from pagedserve.bench.arrivals import send_offsets
 from pagedserve.bench.client_processes import send_from_processes
 from pagedserve.bench.http_client import JsonHttpClient, JsonHttpError
 from pagedserve.bench.prompt_tokenizer import PromptTokens, grpc_prompt_tokens, http_prompt_tokens
 from pagedserve.bench.prompt_tokenizer import local_prompt_tokens
-from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS, GrpcBackend, OpenAIStreamingBackend
+from pagedserve.bench.request_funcs import BACKENDS, DEFAULT_ENDPOINTS
 from pagedserve.bench.request_outcome import RequestInput, RequestOutcome
+from pagedserve.bench.request_sender import auth_headers, make_backend, send_all
 from pagedserve.bench.multi_turn import (Conversation, PrefillCounters, add_multi_turn_arguments, grpc_prefill_counters,
                                          metrics_prefill_counters, prefill_record, sample_conversations,
                                          send_conversations)
@@ -218,7 +217,7 @@ def _model_and_tokens(args, target: ServeTarget) -> tuple[str, PromptTokens]:
         model = args.model or info.model_name
         server_tokens = lambda: grpc_prompt_tokens(sync_client, info)  # noqa: E731
     else:
-        headers = _headers(api_key)
+        headers = auth_headers(api_key)
         model = args.model or _first_served_model(base_url, headers)
         server_tokens = lambda: http_prompt_tokens(base_url, args.served_model_name or model, headers)  # noqa: E731
     if args.tokenizer is not None:
@@ -243,10 +242,6 @@ def _first_served_model(base_url: str, headers: dict[str, str]) -> str:
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
     return models[0]["id"]
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offsets: list[float],
@@ -295,50 +290,12 @@ async def _benchmark(args, target: ServeTarget, inputs: list[RequestInput], offs
         await backend.close()
 
 
-def make_backend(spec: dict, max_concurrency: int | None, connections: int = 1):
-    """The request function of `spec` (backend, base_url, endpoint, api_key: a ServeTarget's, as a client
-    process gets it too); call it inside the run's event loop. `connections` > 1: gRPC over that many
-    connections of its own (HTTP opens connections as it needs them)."""
-    if spec["backend"] == "grpc":
-        if connections == 1:
-            return GrpcBackend(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0))
-        return GrpcBackend(*(AsyncClient(spec["base_url"], api_key=spec["api_key"], max_retries=0,
-                                         own_connection=True) for _ in range(connections)))
-    return OpenAIStreamingBackend(spec["base_url"] + spec["endpoint"], spec["backend"] == "openai-chat",
-                                  _headers(spec["api_key"]), max_concurrency)
-
-
-async def send_all(backend, inputs, offsets, max_concurrency, disable_tqdm, start: float | None = None):
-    """Sends request i at offsets[i] after `start` (perf_counter; default now), waiting for a free slot under
-    max_concurrency; returns the outcomes in input order and the wall time from the start to the last outcome."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-    progress = tqdm(total=len(inputs), disable=disable_tqdm)
-
-    async def send(request: RequestInput) -> RequestOutcome:
-        async with limit:
-            outcome = await backend(request)
-        progress.update(1)
-        return outcome
-
-    start = time.perf_counter() if start is None else start
-    tasks = []
-    for request, offset in zip(inputs, offsets):
-        delay = start + offset - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(send(request)))
-    outcomes = await asyncio.gather(*tasks)
-    duration = time.perf_counter() - start
-    progress.close()
-    return list(outcomes), duration
-
-
 def _prefill_counters(target: ServeTarget) -> dict[str, PrefillCounters]:
     """The server's prompt and prefix-cache counters per engine: GetStats over gRPC, else its /metrics."""
     if target.backend == "grpc":
         with Client(target.base_url, api_key=target.api_key) as client:
             return grpc_prefill_counters(client)
-    with urllib.request.urlopen(urllib.request.Request(target.base_url + "/metrics", headers=_headers(target.api_key)),
+    with urllib.request.urlopen(urllib.request.Request(target.base_url + "/metrics", headers=auth_headers(target.api_key)),
                                 timeout=30) as response:
         return metrics_prefill_counters(response.read().decode())
 
