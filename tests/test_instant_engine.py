@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from client import Client
 from pagedserve.free_port import free_port
@@ -20,7 +21,7 @@ from scheduler_svc.text.tokenizer_loading import load_tokenizer
 def test_the_instant_engine_streams_its_sampler_tokens_to_max_tokens_and_stops_on_sigterm():
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "pagedserve.testing.instant_engine", "--grpc-port", str(port),
-                                "--step-ms", "1", "--stream-messages-per-step", "1"], cwd=REPO_ROOT)
+                                "--step-ms", "20", "--stream-messages-per-step", "1"], cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 60
         while not grpc_serving(f"127.0.0.1:{port}"):
@@ -28,9 +29,10 @@ def test_the_instant_engine_streams_its_sampler_tokens_to_max_tokens_and_stops_o
             time.sleep(0.1)
         with Client(f"127.0.0.1:{port}", max_retries=0) as client:
             prompt = [300, 301, 302, 303]
-            streams = [client.generate_stream(prompt, max_tokens=20, ignore_eos=True, request_id=f"r{i}")
-                       for i in range(3)]
-            chunks = [list(stream) for stream in streams]
+            # At once (a stream's call starts when it is read), 20 ms a step: the three run side by side.
+            with ThreadPoolExecutor(3) as pool:
+                chunks = list(pool.map(lambda i: list(client.generate_stream(
+                    prompt, max_tokens=20, ignore_eos=True, request_id=f"r{i}")), range(3)))
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
