@@ -20,9 +20,9 @@ numerically identical and the traps handled in one place:
   (`float(x) * scale`, rounded) cost about three instructions per value and left the fp8 kernel slower than the
   bf16 one it halves the bytes of (H200, 8B shape, 256 rows: 5.6 vs 5.0 ms of attention per step). The query
   (and P) go to fp16 for those dots: exact for a bf16 query in fp16's range (|q| <= 65504, beyond it clamped
-  there rather than turned into inf; below 2^-14 fp16 keeps fewer bits, which no score can notice), and P rounded to fp16 is finer than to bf16. The numbers are
-  the reference's (kernels/kv_quant.py: dequantized elements rounded to the query's dtype) within that dtype's
-  rounding (tests/triton_kernels/test_triton_fp8_kv.py).
+  there rather than turned into inf; below 2^-14 fp16 keeps fewer bits, which no score can notice), and P
+  rounded to fp16 is finer than to bf16. The numbers are the reference's (kernels/kv_quant.py: dequantized
+  elements rounded to the query's dtype) within that dtype's rounding (tests/triton_kernels/test_triton_fp8_kv.py).
 
 Cache layout read here: `[num_blocks, block_size, num_kv_heads, head_dim]` with a contiguous last axis
 (the K or V half of the per-layer `[2, ...]` tensor).

@@ -177,7 +177,9 @@ def test_a_stopped_nonzero_rank_misses_its_heartbeats_and_is_killed_with_the_sta
         stopped_at = time.monotonic()
         os.kill(rank1, signal.SIGSTOP)
         try:
-            assert_fault_handled(server, streams, health, stopped_at, "worker rank 1 missed 3 heartbeats")
+            # 3 missed heartbeats or more: on a loaded machine the scheduler's check may come a beat late.
+            assert_fault_handled(server, streams, health, stopped_at,
+                                 re.compile(r"worker rank 1 missed [3-9] heartbeats"))
         finally:
             if os.path.exists(f"/proc/{rank1}"):
                 os.kill(rank1, signal.SIGKILL)
