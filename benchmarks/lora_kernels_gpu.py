@@ -52,8 +52,8 @@ from benchmarks.model_shapes import SHAPES
 from benchmarks.wna16_gemm_gpu import copies_past_l2, seconds_per_call
 from kernels import lora_ref
 from kernels.lora_ref import LoraTokens
-from kernels.triton_lora import (LoraTiles, expand_columns, fit_registers, lora_add_fused, shrink_splits,
-                                 tiles_for)
+from kernels.lora_tiles import LoraTiles, expand_columns, fit_registers, shrink_splits, tiles_for
+from kernels.triton_lora import lora_add_fused
 
 SHAPE = "llama-3.1-8b"
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
@@ -218,7 +218,7 @@ def sweep_layer(name: str, k_size: int, n_size: int, rows: tuple[int, ...], gene
 def sweep_summary(timings: list[dict]) -> list[dict]:
     """Per case: each candidate's time summed over the layers, the least one and `tiles_for`'s; prints the
     table (candidates as rows, cases as columns) and, per token count, the tiles of least time over its cases as
-    kernels/triton_lora.py's TILES_BY_TOKENS (to paste). A candidate whose result missed the reference at some
+    kernels/lora_tiles.py's TILES_BY_TOKENS (to paste). A candidate whose result missed the reference at some
     layer is left out of that case."""
     def key(timing: dict) -> tuple[str, tuple]:
         return f"T={timing['tokens']} a={timing['adapters']}", tuple(timing["tiles"].values())
@@ -256,7 +256,7 @@ def sweep_summary(timings: list[dict]) -> list[dict]:
                     if all(case in per_case for case in own)}
         if complete:
             by_tokens.append((num_tokens, LoraTiles(*min(complete, key=complete.get))))
-    print(f"kernels/triton_lora.py TILES_BY_TOKENS = {tuple(by_tokens)}", flush=True)
+    print(f"kernels/lora_tiles.py TILES_BY_TOKENS = {tuple(by_tokens)}", flush=True)
     return best
 
 

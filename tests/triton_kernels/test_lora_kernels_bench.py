@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from benchmarks.lora_kernels_gpu import (PROJECTIONS, QKV_STACKED_BLOCK, SWEEP_CASES, candidate_tiles, parse_args,
                                          sweep_summary)
-from kernels.triton_lora import DOT_BLOCK_M, LoraTiles, fit_registers, tiles_for
+from kernels.lora_tiles import DOT_BLOCK_M, LoraTiles, fit_registers, tiles_for
 
 FAST = LoraTiles(block_m=1, block_k=64, split_columns=64, max_splits=64, block_n=64, num_warps=2, num_stages=1)
 WRONG = LoraTiles(block_m=1, block_k=256, split_columns=256, max_splits=16, block_n=64, num_warps=4, num_stages=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import lora_ref, triton_lora
+from kernels import lora_ref, lora_tiles, triton_lora
 
 K, N = 100, 70  # neither a multiple of the shrink's block_k nor of the expand's block_n
 LEFT, RIGHT = 5, 11  # the fused output's columns either side of y's slice
@@ -92,9 +92,9 @@ def test_matches_the_reference(dtype, padded_rank, num_slots, num_tokens):
 @pytest.mark.parametrize("num_tokens", [1, 3, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(dtype, num_tokens):
-    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
-    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
-    assert triton_lora.shrink_splits(tiles.block_m * triton_lora.SHRINK_PROGRAMS, K, tiles) == 1
+    tiles = lora_tiles.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
+    assert lora_tiles.shrink_splits(num_tokens, K, tiles) == 3
+    assert lora_tiles.shrink_splits(tiles.block_m * lora_tiles.SHRINK_PROGRAMS, K, tiles) == 1
     got, expected, before, slots = run_both(num_tokens, 3, 16, dtype, torch.int32, seed=num_tokens, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.lora_kernels_gpu import SWEEP_CASES, candidate_tiles
-from kernels import lora_ref, triton_lora
+from kernels import lora_ref, lora_tiles, triton_lora
 from kernels.lora_ref import LoraTokens
 
 K = 100  # not a multiple of the shrink's block_k
@@ -88,8 +88,8 @@ def test_a_padded_rank_of_32_matches_the_reference(layout):
 @pytest.mark.parametrize("num_tokens", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_tokens_with_the_shrink_cut_into_k_slices_match_the_reference(dtype, num_tokens):
-    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
-    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
+    tiles = lora_tiles.LoraTiles(block_k=16, split_columns=32)  # K = 100: 3 slices of 48, the last partly masked
+    assert lora_tiles.shrink_splits(num_tokens, K, tiles) == 3
     got, expected, before, slots = run_both("qkv", 16, num_tokens, dtype, seed=7, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 
@@ -100,10 +100,10 @@ def test_many_tokens_with_k_slices_and_expand_programs_of_several_column_blocks_
         monkeypatch, dtype, layout):
     # As at 256 tokens of a wide layer on a GPU: the shrink's K cut into 3 slices beyond one token tile, and each
     # expand program covering 32-column blocks across the parts' boundaries.
-    tiles = triton_lora.LoraTiles(block_k=16, split_columns=32, block_n=32)
-    monkeypatch.setattr(triton_lora, "EXPAND_PROGRAMS", 8)
-    assert triton_lora.shrink_splits(300, K, tiles) == 3
-    assert triton_lora.expand_columns(300, sum(LAYOUTS[layout]), tiles) > 32
+    tiles = lora_tiles.LoraTiles(block_k=16, split_columns=32, block_n=32)
+    monkeypatch.setattr(lora_tiles, "EXPAND_PROGRAMS", 8)
+    assert lora_tiles.shrink_splits(300, K, tiles) == 3
+    assert lora_tiles.expand_columns(300, sum(LAYOUTS[layout]), tiles) > 32
     got, expected, before, slots = run_both(layout, 16, 300, dtype, seed=11, tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[dtype])
 
@@ -111,7 +111,7 @@ def test_many_tokens_with_k_slices_and_expand_programs_of_several_column_blocks_
 # The few-token path at 1 and 4 tokens per program with K = 100 in 3 slices of 48 columns (the last partly masked),
 # summed by the expand in one [4, block_m, P*R] load (its fourth slice masked), and 32-column expand blocks that
 # cross the parts' boundaries.
-FEW_TOKEN_TILES = [triton_lora.LoraTiles(block_m=block_m, block_k=16, split_columns=32, max_splits=4, block_n=32,
+FEW_TOKEN_TILES = [lora_tiles.LoraTiles(block_m=block_m, block_k=16, split_columns=32, max_splits=4, block_n=32,
                                          num_warps=2, num_stages=1) for block_m in (1, 4)]
 
 
@@ -130,7 +130,7 @@ def decode_slots(num_tokens, several_slots):
 @pytest.mark.parametrize("layout", ["single", "qkv"])
 @pytest.mark.parametrize("padded_rank", [16, 64])
 def test_the_few_token_path_matches_the_reference(padded_rank, layout, several_slots, num_tokens, tiles):
-    assert triton_lora.shrink_splits(num_tokens, K, tiles) == 3
+    assert lora_tiles.shrink_splits(num_tokens, K, tiles) == 3
     got, expected, before, slots = run_both(layout, padded_rank, num_tokens, torch.float32, seed=num_tokens,
                                             slots=decode_slots(num_tokens, several_slots), tiles=tiles)
     assert_matches(got, expected, before, slots, BOUND[torch.float32])
@@ -145,18 +145,18 @@ def test_the_few_token_path_keeps_the_bf16_rounding_points(num_tokens, tiles):
 
 
 def test_decode_steps_take_the_few_token_path_by_default():
-    bounds = [most for most, _ in triton_lora.TILES_BY_TOKENS]
-    assert bounds == sorted(bounds) and bounds[-1] == triton_lora.FEW_TOKENS
-    for num_tokens in range(1, triton_lora.FEW_TOKENS + 1):
-        assert triton_lora.tiles_for(num_tokens).block_m < triton_lora.DOT_BLOCK_M
-    assert triton_lora.tiles_for(triton_lora.FEW_TOKENS + 1) == triton_lora.MANY_TOKEN_TILES
+    bounds = [most for most, _ in lora_tiles.TILES_BY_TOKENS]
+    assert bounds == sorted(bounds) and bounds[-1] == lora_tiles.FEW_TOKENS
+    for num_tokens in range(1, lora_tiles.FEW_TOKENS + 1):
+        assert lora_tiles.tiles_for(num_tokens).block_m < lora_tiles.DOT_BLOCK_M
+    assert lora_tiles.tiles_for(lora_tiles.FEW_TOKENS + 1) == lora_tiles.MANY_TOKEN_TILES
 
 
 def test_the_few_token_tiles_shrink_to_fit_registers_at_a_large_rank_and_still_match_the_reference():
-    tiles = triton_lora.tiles_for(3)
-    assert triton_lora.fit_registers(tiles, 64) == tiles  # rank 16 q|k|v: as chosen
-    fitted = triton_lora.fit_registers(tiles, 512)  # rank 128 q|k|v: 384 stacked ranks, padded
-    most = triton_lora.PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps
+    tiles = lora_tiles.tiles_for(3)
+    assert lora_tiles.fit_registers(tiles, 64) == tiles  # rank 16 q|k|v: as chosen
+    fitted = lora_tiles.fit_registers(tiles, 512)  # rank 128 q|k|v: 384 stacked ranks, padded
+    most = lora_tiles.PRODUCT_ELEMENTS_PER_THREAD[tiles.block_m] * 32 * tiles.num_warps
     assert max(fitted.block_k, fitted.block_n, fitted.max_splits) * 512 <= most < tiles.block_k * 512
     got, expected, before, slots = run_both("qkv", 128, 3, torch.float32, seed=17, slots=decode_slots(3, True))
     assert_matches(got, expected, before, slots, BOUND[torch.float32])
@@ -174,7 +174,7 @@ def test_every_tile_configuration_the_gpu_sweep_times_matches_the_reference(tile
                                     dict(num_warps=3), dict(block_m=1, block_k=128, split_columns=64)])
 def test_refuses_tiles_the_kernels_cannot_run(fields):
     with pytest.raises(ValueError):
-        triton_lora.LoraTiles(**fields)
+        lora_tiles.LoraTiles(**fields)
 
 
 def test_slot_runs_meeting_inside_a_token_tile_each_get_their_own_adapter():
