@@ -49,6 +49,16 @@ def fake_server():
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def engines():
+    """Two stand-ins for data-parallel engines' schedulers, one pair per test module (the front's tests route
+    between them)."""
+    pair = [FakeServer(), FakeServer()]
+    yield pair
+    for engine in pair:
+        engine.stop()
+
+
 @pytest.fixture
 def fake(fake_server):
     """The stand-in with its recorded requests and scripts reset for this test."""

@@ -27,18 +27,11 @@ from pagedserve.free_port import free_port
 from pagedserve.health_probe import grpc_serving
 from pagedserve.testing.server_harness import REPO_ROOT
 from protos.pagedserve.v1 import generate_pb2
-from tests.fake_generation_server import FakeServer
 
 NUM_CONNECTIONS = 16  # the kernel hashes each to a process: all 16 on one of 2 has odds 2**-15
 GENERATE = "/pagedserve.v1.Generation/Generate"
 
 
-@pytest.fixture(scope="module")
-def engines():
-    pair = [FakeServer(), FakeServer()]
-    yield pair
-    for engine in pair:
-        engine.stop()
 
 
 def _children(pid: int) -> list[int]:

@@ -31,7 +31,7 @@ from scheduler_svc.data_parallel.prefix_key import prefix_key
 from scheduler_svc.data_parallel.router import Router
 from scheduler_svc.text.tokenizer_loading import load_tokenizer
 from service_runtime.model_source import resolve_model
-from tests.fake_generation_server import MODEL_INFO, STATS, FakeServer
+from tests.fake_generation_server import MODEL_INFO, STATS
 
 BOTH = [0, 1]
 
@@ -177,12 +177,6 @@ def test_metrics_carry_each_engines_label_and_the_router_counters():
 
 # ---- the front process before two stand-in schedulers ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def engines():
-    pair = [FakeServer(), FakeServer()]
-    yield pair
-    for engine in pair:
-        engine.stop()
 
 
 @pytest.fixture

@@ -291,16 +291,24 @@ class CrashingWorkerLink(InstantWorkerLink):
         return await super().receive_result(step_id)
 
 
+def crashing_streams(tokenizer, words, max_messages_per_step: int, params: SamplingParams, num_outputs: int,
+                     read) -> tuple[Engine, Scheduler, asyncio.Future]:
+    """An engine over a worker that crashes at r0's `num_outputs`-th token (CrashingWorkerLink), NUM_STREAMS streams
+    submitted to it, and their readers (`read` per queue) gathered; call inside the event loop."""
+    engine, scheduler = make_engine(tokenizer, words, max_messages_per_step,
+                                    lambda sample: CrashingWorkerLink(sample, num_outputs))
+    queues = [engine.submit(f"r{i}", ValidatedRequest([words[i], words[i + 1], 5], params))[0]
+              for i in range(NUM_STREAMS)]
+    return engine, scheduler, asyncio.gather(*(read(queue) for queue in queues))
+
+
 def run_through_worker_losses(tokenizer, words, max_messages_per_step: int, params: SamplingParams,
                               num_outputs: int) -> list[list]:
     """Runs streams on a worker that crashes at r0's `num_outputs`-th token, recovering (as the service does:
     new workers, requests recomputed) until the engine gives r0 up."""
     async def main():
-        engine, scheduler = make_engine(tokenizer, words, max_messages_per_step,
-                                        lambda sample: CrashingWorkerLink(sample, num_outputs))
-        queues = [engine.submit(f"r{i}", ValidatedRequest([words[i], words[i + 1], 5], params))[0]
-                  for i in range(NUM_STREAMS)]
-        readers = asyncio.gather(*(read_all(queue) for queue in queues))
+        engine, scheduler, readers = crashing_streams(tokenizer, words, max_messages_per_step, params, num_outputs,
+                                                      read_all)
         for _ in range(10):
             with pytest.raises(WorkerFailure):
                 await asyncio.wait_for(engine.run(), 60)
@@ -341,11 +349,8 @@ def run_until_the_engine_stops(tokenizer, words, max_messages_per_step: int, par
     """Runs streams on a worker that dies at r0's `num_outputs`-th token; the engine then stops for good
     (`fail_all`, as the service does when no restart is left)."""
     async def main():
-        engine, _ = make_engine(tokenizer, words, max_messages_per_step,
-                                lambda sample: CrashingWorkerLink(sample, num_outputs))
-        queues = [engine.submit(f"r{i}", ValidatedRequest([words[i], words[i + 1], 5], params))[0]
-                  for i in range(NUM_STREAMS)]
-        readers = asyncio.gather(*(read_until_failure(queue) for queue in queues))
+        engine, _, readers = crashing_streams(tokenizer, words, max_messages_per_step, params, num_outputs,
+                                              read_until_failure)
         with pytest.raises(WorkerFailure):
             await asyncio.wait_for(engine.run(), 60)
         engine.fail_all(WorkerFailure("the worker is gone for good"))
